@@ -1,0 +1,50 @@
+"""spec → tensor expression → schedule → tvmattn passes → tvm.compile → CompiledAttention."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+import tvm
+from tvm.target import Target
+
+from tvmattn import schedules
+from tvmattn.schedules.knobs import describe
+
+from . import passes
+from .errors import TvmAttnError
+from .kernel import CompiledAttention
+from .spec import AttentionSpec
+from .target import is_cpu, resolve_target
+from .te_attention import attention_te
+
+
+def compile(spec: AttentionSpec, target: Any = "cpu", *, arch: str | None = None,
+            knobs: Mapping[str, int] | None = None) -> CompiledAttention:  # noqa: A001 (tvm.compile's name)
+    """Build the attention of ``spec`` for ``target`` (``"cpu"``, ``"cuda"``, a dict or a Target)."""
+    spec.validate()
+    tgt = resolve_target(target, arch)
+    start = time.perf_counter()
+    func = attention_te(spec).prim_func()
+    sch, values = schedules.default_schedule(func, spec, tgt, knobs)
+    executable = build_module(sch.mod, spec, tgt)
+    return CompiledAttention(spec, tgt, executable, f"default schedule ({describe(values) or 'dlight rules'})",
+                             time.perf_counter() - start)
+
+
+def lowering_passes(spec: AttentionSpec, target: Target) -> tvm.transform.Pass:
+    """tvmattn's own passes, run on the scheduled module before TVM's pipeline."""
+    seq = [passes.skip_masked_key_tiles(spec)]
+    if is_cpu(target):
+        seq.append(passes.polynomial_exp())
+    return tvm.transform.Sequential(seq)
+
+
+def build_module(mod: tvm.IRModule, spec: AttentionSpec, target: Target) -> tvm.runtime.Executable:
+    """Our passes, then TVM's lowering and code generation."""
+    mod = lowering_passes(spec, target)(mod)
+    try:
+        return tvm.compile(mod, target)
+    except Exception as err:  # a TVM failure here is our bug, but the user gets a sentence first
+        raise TvmAttnError(f"TVM could not build this kernel for {target.kind.name} "
+                           f"({spec.describe()}): {str(err).strip().splitlines()[-1]}") from err

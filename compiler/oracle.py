@@ -1,0 +1,74 @@
+"""The float64 NumPy reference every generated kernel is checked against.
+
+Written from the seeds, independently of the tensor expression: plain array operations, its own mask.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .spec import AttentionSpec
+
+
+def reference(spec: AttentionSpec, *arrays: np.ndarray, kv_lens: np.ndarray | None = None) -> np.ndarray:
+    """Attention of ``spec`` on ``arrays`` (the kernel's arguments in call order), in float64."""
+    a = [np.asarray(x, dtype=np.float64) for x in arrays]
+    if spec.projections:
+        x, rest = a[0], a[1:]
+        x_kv = rest.pop(0) if spec.is_cross else x
+        w_q, w_k, w_v, w_o = rest
+        q = _split_heads(x @ w_q, spec.h)        # (B, h, n, d_k)
+        k = _split_heads(x_kv @ w_k, spec.h_kv)  # (B, h_kv, n_kv, d_k)
+        v = _split_heads(x_kv @ w_v, spec.h_kv)  # (B, h_kv, n_kv, d_v)
+    else:
+        q, k, v = a
+        if spec.layout == "BSHD":
+            q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
+    o = core(spec, q, k, v, kv_lens)             # (B, h, n, d_v)
+    if spec.projections:
+        B, h, n, d_v = o.shape
+        return o.transpose(0, 2, 1, 3).reshape(B, n, h * d_v) @ w_o
+    return o.transpose(0, 2, 1, 3) if spec.layout == "BSHD" else o
+
+
+def core(spec: AttentionSpec, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+         kv_lens: np.ndarray | None = None) -> np.ndarray:
+    """softmax(scale·q·kᵀ + mask)·v for q (B,h,n,d_k), k (B,h_kv,n_kv,d_k), v (B,h_kv,n_kv,d_v)."""
+    group = q.shape[1] // k.shape[1]
+    k = np.repeat(k, group, axis=1)
+    v = np.repeat(v, group, axis=1)
+    logits = spec.softmax_scale * (q @ k.transpose(0, 1, 3, 2))  # (B, h, n, n_kv)
+    allowed = allowed_keys(spec, q.shape[0], q.shape[2], k.shape[2], kv_lens)  # (B, 1, n, n_kv)
+    logits = np.where(allowed, logits, -np.inf)
+    row_max = logits.max(axis=-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)  # a row with no visible key
+    weights = np.exp(logits - row_max)
+    total = weights.sum(axis=-1, keepdims=True)
+    weights = np.divide(weights, total, out=np.zeros_like(weights), where=total > 0)
+    return weights @ v
+
+
+def allowed_keys(spec: AttentionSpec, batch: int, n: int, n_kv: int,
+                 kv_lens: np.ndarray | None) -> np.ndarray:
+    """Boolean (B, 1, n, n_kv): may query row i attend to key column j."""
+    lens = np.full(batch, n_kv) if kv_lens is None else np.asarray(kv_lens).reshape(batch)
+    i = np.arange(n)[None, :, None]
+    j = np.arange(n_kv)[None, None, :]
+    L = lens[:, None, None]
+    pos = i + (L - n if spec.causal_align == "bottom_right" else 0)  # where query i sits among keys
+    ok = np.ones((batch, n, n_kv), dtype=bool)
+    if spec.causal:
+        ok &= j <= pos
+    if spec.window is not None:
+        ok &= j > pos - spec.window
+        if not spec.causal:
+            ok &= j < pos + spec.window
+    if spec.key_padding:
+        ok &= j < L
+    return ok[:, None]
+
+
+def _split_heads(y: np.ndarray, heads: int) -> np.ndarray:
+    """(B, n, heads·w) → (B, heads, n, w)."""
+    B, n, m = y.shape
+    return y.reshape(B, n, heads, m // heads).transpose(0, 2, 1, 3)

@@ -1,0 +1,224 @@
+"""`AttentionSpec`: the one description of an attention that every part of tvmattn reads.
+
+Shapes, in the names of the seeds (B batch, n query length, n_kv key/value length, d model width,
+h query heads, h_kv key/value heads, d_k head width, d_v value head width):
+
+    full layer  X (B, n, d) ─W_Q (d, h·d_k)──► Q ─┐
+                X_kv (B, n_kv, d) ─W_K, W_V (d, h_kv·d_k | h_kv·d_v)──► K, V ─┤ core ─► (B, n, h·d_v) ─W_O─► (B, n, d)
+    core        Q (B, h, n, d_k), K (B, h_kv, n_kv, d_k), V (B, h_kv, n_kv, d_v) ──► O (B, h, n, d_v)
+                (layout BHSD as above; BSHD puts the sequence axis before the head axis)
+
+Query head i reads key/value head i // (h / h_kv) (GQA; MQA is h_kv = 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Union
+
+from .errors import TvmAttnError
+
+Dim = Union[int, str]  # a size, or the name of a symbolic size bound at run time
+
+DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+          "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+LAYOUTS = ("BHSD", "BSHD")
+CAUSAL_ALIGNS = ("top_left", "bottom_right")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One multi-head attention, as a value.
+
+    Sizes may be symbolic: a name (``seq_len="n"``) makes one compiled kernel serve every length;
+    the same name in two fields means the same length.
+
+    Masking (all optional, combined with AND):
+      causal        query i sees key j <= i + offset; offset is 0 for ``causal_align="top_left"``
+                    (PyTorch and ONNX ``is_causal``) and L - n for ``"bottom_right"`` (FlashAttention,
+                    KV-cache decode: query i sits at position past + i), where L is the sequence's
+                    valid key count.
+      window        sliding window W: i+offset-W < j <= i+offset when causal, |i+offset-j| < W if not.
+      key_padding   the kernel takes ``kv_lens`` (B,) int32 at run time: keys j >= kv_lens[b] are
+                    hidden.
+    A query row that sees no key at all produces zeros (not NaN).
+    """
+
+    batch: Dim = 1
+    seq_len: Dim = 128
+    kv_seq_len: Dim | None = None  # None: self-attention (keys and values come from the queries' X)
+    d_model: int | None = None  # None: num_heads * head_dim
+    num_heads: int = 8
+    num_kv_heads: int | None = None  # None: num_heads (plain MHA)
+    head_dim: int | None = None  # None: d_model // num_heads
+    v_head_dim: int | None = None  # None: head_dim
+    causal: bool = False
+    causal_align: str = "top_left"
+    window: int | None = None
+    key_padding: bool = False
+    layout: str = "BHSD"
+    dtype: str = "float32"
+    projections: bool = True
+    scale: float | None = None  # None: 1/sqrt(head_dim)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dtype, str) and self.dtype.lower() in DTYPES:
+            object.__setattr__(self, "dtype", DTYPES[self.dtype.lower()])
+        if isinstance(self.layout, str):
+            object.__setattr__(self, "layout", self.layout.upper())
+        self.validate()
+
+    # ---- derived sizes, in the seeds' names ------------------------------------------------
+    @property
+    def n_q(self) -> Dim:
+        return self.seq_len
+
+    @property
+    def n_kv(self) -> Dim:
+        return self.seq_len if self.kv_seq_len is None else self.kv_seq_len
+
+    @property
+    def h(self) -> int:
+        return self.num_heads
+
+    @property
+    def h_kv(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head."""
+        return self.h // self.h_kv
+
+    @property
+    def d_k(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    @property
+    def d_v(self) -> int:
+        return self.v_head_dim if self.v_head_dim is not None else self.d_k
+
+    @property
+    def d(self) -> int:
+        return self.d_model if self.d_model is not None else self.num_heads * self.d_k
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(self.d_k)
+
+    @property
+    def is_cross(self) -> bool:
+        """Full layer only: keys/values are projected from a second input ``x_kv``."""
+        return self.kv_seq_len is not None
+
+    @property
+    def symbolic_dims(self) -> tuple[str, ...]:
+        names = [x for x in (self.batch, self.seq_len, self.kv_seq_len) if isinstance(x, str)]
+        return tuple(dict.fromkeys(names))
+
+    @property
+    def is_masked(self) -> bool:
+        return self.causal or self.window is not None or self.key_padding
+
+    # ---- the calling convention ----------------------------------------------------------------
+    def _bhsd(self, heads: int, seq: Dim, width: int) -> tuple[Dim, ...]:
+        if self.layout == "BHSD":
+            return (self.batch, heads, seq, width)
+        return (self.batch, seq, heads, width)
+
+    def input_shapes(self) -> dict[str, tuple[Dim, ...]]:
+        """Kernel arguments in call order, with their shapes (symbolic sizes as names)."""
+        if self.projections:
+            shapes: dict[str, tuple[Dim, ...]] = {"x": (self.batch, self.n_q, self.d)}
+            if self.is_cross:
+                shapes["x_kv"] = (self.batch, self.n_kv, self.d)
+            shapes["w_q"] = (self.d, self.h * self.d_k)
+            shapes["w_k"] = (self.d, self.h_kv * self.d_k)
+            shapes["w_v"] = (self.d, self.h_kv * self.d_v)
+            shapes["w_o"] = (self.h * self.d_v, self.d)
+        else:
+            shapes = {"q": self._bhsd(self.h, self.n_q, self.d_k),
+                      "k": self._bhsd(self.h_kv, self.n_kv, self.d_k),
+                      "v": self._bhsd(self.h_kv, self.n_kv, self.d_v)}
+        if self.key_padding:
+            shapes["kv_lens"] = (self.batch,)
+        return shapes
+
+    def output_shape(self) -> tuple[Dim, ...]:
+        if self.projections:
+            return (self.batch, self.n_q, self.d)
+        return self._bhsd(self.h, self.n_q, self.d_v)
+
+    # ---- checks ----------------------------------------------------------------------------------
+    def validate(self) -> "AttentionSpec":
+        """Raise TvmAttnError naming the first impossible field and how to fix it."""
+        for name in ("batch", "seq_len", "kv_seq_len"):
+            _check_dim(name, getattr(self, name), optional=name == "kv_seq_len")
+        for name in ("num_heads", "num_kv_heads", "head_dim", "v_head_dim", "d_model", "window"):
+            _check_positive_int(name, getattr(self, name), optional=name != "num_heads")
+        if self.dtype not in DTYPES.values():
+            raise TvmAttnError(f"unknown dtype {self.dtype!r}: use one of float32, float16, bfloat16")
+        if self.layout not in LAYOUTS:
+            raise TvmAttnError(f"unknown layout {self.layout!r}: use BHSD (B,h,n,d_k) or BSHD (B,n,h,d_k)")
+        if self.causal_align not in CAUSAL_ALIGNS:
+            raise TvmAttnError(f"unknown causal_align {self.causal_align!r}: use top_left or bottom_right")
+        if self.head_dim is None:
+            if self.d_model is None:
+                raise TvmAttnError("give d_model or head_dim: the head width d_k is d_model / num_heads")
+            if self.d_model % self.num_heads != 0:
+                raise TvmAttnError(
+                    f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}: "
+                    f"choose num_heads dividing d_model, or give head_dim explicitly")
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads != 0:
+            raise TvmAttnError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}: "
+                f"each key/value head must serve the same number of query heads (GQA)")
+        if self.scale is not None and not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale)
+                                           and self.scale > 0):
+            raise TvmAttnError(f"scale={self.scale!r} must be a positive finite number (default 1/sqrt(head_dim))")
+        return self
+
+    # ---- (de)serialisation -----------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "AttentionSpec":
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TvmAttnError(f"unknown AttentionSpec field(s) {sorted(unknown)}")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> "AttentionSpec":
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        """One line: the shapes and the options that are on."""
+        kv = f"n_kv={self.n_kv} " if self.kv_seq_len is not None else ""
+        gqa = f"h_kv={self.h_kv} " if self.h_kv != self.h else ""
+        dv = f"d_v={self.d_v} " if self.d_v != self.d_k else ""
+        flags = [f for f, on in (("causal" + ("" if self.causal_align == "top_left" else "(bottom-right)"),
+                                  self.causal), (f"window={self.window}", self.window is not None),
+                                 ("key-padding", self.key_padding)) if on]
+        kind = "layer X->W_Q,W_K,W_V..W_O" if self.projections else f"core Q,K,V->O {self.layout}"
+        return (f"B={self.batch} n={self.n_q} {kv}d={self.d} h={self.h} {gqa}d_k={self.d_k} {dv}"
+                f"{self.dtype} {kind}" + (" " + " ".join(flags) if flags else ""))
+
+
+def _check_dim(name: str, value: Any, optional: bool) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, str):
+        if not value.isidentifier():
+            raise TvmAttnError(f"{name}={value!r}: a symbolic size must be a name such as 'n'")
+        return
+    _check_positive_int(name, value, optional=False)
+
+
+def _check_positive_int(name: str, value: Any, optional: bool) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise TvmAttnError(f"{name}={value!r} must be a positive integer")

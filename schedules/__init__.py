@@ -1,0 +1,39 @@
+"""Schedules of the attention PrimFunc, one module per target kind.
+
+Each module declares its knob space once (``KNOBS``) and has
+``apply(sch, spec, target, knobs) -> Schedule``, which the default build and MetaSchedule's
+design space both call.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Mapping
+
+from tvm.s_tir import Schedule
+from tvm.target import Target
+from tvm.tirx import PrimFunc
+
+from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.spec import AttentionSpec
+
+from . import cpu, cuda
+from .knobs import KnobValue, resolve
+
+SCHEDULES: dict[str, ModuleType] = {"llvm": cpu, "cuda": cuda}
+
+
+def for_target(target: Target) -> ModuleType:
+    try:
+        return SCHEDULES[target.kind.name]
+    except KeyError:
+        raise TvmAttnError(f"no schedule for target kind {target.kind.name!r}: "
+                           f"tvmattn schedules {sorted(SCHEDULES)}") from None
+
+
+def default_schedule(func: PrimFunc, spec: AttentionSpec, target: Target,
+                     knobs: Mapping[str, KnobValue] | None = None) -> tuple[Schedule, dict[str, KnobValue]]:
+    """The target's schedule of ``func`` with default knobs (overridden by ``knobs``)."""
+    rules = for_target(target)
+    values = resolve(rules.KNOBS, knobs)
+    return rules.apply(Schedule(func), spec, target, values), values

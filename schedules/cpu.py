@@ -1,0 +1,210 @@
+"""FlashAttention-style CPU schedule of the attention tensor expression.
+
+One parallel task per (batch, head, query tile of ``q_tile`` rows). Every attention stage is computed
+inside the task, so a task holds a q_tile × n_kv score tile, never the n × n_kv matrix. The tiles are
+stored key-major, (t, s), so that every stage vectorises over queries:
+
+    pack    q tile → (d_k, q_tile)                           once per task
+    scores  acc[qk_keys][q_tile/lanes vectors] += k[t, e] (broadcast) · q[e, s:s+lanes]
+    row_max, row_sum   vectorised over s, reduction over t innermost-but-one
+    probs   exp(logits - row_max), vectorised over s
+    pv      acc[pv_rows][pv_vecs vectors] += probs[t, s] (broadcast) · v[t, c:c+lanes]
+    attn    pv / row_sum
+
+The register tiles are `cache_write` accumulators that LLVM keeps in vector registers. Projections
+(full layer) are blocked GEMMs with the same register-tile idea. Masked key tiles are removed after
+scheduling by `tvmattn.compiler.passes.skip_masked_key_tiles`.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from tvm.s_tir import Schedule
+from tvm.target import Target
+
+from tvmattn.compiler.spec import AttentionSpec
+from tvmattn.compiler.target import vector_lanes
+
+from .knobs import Knob, KnobValue
+
+KNOBS = (
+    Knob("q_tile", (8, 16, 24, 32, 48, 64), 16, "queries per parallel task (a multiple of the vector width)"),
+    Knob("qk_keys", (1, 2, 3, 4, 6, 8), 4, "keys per QKᵀ register tile"),
+    Knob("pv_rows", (1, 2, 3, 4, 6), 4, "queries per P·V register tile"),
+    Knob("pv_vecs", (1, 2, 3, 4), 2, "vectors of d_v per P·V register tile"),
+    Knob("gemm_rows", (1, 2, 3, 4, 6, 8), 4, "rows per projection register tile"),
+    Knob("gemm_vecs", (1, 2, 3, 4), 2, "vectors of columns per projection register tile"),
+)
+
+INLINED = ("q_heads", "k_heads", "v_heads", "logits", "merged")
+PER_TILE = ("pv", "row_sum", "probs", "row_max", "scores")  # consumers first, for compute_at
+
+
+def apply(sch: Schedule, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> Schedule:
+    """Schedule the PrimFunc of ``spec`` (in place; returns ``sch``)."""
+    lanes = vector_lanes(target)
+    for name in INLINED:
+        if _has_block(sch, name):
+            sch.compute_inline(sch.get_sblock(name))
+    _attention_core(sch, spec, lanes, knobs)
+    for name in ("q_proj", "k_proj", "v_proj", "out"):
+        if _has_block(sch, name):
+            _gemm(sch, name, lanes, knobs)
+    return sch
+
+
+def _attention_core(sch: Schedule, spec: AttentionSpec, lanes: int, k: Mapping[str, KnobValue]) -> None:
+    q_tile = _int(sch, k["q_tile"])
+    # Tile-local buffers are laid out (query tile, key, query in tile): vectors run along queries, and
+    # the tile axis makes their compacted size q_tile × n_kv even when lengths are symbolic.
+    by_tile = lambda b, i, s, *rest: (b, i, s // q_tile, *rest, s % q_tile)  # noqa: E731
+    for name in ("scores", "probs", "row_max", "row_sum"):
+        sch.transform_layout(sch.get_sblock(name), ("write", 0), by_tile, assume_injective_transform=True)
+    sch.transform_layout(sch.get_sblock("pv"), ("write", 0),
+                         lambda b, i, s, c: (b, i, s // q_tile, s % q_tile, c), assume_injective_transform=True)
+
+    attn = sch.get_sblock("attn")
+    loops = dict(zip(_roles(sch, attn), sch.get_loops(attn)))
+    s_tile, s_in = sch.split(loops["s"], [None, k["q_tile"]])
+    sch.reorder(loops["b"], loops["h"], s_tile, s_in, loops["."])
+    task = sch.fuse(loops["b"], loops["h"], s_tile)
+    sch.parallel(task)
+    _vectorize(sch, loops["."], spec.d_v, lanes)
+    for name in PER_TILE:
+        sch.compute_at(sch.get_sblock(name), task, preserve_unit_loops=False)
+
+    _pack_queries(sch, spec, task, q_tile)
+    _scores(sch, lanes, k)
+    for name in ("row_max", "row_sum"):
+        blk = sch.get_sblock(name)
+        s, t = sch.get_loops(blk)[-2:]
+        s_out, s_vec = sch.split(s, [None, lanes])
+        sch.reorder(s_out, t, s_vec)
+        sch.vectorize(s_vec)
+        sch.decompose_reduction(blk, t)
+    probs = sch.get_sblock("probs")
+    s, t = sch.get_loops(probs)[-2:]
+    sch.reorder(t, s)
+    sch.vectorize(sch.split(s, [None, lanes])[1])
+    _weights_v(sch, spec, lanes, k)
+
+
+def _pack_queries(sch: Schedule, spec: AttentionSpec, task, q_tile: int) -> None:
+    """Copy the task's queries into a (d_k, q_tile) panel: QKᵀ then loads whole vectors of queries."""
+    scores = sch.get_sblock("scores")
+    reads = [r.source.name for r in sch.get(scores).reads]
+    q_index = next(i for i, name in enumerate(reads) if name in ("q", "q_proj"))
+    panel = sch.cache_read(scores, q_index, "global")
+    sch.compute_at(panel, task, preserve_unit_loops=False)
+    if spec.projections:  # q_proj (B, n, h·d_k)
+        layout = lambda b, s, m: (b, s // q_tile, m, s % q_tile)  # noqa: E731
+    elif spec.layout == "BHSD":
+        layout = lambda b, i, s, e: (b, i, s // q_tile, e, s % q_tile)  # noqa: E731
+    else:
+        layout = lambda b, s, i, e: (b, i, s // q_tile, e, s % q_tile)  # noqa: E731
+    sch.transform_layout(panel, ("write", 0), layout, assume_injective_transform=True)
+
+
+def _scores(sch: Schedule, lanes: int, k: Mapping[str, KnobValue]) -> None:
+    """acc[qk_keys keys][q_tile queries] += k[t, e] · q[e, s], over e, in registers."""
+    scores = sch.get_sblock("scores")
+    s, t, e = sch.get_loops(scores)[-3:]
+    keys = _int(sch, k["qk_keys"])
+    t_out, t_in = sch.split(t, [None, k["qk_keys"]])
+    s_out, s_vec = sch.split(s, [None, lanes])
+    sch.reorder(t_out, e, t_in, s_out, s_vec)
+    acc = sch.cache_write(scores, 0, "local")
+    sch.transform_layout(scores, ("write", 0), lambda b, i, st, t, s: (b, i, st, t // keys, t % keys, s),
+                         assume_injective_transform=True)
+    sch.reverse_compute_at(acc, t_out, preserve_unit_loops=False)
+    sch.unroll(t_in)
+    sch.unroll(s_out)
+    sch.vectorize(s_vec)
+    sch.vectorize(sch.split(sch.get_loops(acc)[-1], [None, lanes])[1])
+    sch.decompose_reduction(scores, e)
+
+
+def _weights_v(sch: Schedule, spec: AttentionSpec, lanes: int, k: Mapping[str, KnobValue]) -> None:
+    """acc[pv_rows queries][pv_vecs·lanes of d_v] += probs[t, s] · v[t, c], over t, in registers."""
+    pv = sch.get_sblock("pv")
+    s, c, t = sch.get_loops(pv)[-3:]
+    rows = _int(sch, k["pv_rows"])
+    s_out, s_in = sch.split(s, [None, k["pv_rows"]])
+    lanes_c = _lanes_for(spec.d_v, lanes)
+    c_out, c_mid, c_vec = sch.split(c, [None, k["pv_vecs"] if lanes_c == lanes else 1, lanes_c])
+    sch.reorder(s_out, c_out, t, s_in, c_mid, c_vec)
+    acc = sch.cache_write(pv, 0, "local")
+    sch.transform_layout(pv, ("write", 0), lambda b, i, st, s, c: (b, i, st, s // rows, s % rows, c),
+                         assume_injective_transform=True)
+    sch.reverse_compute_at(acc, c_out, preserve_unit_loops=False)
+    sch.unroll(s_in)
+    sch.unroll(c_mid)
+    _vectorize(sch, c_vec, lanes_c, lanes_c)
+    _vectorize(sch, sch.get_loops(acc)[-1], None, lanes_c)
+    sch.decompose_reduction(pv, t)
+
+
+def _gemm(sch: Schedule, name: str, lanes: int, k: Mapping[str, KnobValue]) -> None:
+    """y[b, s, m] = Σ_c x[b, s, c]·w[c, m]: parallel over (row tile, column tile), register-tiled."""
+    acc_name = name + "_acc" if _has_block(sch, name + "_acc") else name
+    blk = sch.get_sblock(acc_name)
+    b, s, m, c = sch.get_loops(blk)
+    width = int(sch.get(m).extent)
+    # Row tiles stay inside one sequence: a tile crossing a batch boundary would make the
+    # accumulator's region non-rectangular, and its write-back would cover rows it never computed.
+    r_out, r_in = sch.split(s, [None, k["gemm_rows"]])
+    lanes_m = _lanes_for(width, lanes)
+    m_out, m_mid, m_vec = sch.split(m, [None, k["gemm_vecs"] if lanes_m == lanes else 1, lanes_m])
+    sch.reorder(b, r_out, m_out, c, r_in, m_mid, m_vec)
+    acc = sch.cache_write(blk, 0, "local")
+    sch.reverse_compute_at(acc, m_out, preserve_unit_loops=False)
+    sch.parallel(sch.fuse(b, r_out, m_out))
+    sch.unroll(r_in)
+    sch.unroll(m_mid)
+    _vectorize(sch, m_vec, lanes_m, lanes_m)
+    _vectorize(sch, sch.get_loops(acc)[-1], None, lanes_m)
+    sch.decompose_reduction(blk, c)
+    if acc_name != name:  # the cast to the storage dtype, per output element
+        cast = sch.get_sblock(name)
+        loops = sch.get_loops(cast)
+        sch.parallel(sch.fuse(*loops[:2]))
+        _vectorize(sch, loops[-1], width, lanes)
+
+
+def _vectorize(sch: Schedule, loop, extent: int | None, lanes: int) -> None:
+    """Vectorise ``loop`` by ``lanes`` (split off when longer); scalar when lanes is 1."""
+    if lanes <= 1:
+        return
+    if extent is None:
+        extent_expr = sch.get(loop).extent
+        extent = int(extent_expr) if hasattr(extent_expr, "value") else None
+    if extent == lanes:
+        sch.vectorize(loop)
+    else:
+        sch.vectorize(sch.split(loop, [None, _lanes_for(extent, lanes) if extent else lanes])[1])
+
+
+def _lanes_for(extent: int, lanes: int) -> int:
+    """The widest power-of-two vector, at most ``lanes``, that divides ``extent``."""
+    while lanes > 1 and extent % lanes:
+        lanes //= 2
+    return lanes
+
+
+def _int(sch: Schedule, value: KnobValue) -> int:
+    """A knob's value now: itself, or the current decision of a sampled variable. Only buffer layouts
+    read it, and a layout never changes what is computed, so a later resampling stays correct."""
+    return value if isinstance(value, int) else int(sch.get(value))
+
+
+def _roles(sch: Schedule, block) -> str:
+    return str(sch.get(block).annotations["tvmattn.roles"])
+
+
+def _has_block(sch: Schedule, name: str) -> bool:
+    try:
+        sch.get_sblock(name)
+        return True
+    except Exception:  # s_tir raises ScheduleError for an unknown name
+        return False
