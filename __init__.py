@@ -1,12 +1,20 @@
-"""tvmattn: multi-head attention kernels generated with Apache TVM, checked against a NumPy oracle."""
+"""tvmattn: multi-head attention kernels generated with Apache TVM, checked against a NumPy oracle.
+
+    spec = tvmattn.AttentionSpec(batch=1, seq_len=1024, d_model=768, num_heads=12, causal=True)
+    kernel = tvmattn.compile(spec, "cpu")       # or "cuda"
+    out = kernel(x, w_q, w_k, w_v, w_o)         # NumPy in, NumPy out
+"""
 
 import os as _os
 
-# TVM's CPU runtime starts with one thread unless told otherwise, and reads this only once.
+# TVM's CPU runtime starts with one thread unless told otherwise, and reads this once, at first use.
 _os.environ.setdefault("TVM_NUM_THREADS", str(len(_os.sched_getaffinity(0)) if hasattr(_os, "sched_getaffinity")
                                               else (_os.cpu_count() or 1)))
 
+from .compiler.build import compile  # noqa: E402,A004
 from .compiler.errors import TvmAttnError  # noqa: E402
+from .compiler.kernel import CompiledAttention  # noqa: E402
+from .compiler.oracle import reference  # noqa: E402
 from .compiler.spec import AttentionSpec  # noqa: E402
 
-__all__ = ["AttentionSpec", "TvmAttnError"]
+__all__ = ["AttentionSpec", "CompiledAttention", "TvmAttnError", "compile", "reference"]

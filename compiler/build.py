@@ -22,14 +22,23 @@ from .te_attention import attention_te
 def compile(spec: AttentionSpec, target: Any = "cpu", *, arch: str | None = None,
             knobs: Mapping[str, int] | None = None) -> CompiledAttention:  # noqa: A001 (tvm.compile's name)
     """Build the attention of ``spec`` for ``target`` (``"cpu"``, ``"cuda"``, a dict or a Target)."""
-    spec.validate()
     tgt = resolve_target(target, arch)
     start = time.perf_counter()
+    mod, how = schedule_attention(spec, tgt, knobs)
+    executable = build_module(mod, spec, tgt)
+    return CompiledAttention(spec, tgt, executable, how, time.perf_counter() - start)
+
+
+def schedule_attention(spec: AttentionSpec, target: Target,
+                       knobs: Mapping[str, int] | None = None) -> tuple[tvm.IRModule, str]:
+    """The scheduled PrimFunc of ``spec`` (in an IRModule, as ``main``) and how it was scheduled.
+
+    This is what `compile` builds; other front ends (ONNX import) embed it in larger modules.
+    """
+    spec.validate()
     func = attention_te(spec).prim_func()
-    sch, values = schedules.default_schedule(func, spec, tgt, knobs)
-    executable = build_module(sch.mod, spec, tgt)
-    return CompiledAttention(spec, tgt, executable, f"default schedule ({describe(values) or 'dlight rules'})",
-                             time.perf_counter() - start)
+    sch, values = schedules.default_schedule(func, spec, target, knobs)
+    return lowering_passes(spec, target)(sch.mod), f"default schedule ({describe(values) or 'dlight rules'})"
 
 
 def lowering_passes(spec: AttentionSpec, target: Target) -> tvm.transform.Pass:
@@ -41,8 +50,7 @@ def lowering_passes(spec: AttentionSpec, target: Target) -> tvm.transform.Pass:
 
 
 def build_module(mod: tvm.IRModule, spec: AttentionSpec, target: Target) -> tvm.runtime.Executable:
-    """Our passes, then TVM's lowering and code generation."""
-    mod = lowering_passes(spec, target)(mod)
+    """TVM's lowering and code generation of a scheduled module."""
     try:
         return tvm.compile(mod, target)
     except Exception as err:  # a TVM failure here is our bug, but the user gets a sentence first

@@ -1,0 +1,182 @@
+"""The ``tvmattn`` command: flags → AttentionSpec → library call → printed result.
+
+Every user-facing error is a TvmAttnError, printed as one line on stderr with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from .errors import TvmAttnError
+from .spec import AttentionSpec
+
+# spec flag → AttentionSpec field; `None` defaults mean "not given" so a preset's value stands.
+SPEC_FLAGS = {
+    "batch": "batch", "seq": "seq_len", "kv_seq": "kv_seq_len", "d_model": "d_model", "heads": "num_heads",
+    "kv_heads": "num_kv_heads", "head_dim": "head_dim", "v_head_dim": "v_head_dim", "causal": "causal",
+    "causal_align": "causal_align", "window": "window", "key_padding": "key_padding", "layout": "layout",
+    "dtype": "dtype", "projections": "projections", "scale": "scale",
+}
+DEFAULT_SPEC = {"d_model": 512, "num_heads": 8}  # when neither a preset nor a width is given
+
+
+def _dim(text: str):
+    """A size: an integer, or a name for a symbolic size."""
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def add_spec_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("attention (or --preset NAME; flags given override the preset)")
+    g.add_argument("--preset", help="a real configuration: gpt2-small, bert-base, llama-gqa, t5-cross, decode-4k")
+    g.add_argument("--batch", type=_dim, help="B (an integer, or a name for a symbolic size)")
+    g.add_argument("--seq", type=_dim, help="n, the query length (integer or name)")
+    g.add_argument("--kv-seq", type=_dim, help="n_kv, the key/value length: cross-attention (integer or name)")
+    g.add_argument("--d-model", type=int, help="d, the model width")
+    g.add_argument("--heads", type=int, help="h, query heads")
+    g.add_argument("--kv-heads", type=int, help="h_kv, key/value heads (GQA; 1 = MQA)")
+    g.add_argument("--head-dim", type=int, help="d_k (default d_model / heads)")
+    g.add_argument("--v-head-dim", type=int, help="d_v (default d_k)")
+    g.add_argument("--causal", action=argparse.BooleanOptionalAction, help="causal mask")
+    g.add_argument("--causal-align", choices=["top_left", "bottom_right"], help="where query 0 sits when n != n_kv")
+    g.add_argument("--window", type=int, help="sliding window W")
+    g.add_argument("--key-padding", action=argparse.BooleanOptionalAction,
+                   help="per-sequence valid key counts (kv_lens)")
+    g.add_argument("--layout", choices=["BHSD", "BSHD"], type=str.upper, help="Q/K/V/O layout of the core kernel")
+    g.add_argument("--dtype", help="float32 | float16 | bfloat16 (accumulation is always fp32)")
+    g.add_argument("--projections", action=argparse.BooleanOptionalAction,
+                   help="the full layer X → W_O (default), or --no-projections: the core Q,K,V → O kernel")
+    g.add_argument("--scale", type=float, help="softmax scale (default 1/sqrt(d_k))")
+
+
+def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
+    given = {field: getattr(args, flag) for flag, field in SPEC_FLAGS.items() if getattr(args, flag) is not None}
+    if args.preset:
+        from tvmattn.models.presets import preset
+        return preset(args.preset).replace(**given)
+    if "d_model" not in given and "head_dim" not in given:
+        given = {**DEFAULT_SPEC, **given}
+    given.setdefault("num_heads", DEFAULT_SPEC["num_heads"])
+    return AttentionSpec(**given)
+
+
+def add_target_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="cpu", help="cpu (this machine's CPU) or cuda")
+    p.add_argument("--arch", help="CUDA arch for --target cuda (default sm_90)")
+
+
+def parse_sizes(items: list[str] | None) -> dict[str, int]:
+    """``--at n=128 --at m=512`` → {"n": 128, "m": 512}."""
+    sizes: dict[str, int] = {}
+    for item in items or []:
+        for part in item.split(","):
+            name, _, value = part.partition("=")
+            if not value.isdigit() or int(value) <= 0:
+                raise TvmAttnError(f"--at {part!r}: write NAME=SIZE with a positive integer size, e.g. --at n=128")
+            sizes[name.strip()] = int(value)
+    return sizes
+
+
+# ---- commands ---------------------------------------------------------------------------------------
+def cmd_compile(args: argparse.Namespace) -> int:
+    from .build import compile as build
+
+    spec = spec_from_args(args)
+    kernel = build(spec, args.target, arch=args.arch)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    lib = out / "attention.so"
+    kernel.export_library(str(lib))
+    print(f"spec:     {spec.describe()}")
+    print(f"target:   {kernel.target}")
+    print(f"schedule: {kernel.schedule}")
+    print(f"compiled in {kernel.compile_seconds:.2f} s → {lib}")
+    if kernel.target.kind.name == "cuda":
+        from .cuda_tools import compile_cubin, compile_ptx
+        arch = str(kernel.target.attrs.get("arch", "sm_90"))
+        source = kernel.source()
+        (out / "attention.cu").write_text(source)
+        (out / "attention.ptx").write_text(compile_ptx(source, arch))
+        cubin, resources = compile_cubin(source, arch)
+        (out / "attention.cubin").write_bytes(cubin)
+        print(f"CUDA source, PTX and cubin ({arch}) → {out}/attention.{{cu,ptx,cubin}}; ptxas:")
+        for r in resources:
+            print(f"  {r.line()}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .build import compile as build
+    from .verify import check, sizes_to_check
+
+    spec = spec_from_args(args)
+    start = time.perf_counter()
+    kernel = build(spec, args.target, arch=args.arch)
+    print(f"spec:     {spec.describe()}")
+    print(f"schedule: {kernel.schedule} (compiled in {kernel.compile_seconds:.2f} s)")
+    ok = True
+    for sizes in sizes_to_check(spec, parse_sizes(args.at)):
+        result = check(kernel, sizes, seed=args.seed)
+        print(result.line())
+        ok &= result.ok
+    print(f"verify took {time.perf_counter() - start:.2f} s")
+    return 0 if ok else 1
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .explain import report
+
+    spec = spec_from_args(args)
+    print(spec.describe())
+    print(report(spec, parse_sizes(args.at)))
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line too."""
+
+    def error(self, message: str):
+        self.exit(2, f"tvmattn: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tvmattn", description=__doc__.splitlines()[0].strip())
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("compile", help="build the kernel for a target and write the library")
+    add_spec_flags(p)
+    add_target_flags(p)
+    p.add_argument("-o", "--output", default="tvmattn_out", help="output directory")
+    p.set_defaults(run=cmd_compile)
+
+    p = sub.add_parser("verify", help="build, run on seeded random data, compare with the NumPy oracle")
+    add_spec_flags(p)
+    add_target_flags(p)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--at", action="append", help="values of symbolic sizes, e.g. --at n=100 (default 1, 37, 128)")
+    p.set_defaults(run=cmd_verify)
+
+    p = sub.add_parser("explain", help="the shape trace: each stage's shape, FLOPs and bytes")
+    add_spec_flags(p)
+    p.add_argument("--at", action="append", help="values of symbolic sizes for the counts, e.g. --at n=1024")
+    p.set_defaults(run=cmd_explain)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except TvmAttnError as err:
+        print(f"tvmattn: error: {err}", file=sys.stderr)
+        if os.environ.get("TVMATTN_DEBUG"):
+            raise
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
