@@ -49,6 +49,13 @@ def lowering_passes(spec: AttentionSpec, target: Target) -> tvm.transform.Pass:
     return tvm.transform.Sequential(seq)
 
 
+def lower(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
+    """The TIR that code generation would see (flat loops and allocations): for inspection."""
+    bound = target if target.host is not None else target.with_host(target)
+    mod = tvm.tirx.transform.BindTarget(bound)(mod)
+    return tvm.tirx.get_default_tir_pipeline(target)[0](mod)
+
+
 def build_module(mod: tvm.IRModule, spec: AttentionSpec, target: Target) -> tvm.runtime.Executable:
     """TVM's lowering and code generation of a scheduled module."""
     try:

@@ -55,7 +55,9 @@ def apply(sch: Schedule, spec: AttentionSpec, target: Target, knobs: Mapping[str
 
 
 def _attention_core(sch: Schedule, spec: AttentionSpec, lanes: int, k: Mapping[str, KnobValue]) -> None:
-    q_tile = _int(sch, k["q_tile"])
+    tile_factor = _at_most(sch, k["q_tile"], spec.n_q)  # a few queries (decode): one exact tile
+    q_tile = _int(sch, tile_factor)
+    s_lanes = _lanes_for(q_tile, lanes)  # queries per vector
     # Tile-local buffers are laid out (query tile, key, query in tile): vectors run along queries, and
     # the tile axis makes their compacted size q_tile × n_kv even when lengths are symbolic.
     by_tile = lambda b, i, s, *rest: (b, i, s // q_tile, *rest, s % q_tile)  # noqa: E731
@@ -66,28 +68,28 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, lanes: int, k: Mapping[s
 
     attn = sch.get_sblock("attn")
     loops = dict(zip(_roles(sch, attn), sch.get_loops(attn)))
-    s_tile, s_in = sch.split(loops["s"], [None, k["q_tile"]])
+    s_tile, s_in = sch.split(loops["s"], [None, tile_factor])
     sch.reorder(loops["b"], loops["h"], s_tile, s_in, loops["."])
     task = sch.fuse(loops["b"], loops["h"], s_tile)
     sch.parallel(task)
     _vectorize(sch, loops["."], spec.d_v, lanes)
     for name in PER_TILE:
-        sch.compute_at(sch.get_sblock(name), task, preserve_unit_loops=False)
+        sch.compute_at(sch.get_sblock(name), task, preserve_unit_loops=True)
 
     _pack_queries(sch, spec, task, q_tile)
-    _scores(sch, lanes, k)
+    _scores(sch, s_lanes, _at_most(sch, k["qk_keys"], spec.n_kv))
     for name in ("row_max", "row_sum"):
         blk = sch.get_sblock(name)
         s, t = sch.get_loops(blk)[-2:]
-        s_out, s_vec = sch.split(s, [None, lanes])
+        s_out, s_vec = sch.split(s, [None, s_lanes])
         sch.reorder(s_out, t, s_vec)
-        sch.vectorize(s_vec)
+        _vectorize(sch, s_vec, s_lanes, s_lanes)
         sch.decompose_reduction(blk, t)
     probs = sch.get_sblock("probs")
     s, t = sch.get_loops(probs)[-2:]
     sch.reorder(t, s)
-    sch.vectorize(sch.split(s, [None, lanes])[1])
-    _weights_v(sch, spec, lanes, k)
+    _vectorize(sch, s, q_tile, s_lanes)
+    _weights_v(sch, spec, lanes, _at_most(sch, k["pv_rows"], q_tile), k["pv_vecs"])
 
 
 def _pack_queries(sch: Schedule, spec: AttentionSpec, task, q_tile: int) -> None:
@@ -96,7 +98,7 @@ def _pack_queries(sch: Schedule, spec: AttentionSpec, task, q_tile: int) -> None
     reads = [r.source.name for r in sch.get(scores).reads]
     q_index = next(i for i, name in enumerate(reads) if name in ("q", "q_proj"))
     panel = sch.cache_read(scores, q_index, "global")
-    sch.compute_at(panel, task, preserve_unit_loops=False)
+    sch.compute_at(panel, task, preserve_unit_loops=True)
     if spec.projections:  # q_proj (B, n, h·d_k)
         layout = lambda b, s, m: (b, s // q_tile, m, s % q_tile)  # noqa: E731
     elif spec.layout == "BHSD":
@@ -106,38 +108,39 @@ def _pack_queries(sch: Schedule, spec: AttentionSpec, task, q_tile: int) -> None
     sch.transform_layout(panel, ("write", 0), layout, assume_injective_transform=True)
 
 
-def _scores(sch: Schedule, lanes: int, k: Mapping[str, KnobValue]) -> None:
-    """acc[qk_keys keys][q_tile queries] += k[t, e] · q[e, s], over e, in registers."""
+def _scores(sch: Schedule, lanes: int, keys_factor: KnobValue) -> None:
+    """acc[qk_keys keys][q_tile queries] += k[t, e] · q[e, s], over e, in registers (``lanes``
+    queries per vector)."""
     scores = sch.get_sblock("scores")
     s, t, e = sch.get_loops(scores)[-3:]
-    keys = _int(sch, k["qk_keys"])
-    t_out, t_in = sch.split(t, [None, k["qk_keys"]])
+    keys = _int(sch, keys_factor)
+    t_out, t_in = sch.split(t, [None, keys_factor])
     s_out, s_vec = sch.split(s, [None, lanes])
     sch.reorder(t_out, e, t_in, s_out, s_vec)
     acc = sch.cache_write(scores, 0, "local")
     sch.transform_layout(scores, ("write", 0), lambda b, i, st, t, s: (b, i, st, t // keys, t % keys, s),
                          assume_injective_transform=True)
-    sch.reverse_compute_at(acc, t_out, preserve_unit_loops=False)
+    sch.reverse_compute_at(acc, t_out, preserve_unit_loops=True)
     sch.unroll(t_in)
     sch.unroll(s_out)
-    sch.vectorize(s_vec)
-    sch.vectorize(sch.split(sch.get_loops(acc)[-1], [None, lanes])[1])
+    _vectorize(sch, s_vec, lanes, lanes)
+    _vectorize(sch, sch.get_loops(acc)[-1], None, lanes)
     sch.decompose_reduction(scores, e)
 
 
-def _weights_v(sch: Schedule, spec: AttentionSpec, lanes: int, k: Mapping[str, KnobValue]) -> None:
+def _weights_v(sch: Schedule, spec: AttentionSpec, lanes: int, rows_factor: KnobValue, vecs: KnobValue) -> None:
     """acc[pv_rows queries][pv_vecs·lanes of d_v] += probs[t, s] · v[t, c], over t, in registers."""
     pv = sch.get_sblock("pv")
     s, c, t = sch.get_loops(pv)[-3:]
-    rows = _int(sch, k["pv_rows"])
-    s_out, s_in = sch.split(s, [None, k["pv_rows"]])
+    rows = _int(sch, rows_factor)
+    s_out, s_in = sch.split(s, [None, rows_factor])
     lanes_c = _lanes_for(spec.d_v, lanes)
-    c_out, c_mid, c_vec = sch.split(c, [None, k["pv_vecs"] if lanes_c == lanes else 1, lanes_c])
+    c_out, c_mid, c_vec = sch.split(c, [None, vecs if lanes_c == lanes else 1, lanes_c])
     sch.reorder(s_out, c_out, t, s_in, c_mid, c_vec)
     acc = sch.cache_write(pv, 0, "local")
     sch.transform_layout(pv, ("write", 0), lambda b, i, st, s, c: (b, i, st, s // rows, s % rows, c),
                          assume_injective_transform=True)
-    sch.reverse_compute_at(acc, c_out, preserve_unit_loops=False)
+    sch.reverse_compute_at(acc, c_out, preserve_unit_loops=True)
     sch.unroll(s_in)
     sch.unroll(c_mid)
     _vectorize(sch, c_vec, lanes_c, lanes_c)
@@ -158,7 +161,10 @@ def _gemm(sch: Schedule, name: str, lanes: int, k: Mapping[str, KnobValue]) -> N
     m_out, m_mid, m_vec = sch.split(m, [None, k["gemm_vecs"] if lanes_m == lanes else 1, lanes_m])
     sch.reorder(b, r_out, m_out, c, r_in, m_mid, m_vec)
     acc = sch.cache_write(blk, 0, "local")
-    sch.reverse_compute_at(acc, m_out, preserve_unit_loops=False)
+    rows = _int(sch, k["gemm_rows"])
+    sch.transform_layout(blk, ("write", 0), lambda b_, s_, m_: (b_, s_ // rows, s_ % rows, m_),
+                         assume_injective_transform=True)  # a fixed-size accumulator, also for symbolic n
+    sch.reverse_compute_at(acc, m_out, preserve_unit_loops=True)
     sch.parallel(sch.fuse(b, r_out, m_out))
     sch.unroll(r_in)
     sch.unroll(m_mid)
@@ -173,16 +179,14 @@ def _gemm(sch: Schedule, name: str, lanes: int, k: Mapping[str, KnobValue]) -> N
 
 
 def _vectorize(sch: Schedule, loop, extent: int | None, lanes: int) -> None:
-    """Vectorise ``loop`` by ``lanes`` (split off when longer); scalar when lanes is 1."""
-    if lanes <= 1:
-        return
+    """Vectorise ``loop`` by the widest vector (at most ``lanes``) dividing its extent; split off if longer."""
     if extent is None:
         extent_expr = sch.get(loop).extent
-        extent = int(extent_expr) if hasattr(extent_expr, "value") else None
-    if extent == lanes:
-        sch.vectorize(loop)
-    else:
-        sch.vectorize(sch.split(loop, [None, _lanes_for(extent, lanes) if extent else lanes])[1])
+        extent = int(extent_expr.value) if hasattr(extent_expr, "value") else lanes  # symbolic: tail predicate
+    width = _lanes_for(extent, lanes)
+    if width == 1:
+        return
+    sch.vectorize(loop if extent == width else sch.split(loop, [None, width])[1])
 
 
 def _lanes_for(extent: int, lanes: int) -> int:
@@ -190,6 +194,12 @@ def _lanes_for(extent: int, lanes: int) -> int:
     while lanes > 1 and extent % lanes:
         lanes //= 2
     return lanes
+
+
+def _at_most(sch: Schedule, factor: KnobValue, extent) -> KnobValue:
+    """A split factor no larger than a static extent: a tile of one real row and padding rows makes
+    TVM's buffer compaction leak loop variables into allocation sizes."""
+    return extent if isinstance(extent, int) and extent < _int(sch, factor) else factor
 
 
 def _int(sch: Schedule, value: KnobValue) -> int:
