@@ -9,7 +9,6 @@ import tvm
 from tvm.target import Target
 
 from tvmattn import schedules
-from tvmattn.schedules.knobs import describe
 
 from . import passes
 from .errors import TvmAttnError
@@ -37,8 +36,8 @@ def schedule_attention(spec: AttentionSpec, target: Target,
     """
     spec.validate()
     func = attention_te(spec).prim_func()
-    sch, values = schedules.default_schedule(func, spec, target, knobs)
-    return lowering_passes(spec, target)(sch.mod), f"default schedule ({describe(values) or 'dlight rules'})"
+    sch, how = schedules.default_schedule(func, spec, target, knobs)
+    return lowering_passes(spec, target)(sch.mod), f"default schedule ({how})"
 
 
 def lowering_passes(spec: AttentionSpec, target: Target) -> tvm.transform.Pass:

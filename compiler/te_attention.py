@@ -15,8 +15,9 @@
 The core kernel (``projections=False``) starts at q, k, v in the spec's layout and ends at attn in
 that layout. Cross-attention, GQA and both layouts only change index maps.
 
-Blocks that range over keys carry ``tvmattn.roles``: one letter per block iterator (spatial ones,
-then reduction ones): b batch, h head, s query, t key, '.' other. The block-skipping pass reads it.
+Axis names are part of the contract: b batch, i query head, s query position, t key position,
+e the q·k dot product, c a value column. TVM names a block's iterators after them (v_b, v_s, v_t, …),
+and the stages that range over keys carry ``tvmattn.key_stage``: the block-skipping pass reads both.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from . import mask
 from .spec import AttentionSpec, Dim
 
 ACC = "float32"  # accumulation dtype, whatever the input dtype
-ROLES = "tvmattn.roles"
+KEY_STAGE = "tvmattn.key_stage"
 
 
 @dataclass
@@ -99,27 +100,27 @@ def attention_te(spec: AttentionSpec) -> AttentionTE:
     scores = te.compute(
         (B, h, n, n_kv),
         lambda b, i, s, t: te.sum(q_at(b, i, s, e).astype(ACC) * k_at(b, i // g, t, e).astype(ACC), axis=e),
-        name="scores", attrs={ROLES: "bhst."})
+        name="scores", attrs={KEY_STAGE: 1})
     scale = tirx.const(spec.softmax_scale, ACC)
     logits = te.compute(
         (B, h, n, n_kv),
         lambda b, i, s, t: tirx.Select(visible(b, s, t), scores[b, i, s, t] * scale, -tirx.infinity(ACC)),
-        name="logits", attrs={ROLES: "bhst"})
+        name="logits", attrs={KEY_STAGE: 1})
     t = te.reduce_axis((0, n_kv), "t")
     row_max = te.compute((B, h, n), lambda b, i, s: te.max(logits[b, i, s, t], axis=t),
-                         name="row_max", attrs={ROLES: "bhst"})
+                         name="row_max", attrs={KEY_STAGE: 1})
     probs = te.compute(
         (B, h, n, n_kv),
         lambda b, i, s, t: tirx.Select(visible(b, s, t), tirx.exp(logits[b, i, s, t] - row_max[b, i, s]),
                                        tirx.const(0, ACC)),
-        name="probs", attrs={ROLES: "bhst"})
+        name="probs", attrs={KEY_STAGE: 1})
     t = te.reduce_axis((0, n_kv), "t")
     row_sum = te.compute((B, h, n), lambda b, i, s: te.sum(probs[b, i, s, t], axis=t),
-                         name="row_sum", attrs={ROLES: "bhst"})
+                         name="row_sum", attrs={KEY_STAGE: 1})
     t = te.reduce_axis((0, n_kv), "t")
     pv = te.compute((B, h, n, d_v),
                     lambda b, i, s, c: te.sum(probs[b, i, s, t] * v_at(b, i // g, t, c).astype(ACC), axis=t),
-                    name="pv", attrs={ROLES: "bhs.t"})
+                    name="pv", attrs={KEY_STAGE: 1})
 
     def normalise(b, i, s, c):
         total = row_sum[b, i, s]
@@ -127,16 +128,15 @@ def attention_te(spec: AttentionSpec) -> AttentionTE:
 
     stages.update(scores=scores, logits=logits, row_max=row_max, probs=probs, row_sum=row_sum, pv=pv)
     if spec.projections:
-        attn = te.compute((B, h, n, d_v), normalise, name="attn", attrs={ROLES: "bhs."})
+        attn = te.compute((B, h, n, d_v), normalise, name="attn")
         merged = te.compute((B, n, h * d_v), lambda b, s, m: attn[b, m // d_v, s, m % d_v], name="merged")
         out = _linear(merged, w_o, "out")
         stages.update(attn=attn, merged=merged, out=out)
     elif spec.layout == "BHSD":
-        out = te.compute((B, h, n, d_v), normalise, name="attn", attrs={ROLES: "bhs."})
+        out = te.compute((B, h, n, d_v), normalise, name="attn")
         stages["attn"] = out
     else:
-        out = te.compute((B, n, h, d_v), lambda b, s, i, c: normalise(b, i, s, c), name="attn",
-                         attrs={ROLES: "bsh."})
+        out = te.compute((B, n, h, d_v), lambda b, s, i, c: normalise(b, i, s, c), name="attn")
         stages["attn"] = out
     return AttentionTE(spec, inputs, out, stages, dims)
 

@@ -33,6 +33,7 @@ KNOBS = (
     Knob("qk_keys", (1, 2, 3, 4, 6, 8), 4, "keys per QKᵀ register tile"),
     Knob("pv_rows", (1, 2, 3, 4, 6), 4, "queries per P·V register tile"),
     Knob("pv_vecs", (1, 2, 3, 4), 2, "vectors of d_v per P·V register tile"),
+    Knob("key_chunks", (2, 4, 8, 16, 32), 8, "key chunks run in parallel when (batch, head) pairs are few"),
     Knob("gemm_rows", (1, 2, 3, 4, 6, 8), 4, "rows per projection register tile"),
     Knob("gemm_vecs", (1, 2, 3, 4), 2, "vectors of columns per projection register tile"),
 )
@@ -41,13 +42,30 @@ INLINED = ("q_heads", "k_heads", "v_heads", "logits", "merged")
 PER_TILE = ("pv", "row_sum", "probs", "row_max", "scores")  # consumers first, for compute_at
 
 
+def describe(spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> str:
+    """Which variant ``apply`` builds for ``spec``, with the knobs it reads."""
+    lanes = vector_lanes(target)
+    if _few_tasks_of_one_query(spec, target, lanes):
+        used = ["key_chunks"]
+        what = "split-K decode"
+    else:
+        used = ["q_tile", "qk_keys", "pv_rows", "pv_vecs"]
+        what = f"query tiles × {lanes}-lane vectors"
+    if spec.projections:
+        used += ["gemm_rows", "gemm_vecs"]
+    return f"{what}: " + " ".join(f"{name}={knobs[name]}" for name in used)
+
+
 def apply(sch: Schedule, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> Schedule:
     """Schedule the PrimFunc of ``spec`` (in place; returns ``sch``)."""
     lanes = vector_lanes(target)
     for name in INLINED:
         if _has_block(sch, name):
             sch.compute_inline(sch.get_sblock(name))
-    _attention_core(sch, spec, lanes, knobs)
+    if _few_tasks_of_one_query(spec, target, lanes):
+        _split_keys(sch, spec, lanes, knobs["key_chunks"])
+    else:
+        _attention_core(sch, spec, lanes, knobs)
     for name in ("q_proj", "k_proj", "v_proj", "out"):
         if _has_block(sch, name):
             _gemm(sch, name, lanes, knobs)
@@ -58,6 +76,9 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, lanes: int, k: Mapping[s
     tile_factor = _at_most(sch, k["q_tile"], spec.n_q)  # a few queries (decode): one exact tile
     q_tile = _int(sch, tile_factor)
     s_lanes = _lanes_for(q_tile, lanes)  # queries per vector
+    by_head_dim = s_lanes == 1 and _lanes_for(spec.d_k, lanes) > 1  # one query (decode): vectors along d_k
+    if by_head_dim:
+        scores_rf = _split_head_dim(sch, _lanes_for(spec.d_k, lanes))
     # Tile-local buffers are laid out (query tile, key, query in tile): vectors run along queries, and
     # the tile axis makes their compacted size q_tile × n_kv even when lengths are symbolic.
     by_tile = lambda b, i, s, *rest: (b, i, s // q_tile, *rest, s % q_tile)  # noqa: E731
@@ -67,17 +88,20 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, lanes: int, k: Mapping[s
                          lambda b, i, s, c: (b, i, s // q_tile, s % q_tile, c), assume_injective_transform=True)
 
     attn = sch.get_sblock("attn")
-    loops = dict(zip(_roles(sch, attn), sch.get_loops(attn)))
+    loops = _loops_by_axis(sch, attn)
     s_tile, s_in = sch.split(loops["s"], [None, tile_factor])
-    sch.reorder(loops["b"], loops["h"], s_tile, s_in, loops["."])
-    task = sch.fuse(loops["b"], loops["h"], s_tile)
+    sch.reorder(loops["b"], loops["i"], s_tile, s_in, loops["c"])
+    task = sch.fuse(loops["b"], loops["i"], s_tile)
     sch.parallel(task)
-    _vectorize(sch, loops["."], spec.d_v, lanes)
+    _vectorize(sch, loops["c"], spec.d_v, lanes)
     for name in PER_TILE:
         sch.compute_at(sch.get_sblock(name), task, preserve_unit_loops=True)
 
-    _pack_queries(sch, spec, task, q_tile)
-    _scores(sch, s_lanes, _at_most(sch, k["qk_keys"], spec.n_kv))
+    if by_head_dim:
+        _scores_along_head_dim(sch, scores_rf)
+    else:
+        _pack_queries(sch, spec, task, q_tile)
+        _scores(sch, s_lanes, _at_most(sch, k["qk_keys"], spec.n_kv))
     for name in ("row_max", "row_sum"):
         blk = sch.get_sblock(name)
         s, t = sch.get_loops(blk)[-2:]
@@ -88,8 +112,60 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, lanes: int, k: Mapping[s
     probs = sch.get_sblock("probs")
     s, t = sch.get_loops(probs)[-2:]
     sch.reorder(t, s)
-    _vectorize(sch, s, q_tile, s_lanes)
+    if s_lanes > 1:
+        _vectorize(sch, s, q_tile, s_lanes)
+    else:  # one query: the keys are contiguous
+        _vectorize(sch, t, spec.n_kv if isinstance(spec.n_kv, int) else None, lanes)
     _weights_v(sch, spec, lanes, _at_most(sch, k["pv_rows"], q_tile), k["pv_vecs"])
+
+
+def _few_tasks_of_one_query(spec: AttentionSpec, target: Target, lanes: int) -> bool:
+    """Decode with fewer (batch, head) pairs than twice the cores: only the keys can keep them busy."""
+    sizes = (spec.batch, spec.n_q, spec.n_kv)
+    if any(isinstance(x, str) for x in sizes) or spec.n_q > 1 or _lanes_for(spec.d_k, lanes) == 1:
+        return False
+    cores = int(target.attrs.get("num-cores", 1))
+    return spec.batch * spec.h < 2 * cores and spec.n_kv >= 64 * cores
+
+
+def _split_keys(sch: Schedule, spec: AttentionSpec, lanes: int, chunks: KnobValue) -> None:
+    """Split-K decode: every key reduction becomes per-chunk partials computed in parallel (rfactor)
+    and a small combine; scores and probs run in parallel over key chunks directly.
+
+        scores[t]              parallel over chunks of t     (dot products along d_k, `_scores_along_head_dim`)
+        row_max_rf[chunk]      parallel  → row_max = max over chunks
+        probs[t]               parallel over chunks of t
+        row_sum_rf[chunk], pv_rf[chunk, c]   parallel → sums over chunks
+    """
+    scores_rf = _split_head_dim(sch, _lanes_for(spec.d_k, lanes))
+    partial = {}
+    for name in ("row_max", "row_sum", "pv"):
+        t = sch.get_loops(sch.get_sblock(name))[-1]
+        chunk, _ = sch.split(t, [chunks, None])
+        partial[name] = sch.rfactor(chunk, 0)
+    attn = sch.get_sblock("attn")
+    loops = _loops_by_axis(sch, attn)
+    sch.reorder(loops["b"], loops["i"], loops["s"], loops["c"])
+    task = sch.fuse(loops["b"], loops["i"], loops["s"])  # few: serial, the parallelism is inside
+    _vectorize(sch, loops["c"], spec.d_v, lanes)
+    for blk in (sch.get_sblock("pv"), partial["pv"], sch.get_sblock("row_sum"), partial["row_sum"],
+                sch.get_sblock("probs"), sch.get_sblock("row_max"), partial["row_max"], sch.get_sblock("scores")):
+        sch.compute_at(blk, task, preserve_unit_loops=True)
+
+    _scores_along_head_dim(sch, scores_rf, chunks)
+    for name in ("row_max", "row_sum"):
+        chunk = sch.get_loops(partial[name])[-5]  # (chunk, b, i, s, t_in)
+        sch.parallel(chunk)
+    probs_t = sch.get_loops(sch.get_sblock("probs"))[-1]
+    chunk, t_in = sch.split(probs_t, [chunks, None])
+    sch.parallel(chunk)
+    _vectorize(sch, t_in, None, lanes)
+    chunk, *_, c, t_in = sch.get_loops(partial["pv"])[-6:]  # (chunk, b, i, s, c, t_in)
+    sch.reorder(t_in, c)
+    sch.parallel(chunk)
+    _vectorize(sch, c, spec.d_v, lanes)
+    sch.decompose_reduction(partial["pv"], t_in)
+    _vectorize(sch, sch.get_loops(sch.get_sblock("pv"))[-1], spec.d_v, lanes)
 
 
 def _pack_queries(sch: Schedule, spec: AttentionSpec, task, q_tile: int) -> None:
@@ -126,6 +202,34 @@ def _scores(sch: Schedule, lanes: int, keys_factor: KnobValue) -> None:
     _vectorize(sch, s_vec, lanes, lanes)
     _vectorize(sch, sch.get_loops(acc)[-1], None, lanes)
     sch.decompose_reduction(scores, e)
+
+
+def _split_head_dim(sch: Schedule, lanes: int):
+    """Before anything moves: scores = Σ_lane Σ_e_out q·k, each inner sum one vector lane."""
+    scores = sch.get_sblock("scores")
+    *_, e = sch.get_loops(scores)
+    _, e_lane = sch.split(e, [None, lanes])
+    return sch.rfactor(e_lane, 0)
+
+
+def _scores_along_head_dim(sch: Schedule, scores_rf, chunks: KnobValue | None = None) -> None:
+    """Per key: lanes partial dot products over d_k (one vector FMA per step), then their sum;
+    with ``chunks``, the keys run in that many parallel chunks.
+
+    The blocks' loops follow their iterators: scores (e_lane, b, i, s, t) and, inside one key,
+    scores_rf (e_lane, b, i, s, t, e_out).
+    """
+    scores = sch.get_sblock("scores")
+    e_lane, *_, t = sch.get_loops(scores)[-5:]
+    sch.reorder(t, e_lane)
+    if chunks is not None:
+        chunk, t = sch.split(t, [chunks, None])
+        sch.parallel(chunk)
+    sch.compute_at(scores_rf, t, preserve_unit_loops=True)
+    e_lane, *_, e_out = sch.get_loops(scores_rf)[-6:]
+    sch.reorder(e_out, e_lane)
+    sch.vectorize(e_lane)
+    sch.decompose_reduction(scores_rf, e_out)
 
 
 def _weights_v(sch: Schedule, spec: AttentionSpec, lanes: int, rows_factor: KnobValue, vecs: KnobValue) -> None:
@@ -208,8 +312,9 @@ def _int(sch: Schedule, value: KnobValue) -> int:
     return value if isinstance(value, int) else int(sch.get(value))
 
 
-def _roles(sch: Schedule, block) -> str:
-    return str(sch.get(block).annotations["tvmattn.roles"])
+def _loops_by_axis(sch: Schedule, block) -> dict:
+    """An untransformed block's loops by the TE axis they run over (b, i, s, c, …)."""
+    return {iv.var.name.removeprefix("v_"): loop for iv, loop in zip(sch.get(block).iter_vars, sch.get_loops(block))}
 
 
 def _has_block(sch: Schedule, name: str) -> bool:
