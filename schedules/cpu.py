@@ -31,9 +31,10 @@ from .knobs import Knob, KnobValue
 KNOBS = (
     Knob("q_tile", (8, 16, 24, 32, 48, 64), 16, "queries per parallel task (a multiple of the vector width)"),
     Knob("qk_keys", (1, 2, 3, 4, 6, 8), 4, "keys per QKᵀ register tile"),
-    Knob("pv_rows", (1, 2, 3, 4, 6), 4, "queries per P·V register tile"),
+    Knob("pv_rows", (1, 2, 3, 4, 6), 4, "queries per P·V register tile (at most: a divisor of q_tile)"),
     Knob("pv_vecs", (1, 2, 3, 4), 2, "vectors of d_v per P·V register tile"),
-    Knob("key_chunks", (2, 4, 8, 16, 32), 8, "key chunks run in parallel when (batch, head) pairs are few"),
+    Knob("key_chunks", (2, 4, 8, 16, 32), 8,
+         "key chunks run in parallel when (batch, head) pairs are few (at most: a divisor of n_kv)"),
     Knob("gemm_rows", (1, 2, 3, 4, 6, 8), 4, "rows per projection register tile"),
     Knob("gemm_vecs", (1, 2, 3, 4), 2, "vectors of columns per projection register tile"),
 )
@@ -45,9 +46,9 @@ PER_TILE = ("pv", "row_sum", "probs", "row_max", "scores")  # consumers first, f
 def describe(spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> str:
     """Which variant ``apply`` builds for ``spec``, with the knobs it reads."""
     lanes = vector_lanes(target)
-    if _few_tasks_of_one_query(spec, target, lanes):
+    if _few_tasks_of_one_query(spec, target, lanes) and _divisor_at_most(spec.n_kv, knobs["key_chunks"]) > 1:
         used = ["key_chunks"]
-        what = "split-K decode"
+        what = f"split-K decode over {_divisor_at_most(spec.n_kv, knobs['key_chunks'])} key chunks"
     else:
         used = ["q_tile", "qk_keys", "pv_rows", "pv_vecs"]
         what = f"query tiles × {lanes}-lane vectors"
@@ -62,8 +63,9 @@ def apply(sch: Schedule, spec: AttentionSpec, target: Target, knobs: Mapping[str
     for name in INLINED:
         if _has_block(sch, name):
             sch.compute_inline(sch.get_sblock(name))
-    if _few_tasks_of_one_query(spec, target, lanes):
-        _split_keys(sch, spec, lanes, knobs["key_chunks"])
+    chunks = _divisor_at_most(spec.n_kv, _int(sch, knobs["key_chunks"]))  # rfactor drops tail predicates
+    if _few_tasks_of_one_query(spec, target, lanes) and chunks > 1:
+        _split_keys(sch, spec, lanes, chunks)
     else:
         _attention_core(sch, spec, lanes, knobs)
     for name in ("q_proj", "k_proj", "v_proj", "out"):
@@ -116,7 +118,8 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, lanes: int, k: Mapping[s
         _vectorize(sch, s, q_tile, s_lanes)
     else:  # one query: the keys are contiguous
         _vectorize(sch, t, spec.n_kv if isinstance(spec.n_kv, int) else None, lanes)
-    _weights_v(sch, spec, lanes, _at_most(sch, k["pv_rows"], q_tile), k["pv_vecs"])
+    # whole row groups per tile: a partial group's accumulator has a loop-dependent size
+    _weights_v(sch, spec, lanes, _divisor_at_most(q_tile, _int(sch, k["pv_rows"])), k["pv_vecs"])
 
 
 def _few_tasks_of_one_query(spec: AttentionSpec, target: Target, lanes: int) -> bool:
@@ -128,9 +131,17 @@ def _few_tasks_of_one_query(spec: AttentionSpec, target: Target, lanes: int) -> 
     return spec.batch * spec.h < 2 * cores and spec.n_kv >= 64 * cores
 
 
-def _split_keys(sch: Schedule, spec: AttentionSpec, lanes: int, chunks: KnobValue) -> None:
+def _divisor_at_most(n, limit: int) -> int:
+    """The largest factor of ``n`` up to ``limit`` (1 when n is symbolic)."""
+    if not isinstance(n, int):
+        return 1
+    return max(d for d in range(1, limit + 1) if n % d == 0)
+
+
+def _split_keys(sch: Schedule, spec: AttentionSpec, lanes: int, chunks: int) -> None:
     """Split-K decode: every key reduction becomes per-chunk partials computed in parallel (rfactor)
-    and a small combine; scores and probs run in parallel over key chunks directly.
+    and a small combine; scores and probs run in parallel over key chunks directly. ``chunks``
+    divides n_kv.
 
         scores[t]              parallel over chunks of t     (dot products along d_k, `_scores_along_head_dim`)
         row_max_rf[chunk]      parallel  → row_max = max over chunks
