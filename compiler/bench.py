@@ -182,6 +182,7 @@ def numpy_impl(spec: AttentionSpec, args: dict[str, np.ndarray]) -> tuple[Callab
     q, k, v = args["q"], np.repeat(args["k"], spec.group, 1), np.repeat(args["v"], spec.group, 1)
     mask = _mask(spec, args)
 
+    @np.errstate(invalid="ignore")  # a row that sees no key becomes NaN, as in most frameworks
     def run():
         s = (q @ k.transpose(0, 1, 3, 2)) * np.float32(spec.softmax_scale)
         if mask is not None or spec.causal:

@@ -37,6 +37,8 @@ KNOBS = (
          "key chunks run in parallel when (batch, head) pairs are few (at most: a divisor of n_kv)"),
     Knob("gemm_rows", (1, 2, 3, 4, 6, 8), 4, "rows per projection register tile"),
     Knob("gemm_vecs", (1, 2, 3, 4), 2, "vectors of columns per projection register tile"),
+    Knob("gemm_block_rows", (1, 4, 8, 16, 32), 16, "register tiles of rows per projection task"),
+    Knob("gemm_block_cols", (1, 2, 4, 8), 4, "register tiles of columns per projection task"),
 )
 
 INLINED = ("q_heads", "k_heads", "v_heads", "logits", "merged")
@@ -53,7 +55,7 @@ def describe(spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]
         used = ["q_tile", "qk_keys", "pv_rows", "pv_vecs"]
         what = f"query tiles × {lanes}-lane vectors"
     if spec.projections:
-        used += ["gemm_rows", "gemm_vecs"]
+        used += ["gemm_rows", "gemm_vecs", "gemm_block_rows", "gemm_block_cols"]
     return f"{what}: " + " ".join(f"{name}={knobs[name]}" for name in used)
 
 
@@ -271,16 +273,18 @@ def _gemm(sch: Schedule, name: str, lanes: int, k: Mapping[str, KnobValue]) -> N
     width = int(sch.get(m).extent)
     # Row tiles stay inside one sequence: a tile crossing a batch boundary would make the
     # accumulator's region non-rectangular, and its write-back would cover rows it never computed.
-    r_out, r_in = sch.split(s, [None, k["gemm_rows"]])
+    r_task, r_out, r_in = sch.split(s, [None, k["gemm_block_rows"], k["gemm_rows"]])
     lanes_m = _lanes_for(width, lanes)
-    m_out, m_mid, m_vec = sch.split(m, [None, k["gemm_vecs"] if lanes_m == lanes else 1, lanes_m])
-    sch.reorder(b, r_out, m_out, c, r_in, m_mid, m_vec)
+    m_task, m_out, m_mid, m_vec = sch.split(
+        m, [None, k["gemm_block_cols"], k["gemm_vecs"] if lanes_m == lanes else 1, lanes_m])
+    # a task owns a block of rows × columns, so its panels of x and w stay in L2 across register tiles
+    sch.reorder(b, r_task, m_task, r_out, m_out, c, r_in, m_mid, m_vec)
     acc = sch.cache_write(blk, 0, "local")
     rows = _int(sch, k["gemm_rows"])
     sch.transform_layout(blk, ("write", 0), lambda b_, s_, m_: (b_, s_ // rows, s_ % rows, m_),
                          assume_injective_transform=True)  # a fixed-size accumulator, also for symbolic n
     sch.reverse_compute_at(acc, m_out, preserve_unit_loops=True)
-    sch.parallel(sch.fuse(b, r_out, m_out))
+    sch.parallel(sch.fuse(b, r_task, m_task))
     sch.unroll(r_in)
     sch.unroll(m_mid)
     _vectorize(sch, m_vec, lanes_m, lanes_m)
