@@ -4,6 +4,7 @@ cross-attention, both layouts, symbolic lengths, and the decode paths (one query
 import pytest
 from helpers import compiled
 
+import tvmattn
 from tvmattn import AttentionSpec
 from tvmattn.compiler.target import resolve_target
 from tvmattn.compiler.verify import check
@@ -56,3 +57,24 @@ def test_variant_choice():
     assert cpu.describe(DECODE[1], cpu_target, dict(key_chunks=8)).startswith("split-K decode")
     knobs = dict(q_tile=16, qk_keys=4, pv_rows=4, pv_vecs=2)
     assert cpu.describe(DECODE[0], cpu_target, knobs).startswith("query tiles")
+
+
+AVX2 = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}
+
+
+def _host_has(flag: str) -> bool:
+    try:
+        return flag in open("/proc/cpuinfo").read().split()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _host_has("avx2"), reason="this CPU cannot run AVX2 code")
+@pytest.mark.parametrize("spec", SHAPES[:2] + DECODE[1:2], ids=["gqa-causal-tail", "cross-window-padding-bshd",
+                                                                 "split-k"])
+def test_eight_lane_vectors(spec):
+    """An AVX2 target (8 fp32 lanes) whatever this machine has: CI and users may have either."""
+    kernel = tvmattn.compile(spec, AVX2)
+    assert kernel.schedule.count("8-lane") or "split-K" in kernel.schedule
+    result = check(kernel)
+    assert result.ok, result.line()
