@@ -94,8 +94,11 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, lanes: int, k: Mapping[s
     attn = sch.get_sblock("attn")
     loops = _loops_by_axis(sch, attn)
     s_tile, s_in = sch.split(loops["s"], [None, tile_factor])
-    sch.reorder(loops["b"], loops["i"], s_tile, s_in, loops["c"])
-    task = sch.fuse(loops["b"], loops["i"], s_tile)
+    # GQA: the query heads of a group take consecutive tasks on the same query tile, so the key and
+    # value rows one task streams are still in cache for the next
+    head_kv, head_in_group = sch.split(loops["i"], [None, spec.group])
+    sch.reorder(loops["b"], head_kv, s_tile, head_in_group, s_in, loops["c"])
+    task = sch.fuse(loops["b"], head_kv, s_tile, head_in_group)
     sch.parallel(task)
     _vectorize(sch, loops["c"], spec.d_v, lanes)
     for name in PER_TILE:
