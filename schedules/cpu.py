@@ -1,8 +1,10 @@
 """FlashAttention-style CPU schedule of the attention tensor expression.
 
-One parallel task per (batch, head, query tile of ``q_tile`` rows). Every attention stage is computed
-inside the task, so a task holds a q_tile × n_kv score tile, never the n × n_kv matrix. The tiles are
-stored key-major, (t, s), so that every stage vectorises over queries:
+Query tiles (prefill, and any spec with more tasks than cores): one parallel task per (batch, head,
+query tile of ``q_tile`` rows); the query heads of a GQA group take consecutive tasks on the same tile,
+so the K/V rows they share are still in cache. Every attention stage is computed inside the task, so a
+task holds a q_tile × n_kv score tile, never the n × n_kv matrix. Tiles are stored key-major,
+(tile, t, s), so that every stage vectorises over queries:
 
     pack    q tile → (d_k, q_tile)                           once per task
     scores  acc[qk_keys][q_tile/lanes vectors] += k[t, e] (broadcast) · q[e, s:s+lanes]
@@ -11,9 +13,13 @@ stored key-major, (t, s), so that every stage vectorises over queries:
     pv      acc[pv_rows][pv_vecs vectors] += probs[t, s] (broadcast) · v[t, c:c+lanes]
     attn    pv / row_sum
 
-The register tiles are `cache_write` accumulators that LLVM keeps in vector registers. Projections
-(full layer) are blocked GEMMs with the same register-tile idea. Masked key tiles are removed after
-scheduling by `tvmattn.compiler.passes.skip_masked_key_tiles`.
+Decode (one query): the dot products run along d_k instead (``rfactor`` into one partial sum per
+lane, then their sum), and with fewer (batch, head) pairs than twice the cores the keys are split into
+``key_chunks`` parallel chunks (split-K): per-chunk partial row max, row sum and P·V, then a combine.
+
+The register tiles are `cache_write` accumulators that LLVM keeps in vector registers (16 fp32
+lanes with AVX-512, 8 with AVX2). Projections (full layer) are blocked GEMMs with the same register-tile
+idea. Masked key tiles are removed after scheduling by `tvmattn.compiler.passes.skip_masked_key_tiles`.
 """
 
 from __future__ import annotations
