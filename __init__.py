@@ -7,14 +7,16 @@
 
 import os as _os
 
+# Absolute imports: pytest also imports this file as the repository folder (whatever its name).
+
 # TVM's CPU runtime starts with one thread unless told otherwise, and reads this once, at first use.
 _os.environ.setdefault("TVM_NUM_THREADS", str(len(_os.sched_getaffinity(0)) if hasattr(_os, "sched_getaffinity")
                                               else (_os.cpu_count() or 1)))
 
-from .compiler.build import compile  # noqa: E402,A004
-from .compiler.errors import TvmAttnError  # noqa: E402
-from .compiler.kernel import CompiledAttention  # noqa: E402
-from .compiler.oracle import reference  # noqa: E402
-from .compiler.spec import AttentionSpec  # noqa: E402
+from tvmattn.compiler.build import compile  # noqa: E402,A004
+from tvmattn.compiler.errors import TvmAttnError  # noqa: E402
+from tvmattn.compiler.kernel import CompiledAttention  # noqa: E402
+from tvmattn.compiler.oracle import reference  # noqa: E402
+from tvmattn.compiler.spec import AttentionSpec  # noqa: E402
 
 __all__ = ["AttentionSpec", "CompiledAttention", "TvmAttnError", "compile", "reference"]
