@@ -22,7 +22,7 @@ from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.target import Target
 
-from . import onnx_graph, onnx_patterns
+from . import onnx_graph, relax_patterns
 from .errors import TvmAttnError
 from .kernel import numpy_dtype
 from .onnx_converters import Node, find
@@ -119,7 +119,7 @@ def import_onnx(model: Any, target: Any = "cpu", *, arch: str | None = None) -> 
     kernels = Kernels(tgt)
     importer = _Importer(proto, kernels)
     mod = importer.convert()
-    mod = onnx_patterns.rewrite(mod, kernels, importer.provenance)
+    mod = relax_patterns.rewrite(mod, kernels, importer.provenance)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -128,7 +128,7 @@ def import_onnx(model: Any, target: Any = "cpu", *, arch: str | None = None) -> 
             raise TvmAttnError(f"TVM could not compile the imported model for {tgt.kind.name}: "
                                f"{str(err).strip().splitlines()[-1]}") from err
     report = ImportReport(proto.graph.name or "model", tgt.kind.name, list(kernels.replacements),
-                          onnx_patterns.remaining_softmax(mod, importer.provenance),
+                          relax_patterns.remaining_softmax(mod, importer.provenance),
                           time.perf_counter() - start)
     return ImportedModel(tgt, executable, _graph_inputs(proto), [o.name for o in proto.graph.output], report)
 

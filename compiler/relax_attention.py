@@ -55,8 +55,7 @@ class Kernels:
         gvar, how = self._kernel(bb, spec)
         shape = [sizes.expr(d) for d in spec.output_shape()]
         out = bb.emit(relax.call_tir(gvar, args, relax.TensorType(shape, spec.dtype)))
-        if spec.output == "attn":
-            self.replacements.append(Replacement(tuple(nodes), source, spec, gvar.name_hint, how))
+        self.replacements.append(Replacement(tuple(nodes), source, spec, gvar.name_hint, how))
         return out
 
     def _kernel(self, bb: relax.BlockBuilder, spec: AttentionSpec) -> tuple[relax.GlobalVar, str]:
@@ -69,8 +68,20 @@ class Kernels:
         return self._funcs[spec]
 
 
+_SCHEDULED: dict[tuple[AttentionSpec, str], tuple[tvm.IRModule, str]] = {}
+
+
 def _schedule(spec: AttentionSpec, target: Target) -> tuple[tvm.IRModule, str]:
-    """The target's schedule of ``spec``; where it cannot handle the shape, the generic one."""
+    """The target's schedule of ``spec``, cached: models repeat their attention shapes, and scheduling
+    is a pure function of the spec and the target (Targets compare by identity, hence their text)."""
+    key = (spec, str(target))
+    if key not in _SCHEDULED:
+        _SCHEDULED[key] = _schedule_uncached(spec, target)
+    return _SCHEDULED[key]
+
+
+def _schedule_uncached(spec: AttentionSpec, target: Target) -> tuple[tvm.IRModule, str]:
+    """The target's schedule; where it cannot handle the shape, the generic one."""
     try:
         return schedule_attention(spec, target)
     except Exception as err:  # s_tir raises ScheduleError (and others) for shapes a schedule did not plan for
@@ -151,6 +162,9 @@ def attend(bb: relax.BlockBuilder, kernels: Kernels, q: relax.Expr, k: relax.Exp
         qs, ks, vs = ([s[0], s[2], s[1], s[3]] for s in (qs, ks, vs))
     batch, heads, n_q, d_k = qs
     n_kv = ks[2]
+    if not (sizes.equal(ks[0], batch) and sizes.equal(ks[3], d_k) and sizes.equal(vs[0], batch)
+            and sizes.equal(vs[1], ks[1]) and sizes.equal(vs[2], n_kv)):
+        raise TvmAttnError(f"q {tuple(qs)}, k {tuple(ks)} and v {tuple(vs)} (as B, h, n, d) do not fit together")
     dtype = str(q.ty.dtype)
     if str(k.ty.dtype) != dtype or str(v.ty.dtype) != dtype:
         raise TvmAttnError(f"q, k and v have dtypes {dtype}, {k.ty.dtype}, {v.ty.dtype}: they must agree")
