@@ -106,7 +106,7 @@ class ImportedModel:
                     for g, w in zip(arr.shape, spec.shape)):
                 raise TvmAttnError(f"input {spec.name!r} has shape {arr.shape}; the model takes "
                                    f"{_pretty(spec.shape)}" + (f" with {sizes}" if sizes else ""))
-            args.append(np.ascontiguousarray(arr))
+            args.append(np.require(arr, requirements="C"))  # not ascontiguousarray: it makes scalars 1-D
         return args
 
 

@@ -91,6 +91,18 @@ def _schedule_uncached(spec: AttentionSpec, target: Target) -> tuple[tvm.IRModul
     return lowering_passes(spec, target)(sch.mod), f"generic schedule (the default one failed: {reason})"
 
 
+def _conform(bb: relax.BlockBuilder, x: relax.Expr, want: list, sizes: "Sizes", what: str) -> relax.Expr:
+    """``x`` with shape ``want``: as it is where provably so, through a run-time checked match_cast
+    where sizes are symbolic and unrelated (a model's "T" that must be "P + S"); an error if not."""
+    shape = shape_of(x, what)
+    if len(shape) == len(want) and all(sizes.equal(a, b) for a, b in zip(shape, want)):
+        return x
+    if len(shape) != len(want) or any(isinstance(a, tirx.IntImm) and isinstance(b, tirx.IntImm)
+                                      for a, b in zip(shape, want) if not sizes.equal(a, b)):
+        raise TvmAttnError(f"{what} has shape {tuple(shape)}, where the attention needs {tuple(want)}")
+    return bb.match_cast(x, relax.TensorType(want, str(x.ty.dtype)))
+
+
 class Sizes:
     """AttentionSpec sizes for Relax shape expressions: an int where static, else a name (the same name
     for provably equal expressions), so that one kernel serves every length."""
@@ -103,7 +115,7 @@ class Sizes:
         if isinstance(value, tirx.IntImm):
             return int(value.value)
         for known, expr in self._exprs.items():
-            if expr.dtype == value.dtype and self._analyzer.can_prove_equal(expr, value):
+            if self.equal(expr, value):
                 return known
         if isinstance(value, tirx.Var) and value.name.isidentifier():
             name = value.name
@@ -119,7 +131,7 @@ class Sizes:
     def equal(self, a: PrimExpr, b: PrimExpr) -> bool:
         if isinstance(a, tirx.IntImm) and isinstance(b, tirx.IntImm):
             return int(a.value) == int(b.value)
-        return a.dtype == b.dtype and self._analyzer.can_prove_equal(a, b)
+        return str(a.ty) == str(b.ty) and self._analyzer.can_prove_equal(a, b)
 
 
 def shape_of(expr: relax.Expr, what: str) -> list[PrimExpr]:
@@ -162,9 +174,9 @@ def attend(bb: relax.BlockBuilder, kernels: Kernels, q: relax.Expr, k: relax.Exp
         qs, ks, vs = ([s[0], s[2], s[1], s[3]] for s in (qs, ks, vs))
     batch, heads, n_q, d_k = qs
     n_kv = ks[2]
-    if not (sizes.equal(ks[0], batch) and sizes.equal(ks[3], d_k) and sizes.equal(vs[0], batch)
-            and sizes.equal(vs[1], ks[1]) and sizes.equal(vs[2], n_kv)):
-        raise TvmAttnError(f"q {tuple(qs)}, k {tuple(ks)} and v {tuple(vs)} (as B, h, n, d) do not fit together")
+    order = (0, 2, 1, 3) if layout == "BSHD" else (0, 1, 2, 3)
+    k = _conform(bb, k, [[batch, ks[1], n_kv, d_k][i] for i in order], sizes, "k")
+    v = _conform(bb, v, [[batch, ks[1], n_kv, vs[3]][i] for i in order], sizes, "v")
     dtype = str(q.ty.dtype)
     if str(k.ty.dtype) != dtype or str(v.ty.dtype) != dtype:
         raise TvmAttnError(f"q, k and v have dtypes {dtype}, {k.ty.dtype}, {v.ty.dtype}: they must agree")
@@ -186,18 +198,14 @@ def _broadcast_mask(bb: relax.BlockBuilder, mask: Mask, scores: list[PrimExpr], 
     shape = shape_of(mask.value, "the attention mask")
     if not 1 <= len(shape) <= 4:
         raise TvmAttnError(f"an attention mask of rank {len(shape)}: it must broadcast to (B, h, n, n_kv)")
-    shape = [tirx.IntImm("int64", 1)] * (4 - len(shape)) + shape
-    dims = ""
-    for axis, m, s in zip("bhst", shape, scores):
-        if isinstance(m, tirx.IntImm) and m.value == 1:
-            continue
-        if not sizes.equal(m, s):
-            raise TvmAttnError(f"an attention mask of shape {tuple(shape)} does not broadcast to the scores "
-                               f"(B, h, n, n_kv) = {tuple(scores)}")
-        dims += axis
+    one = tirx.IntImm("int64", 1)
+    shape = [one] * (4 - len(shape)) + shape
+    broadcast = [isinstance(m, tirx.IntImm) and m.value == 1 for m in shape]
+    dims = "".join(axis for axis, b in zip("bhst", broadcast) if not b)
     value = mask.value
     if len(shape_of(value, "the attention mask")) != 4:
         value = bb.emit(relax.op.reshape(value, shape))
+    value = _conform(bb, value, [one if b else s for b, s in zip(broadcast, scores)], sizes, "the attention mask")
     want = "bool" if mask.kind == "bool" else "float32"
     if str(value.ty.dtype) != want:
         value = bb.emit(relax.op.astype(value, want))

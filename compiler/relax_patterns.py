@@ -290,8 +290,9 @@ class _Match:
             if not isinstance(bias, tvm.ir.GenericConst):
                 return Mask(bias, "additive"), {}, None
             values = bias.value.numpy()
-            if np.all((values == 0) | (values == -np.inf)):  # it only hides keys: a bool mask
-                return (*_keep(values == 0, self._scores_shape()), values == 0)
+            keep = values == 0
+            if np.all(keep | (values <= _HUGE_NEGATIVE)) and _hides_only(keep, values):
+                return (*_keep(keep, self._scores_shape()), keep)
             return Mask(bias, "additive"), {}, values != -np.inf
         for cond, fill, negate in ((self.p.keep, self.p.keep_fill, False), (self.p.hide, self.p.hide_fill, True)):
             if cond in self.m:
@@ -304,7 +305,7 @@ class _Match:
             raise _NoMatch  # a moderate fill gives a fully masked row uniform weights, not what a mask does
         if isinstance(cond, tvm.ir.GenericConst):
             keep = cond.value.numpy() != negate
-            if fill == -np.inf:
+            if _hides_only(keep, np.where(keep, 0.0, fill)):
                 return (*_keep(keep, self._scores_shape()), keep)
             bias = np.where(keep, 0.0, fill).astype(np.float32)
             return Mask(relax.const(bias), "additive"), {}, np.ones_like(keep)
@@ -366,6 +367,12 @@ def _scalar(const: tvm.ir.GenericConst) -> float:
     if values.size != 1:
         raise _NoMatch
     return float(values.reshape(()))
+
+
+def _hides_only(keep: np.ndarray, bias: np.ndarray) -> bool:
+    """Whether a constant bias acts as the bool mask ``keep``: -inf where hidden, or a fill that
+    absorbs every score (≤ -1e30) in rows that keep a key (exp(fill - max) is then exactly 0)."""
+    return bool(np.all(bias[~keep] == -np.inf) or keep.any(axis=-1).all())
 
 
 def _keep(keep: np.ndarray, scores: tuple[int | None, ...]) -> tuple[Mask | None, dict]:
