@@ -26,6 +26,7 @@ from . import onnx_graph, relax_patterns
 from .errors import TvmAttnError
 from .kernel import numpy_dtype
 from .onnx_converters import Node, find
+from .onnx_shape_ops import SHAPE_FIXES
 from .relax_attention import Kernels, Replacement
 from .target import resolve_target
 
@@ -177,7 +178,12 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
         self._current = node
         convert = find(node) if node is not None else None
         if convert is None:
-            sym = super()._convert_operator(op_name, inputs, attrs, opset)
+            fix = SHAPE_FIXES.get(op_name)
+            sym = fix(list(inputs)) if fix is not None else None
+            if sym is None:
+                sym = super()._convert_operator(op_name, inputs, attrs, opset)
+            else:
+                sym = self.bb.normalize(sym)
             if node is not None:
                 self.provenance[sym] = node.name
             return sym
