@@ -97,7 +97,7 @@ def fold_static(model: onnx.ModelProto, keep: Iterable[tuple[str, str]] = ()) ->
         inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
     except Exception:  # onnx raises several error types; an uninferable model is simply not folded
         return model
-    shapes = _static_shapes(inferred.graph)
+    shapes = _known_dims(inferred.graph)
     consts: dict[str, np.ndarray] = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     kept: list[onnx.NodeProto] = []
     for node in model.graph.node:
@@ -119,27 +119,33 @@ def fold_static(model: onnx.ModelProto, keep: Iterable[tuple[str, str]] = ()) ->
     return out
 
 
-def _static_shapes(graph: onnx.GraphProto) -> dict[str, tuple[int, ...]]:
-    """Values whose shape inference found every dimension."""
+def _known_dims(graph: onnx.GraphProto) -> dict[str, tuple[int | None, ...]]:
+    """The shapes shape inference found, None for a dimension it could not size."""
     shapes = {}
     for info in list(graph.input) + list(graph.value_info) + list(graph.output):
         t = info.type.tensor_type
-        if t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim):
-            shapes[info.name] = tuple(d.dim_value for d in t.shape.dim)
+        if t.HasField("shape"):
+            shapes[info.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim)
     return shapes
 
 
-def _fold(node: onnx.NodeProto, consts: dict[str, np.ndarray], shapes: dict[str, tuple[int, ...]],
+def _fold(node: onnx.NodeProto, consts: dict[str, np.ndarray], shapes: dict[str, tuple[int | None, ...]],
           opset: int) -> dict[str, np.ndarray] | None:
     """The node's outputs if they are known now, else None."""
     if node.domain not in DEFAULT_DOMAINS or node.op_type in _NOT_FOLDABLE:
         return None
     if node.op_type in ("Shape", "Size") and node.input[0] not in consts:
         shape = shapes.get(node.input[0])
-        if shape is None:
+        value = _shape_value(node, shape) if shape is not None else None
+        if value is None:  # partly known: a Gather may still pick a static dimension of it
+            if node.op_type == "Shape" and shape is not None:
+                shapes[node.output[0]] = _shape_slice(node, shape)
             return None
-        value = _shape_value(node, shape)
-        return {node.output[0]: value} if value is not None else None
+        return {node.output[0]: value}
+    if node.op_type == "Gather" and node.input[0] in shapes and node.input[1] in consts and node.input[0] not in consts:
+        picked = np.asarray(shapes[node.input[0]], dtype=object)[consts[node.input[1]]]
+        known = all(d is not None for d in np.ravel(picked))
+        return {node.output[0]: np.asarray(picked, dtype=np.int64)} if known else None
     inputs = [i for i in node.input if i]
     if any(i not in consts for i in inputs):
         return None
@@ -152,9 +158,16 @@ def _fold(node: onnx.NodeProto, consts: dict[str, np.ndarray], shapes: dict[str,
     return {name: np.asarray(r) for name, r in zip(node.output, results) if name}
 
 
-def _shape_value(node: onnx.NodeProto, shape: tuple[int, ...]) -> np.ndarray | None:
+def _shape_value(node: onnx.NodeProto, shape: tuple[int | None, ...]) -> np.ndarray | None:
+    """A Shape or Size node's value where every dimension it reports is known."""
+    dims = shape if node.op_type == "Size" else _shape_slice(node, shape)
+    if any(d is None for d in dims):
+        return None
     if node.op_type == "Size":
-        return np.array(int(np.prod(shape)), dtype=np.int64)
+        return np.array(int(np.prod(dims)), dtype=np.int64)
+    return np.array(dims, dtype=np.int64)
+
+
+def _shape_slice(node: onnx.NodeProto, shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    start, end = attrs.get("start", 0), attrs.get("end", None)
-    return np.array(shape[slice(start, end)], dtype=np.int64)
+    return shape[slice(attrs.get("start", 0), attrs.get("end", None))]
