@@ -70,7 +70,8 @@ class _Builder:
             o = self.op("MatMul", self.attention(q, k, v, "BSH"), "w_o")
         else:
             o = self.attention("q", "k", "v", spec.layout)
-        out = helper.make_tensor_value_info(o, self.elem, list(spec.output_shape()))
+        self.nodes[-1].output[0] = "out"
+        out = helper.make_tensor_value_info("out", self.elem, list(spec.output_shape()))
         graph = helper.make_graph(self.nodes, "tvmattn_attention", inputs, [out], initializer=self.inits)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", self.opset)],
                                   producer_name="tvmattn", doc_string=spec.describe())
