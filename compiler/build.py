@@ -9,7 +9,6 @@ import tvm
 from tvm.target import Target
 
 from tvmattn import schedules
-from tvmattn.schedules.knobs import describe
 
 from . import passes
 from .errors import TvmAttnError
@@ -37,8 +36,8 @@ def schedule_attention(spec: AttentionSpec, target: Target,
     """
     spec.validate()
     func = attention_te(spec).prim_func()
-    sch, values = schedules.default_schedule(func, spec, target, knobs)
-    return lowering_passes(spec, target)(sch.mod), f"default schedule ({describe(values) or 'dlight rules'})"
+    sch, how = schedules.default_schedule(func, spec, target, knobs)
+    return lowering_passes(spec, target)(sch.mod), f"default schedule ({how})"
 
 
 def lowering_passes(spec: AttentionSpec, target: Target) -> tvm.transform.Pass:
@@ -47,6 +46,13 @@ def lowering_passes(spec: AttentionSpec, target: Target) -> tvm.transform.Pass:
     if is_cpu(target):
         seq.append(passes.polynomial_exp())
     return tvm.transform.Sequential(seq)
+
+
+def lower(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
+    """The TIR that code generation would see (flat loops and allocations): for inspection."""
+    bound = target if target.host is not None else target.with_host(target)
+    mod = tvm.tirx.transform.BindTarget(bound)(mod)
+    return tvm.tirx.get_default_tir_pipeline(target)[0](mod)
 
 
 def build_module(mod: tvm.IRModule, spec: AttentionSpec, target: Target) -> tvm.runtime.Executable:

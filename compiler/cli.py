@@ -182,6 +182,29 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"tvmattn: error: {message} (see {self.prog} --help)\n")
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    specs = bench.suite(args.suite) if args.suite else [spec_from_args(args)]
+    peers = tuple(p for p in args.peers.split(",") if p) if args.peers is not None else tuple(bench.PEERS)
+    unknown = set(peers) - set(bench.PEERS)
+    if unknown:
+        raise TvmAttnError(f"unknown peer(s) {sorted(unknown)}: choose from {', '.join(bench.PEERS)}")
+    peak = bench.fp32_peak_gflops()
+    print(f"{bench.cpu_cores()} threads; FP32 peak measured with NumPy sgemm: {peak:.0f} GFLOP/s; "
+          f"tvmattn × = peer time / tvmattn time")
+    results = []
+    for spec in specs:
+        rows = bench.bench(spec, peers, args.budget, args.target)
+        print(bench.table(rows, peak), flush=True)
+        results += rows
+    if args.json:
+        bench.write_json(results, peak, args.json)
+    if args.plot:
+        bench.plot(results, args.plot)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tvmattn", description=__doc__.splitlines()[0].strip())
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -198,6 +221,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--at", action="append", help="values of symbolic sizes, e.g. --at n=100 (default 1, 37, 128)")
     p.set_defaults(run=cmd_verify)
+
+    p = sub.add_parser("bench", help="time tvmattn against PyTorch, ONNX Runtime and NumPy in one process")
+    add_spec_flags(p)
+    add_target_flags(p)
+    p.add_argument("--suite", help="a benchmark suite instead of one spec: default")
+    p.add_argument("--peers", help="comma-separated subset of torch,onnxruntime,numpy ('' for none)")
+    p.add_argument("--budget", type=float, default=1.0, help="seconds of timed runs per implementation")
+    p.add_argument("--json", help="write the results to this JSON file")
+    p.add_argument("--plot", help="draw GFLOP/s against sequence length to this PNG (needs matplotlib)")
+    p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("explain", help="the shape trace: each stage's shape, FLOPs and bytes")
     add_spec_flags(p)

@@ -24,20 +24,22 @@ from tvm.tirx import For, ForKind, PrimFunc
 
 from . import mask
 from .spec import AttentionSpec
-from .te_attention import ROLES
+from .te_attention import KEY_STAGE
 
 
 # ---- block skipping ------------------------------------------------------------------------------
 def skip_masked_key_tiles(spec: AttentionSpec) -> tvm.transform.Pass:
     """A PrimFunc pass that removes the key-loop iterations the mask of ``spec`` hides.
 
-    For every block with ``tvmattn.roles`` (the stages that range over keys), with query index
-    ``s`` and key index ``t = c·L + r`` where L is the outermost loop that t depends on:
+    For every key stage (blocks marked ``tvmattn.key_stage``; their iterators v_b, v_s, v_t are the
+    batch, query and key), with key index ``t = c·L + r`` where L is the outermost loop t depends on:
       1. the queries the block meets inside L: [s_lo, s_hi] (loops inside L relaxed),
       2. the keys those queries see: [t_lo, t_hi) = `mask.key_range`,
       3. L's iterations that reach them: ceil((t_lo - r_max)/c) <= L < ceil((t_hi - r_min)/c).
-    A loop shared by several blocks keeps the union of their ranges. Loops the analysis cannot
-    prove affine are left whole, which is always correct.
+    A loop shared by several blocks keeps the union of their ranges. Each stage reads only keys its
+    producer computed, because a consumer's queries are a subset of its producer's. If any key stage
+    cannot be analysed (its key loop is not serial and affine, or a schedule renamed its iterators),
+    nothing is skipped: a producer skipping keys that a consumer still reads would be wrong.
     """
 
     @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.SkipMaskedKeyTiles")
@@ -47,8 +49,7 @@ def skip_masked_key_tiles(spec: AttentionSpec) -> tvm.transform.Pass:
             return func
         kv_lens = next((p for p in func.params if p.name == "kv_lens"), None)
         ranges = _KeyLoopRanges(spec, kv_lens)
-        ranges.visit(func.body, [])
-        if not ranges.bounds:
+        if not ranges.visit(func.body) or not ranges.bounds:
             return func
         # A loop-dependent extent makes TVM's buffer compaction size a tile by the extent's constant
         # bound; with a symbolic key length that bound is 2^31. Then the loop keeps its extent and a
@@ -66,52 +67,57 @@ class _KeyLoopRanges:
     bounds: "_LoopBounds" = field(default_factory=lambda: _LoopBounds())
     analyzer: Analyzer = field(default_factory=Analyzer)
 
-    def visit(self, stmt, loops: list[For]) -> None:
+    def visit(self, stmt) -> bool:
+        """Collect the new loop ranges; False if some key stage could not be analysed."""
+        loops: list[For] = []
+        ok = [True]
+
         def on_for(node, visitor):
             loops.append(node)
             visitor.default_visit(node)
             loops.pop()
 
         def on_realize(node, visitor):
-            roles = node.block.annotations.get(ROLES)
-            if roles is not None:
-                self._analyse(node, str(roles), loops)
+            if KEY_STAGE in node.block.annotations:
+                ok[0] &= self._analyse(node, loops)
             visitor.default_visit(node)
 
         tvm_ffi.structural_visit(stmt, [(For, on_for), (SBlockRealize, on_realize)])
+        return ok[0]
 
-    def _analyse(self, realize: SBlockRealize, roles: str, loops: list[For]) -> None:
-        iters = dict(zip(roles, zip(realize.block.iter_vars, realize.iter_values)))
-        if "s" not in iters or "t" not in iters:
-            return
-        (s_iter, s), (t_iter, t) = iters["s"], iters["t"]
+    def _analyse(self, realize: SBlockRealize, loops: list[For]) -> bool:
+        iters = {iv.var.name: (iv, value) for iv, value in zip(realize.block.iter_vars, realize.iter_values)}
+        if "v_t" not in iters:
+            # a reduction's init runs over no key; a key axis split into new iterators (rfactor: vt_0,
+            # vt_1) is one this analysis cannot follow
+            return not any(name.startswith("vt") for name in iters)
+        if "v_s" not in iters or (self.spec.key_padding and "v_b" not in iters):
+            return False
+        (s_iter, s), (t_iter, t) = iters["v_s"], iters["v_t"]
         depends = [i for i, loop in enumerate(loops) if _uses(t, loop.loop_var)]
         if not depends:
-            return
-        key_loop = loops[depends[0]]
-        if key_loop.kind != ForKind.SERIAL:
-            return
-        inner = {lp.loop_var: IntervalSet(lp.min, lp.min + lp.extent - 1) for lp in loops[depends[0]:]}
-        b = iters["b"][1] if "b" in iters else None
-        if _uses(s, key_loop.loop_var):  # the queries must stay put while the key loop runs
-            return
-        if b is not None and any(_uses(b, lp.loop_var) for lp in loops[depends[0]:]):
-            return
+            return True  # a single key: nothing to skip
+        key_loop, inside = loops[depends[0]], loops[depends[0]:]
+        b = iters["v_b"][1] if "v_b" in iters else None
+        if (key_loop.kind != ForKind.SERIAL or _uses(s, key_loop.loop_var)
+                or (b is not None and any(_uses(b, lp.loop_var) for lp in inside))):
+            return False  # queries (or the batch) would move while the key loop runs
         coeffs = detect_linear_equation(t, [key_loop.loop_var])
         if len(coeffs) != 2 or not isinstance(coeffs[0], tirx.IntImm) or coeffs[0].value <= 0:
-            return
+            return False
         c, rest = coeffs[0].value, coeffs[1]
-        s_set = self.analyzer.int_set(s, inner)
-        r_set = self.analyzer.int_set(rest, inner)
-        n_q = s_iter.dom.extent
+        relax = {lp.loop_var: IntervalSet(lp.min, lp.min + lp.extent - 1) for lp in inside}
+        s_set = self.analyzer.int_set(s, relax)
+        r_set = self.analyzer.int_set(rest, relax)
         kv_len = tirx.BufferLoad(self.kv_lens, [b]) if self.spec.key_padding else t_iter.dom.extent
-        t_lo, t_hi = mask.key_range(self.spec, s_set.min_value, s_set.max_value, kv_len, n_q)
+        t_lo, t_hi = mask.key_range(self.spec, s_set.min_value, s_set.max_value, kv_len, s_iter.dom.extent)
         lo, hi = key_loop.min, key_loop.min + key_loop.extent
         if t_lo is not None:
             lo = tirx.max(lo, tirx.floordiv(t_lo - r_set.max_value + (c - 1), c))
         if t_hi is not None:
             hi = tirx.min(hi, tirx.floordiv(t_hi - r_set.min_value + (c - 1), c))
         self.bounds.add(key_loop.loop_var, self.analyzer.simplify(lo), self.analyzer.simplify(hi))
+        return True
 
 
 class _LoopBounds:

@@ -17,8 +17,9 @@ The core kernel (``projections=False``) starts at q, k, v in the spec's layout a
 that layout, or, when ``spec.output`` names one, at an intermediate (B,h,n,n_kv) stage. Cross-attention,
 GQA, both layouts and broadcast masks only change index maps.
 
-Blocks that range over keys carry ``tvmattn.roles``: one letter per block iterator (spatial ones,
-then reduction ones): b batch, h head, s query, t key, '.' other. The block-skipping pass reads it.
+Axis names are part of the contract: b batch, i query head, s query position, t key position,
+e the q·k dot product, c a value column. TVM names a block's iterators after them (v_b, v_s, v_t, …),
+and the stages that range over keys carry ``tvmattn.key_stage``: the block-skipping pass reads both.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from . import mask
 from .spec import MASK_AXES, AttentionSpec, Dim
 
 ACC = "float32"  # accumulation dtype, whatever the input dtype
-ROLES = "tvmattn.roles"
+KEY_STAGE = "tvmattn.key_stage"
 
 
 @dataclass
@@ -108,7 +109,7 @@ def attention_te(spec: AttentionSpec) -> AttentionTE:
     scores = te.compute(
         (B, h, n, n_kv),
         lambda b, i, s, t: te.sum(q_at(b, i, s, e).astype(ACC) * k_at(b, i // g, t, e).astype(ACC), axis=e),
-        name="scores", attrs={ROLES: "bhst."})
+        name="scores", attrs={KEY_STAGE: 1})
     scale = tirx.const(spec.softmax_scale, ACC)
 
     def scaled(b, i, s, t):
@@ -123,22 +124,22 @@ def attention_te(spec: AttentionSpec) -> AttentionTE:
             x = x + mask_at(b, i, s, t)
         return tirx.Select(visible(b, i, s, t), x, -tirx.infinity(ACC))
 
-    logits = te.compute((B, h, n, n_kv), logit, name="logits", attrs={ROLES: "bhst"})
+    logits = te.compute((B, h, n, n_kv), logit, name="logits", attrs={KEY_STAGE: 1})
     t = te.reduce_axis((0, n_kv), "t")
     row_max = te.compute((B, h, n), lambda b, i, s: te.max(logits[b, i, s, t], axis=t),
-                         name="row_max", attrs={ROLES: "bhst"})
+                         name="row_max", attrs={KEY_STAGE: 1})
     probs = te.compute(
         (B, h, n, n_kv),
         lambda b, i, s, t: tirx.Select(visible(b, i, s, t), tirx.exp(logits[b, i, s, t] - row_max[b, i, s]),
                                        tirx.const(0, ACC)),
-        name="probs", attrs={ROLES: "bhst"})
+        name="probs", attrs={KEY_STAGE: 1})
     t = te.reduce_axis((0, n_kv), "t")
     row_sum = te.compute((B, h, n), lambda b, i, s: te.sum(probs[b, i, s, t], axis=t),
-                         name="row_sum", attrs={ROLES: "bhst"})
+                         name="row_sum", attrs={KEY_STAGE: 1})
     t = te.reduce_axis((0, n_kv), "t")
     pv = te.compute((B, h, n, d_v),
                     lambda b, i, s, c: te.sum(probs[b, i, s, t] * v_at(b, i // g, t, c).astype(ACC), axis=t),
-                    name="pv", attrs={ROLES: "bhs.t"})
+                    name="pv", attrs={KEY_STAGE: 1})
 
     def normalise(b, i, s, c):
         total = row_sum[b, i, s]
@@ -151,20 +152,19 @@ def attention_te(spec: AttentionSpec) -> AttentionTE:
             return tirx.Select(total > 0, probs[b, i, s, t] / total, tirx.const(0, ACC))
 
         stage = {"scaled_scores": scaled, "logits": logits, "weights": weight}[spec.output]
-        # No roles: key-tile skipping must not apply here, the hidden entries are part of the output.
-        out = te.compute((B, h, n, n_kv), lambda *i: stage(*i).astype(dt), name=spec.output)
+        # Not a key stage: key-tile skipping must not apply here, the hidden entries are part of the output.
+        out = te.compute((B, h, n, n_kv), lambda b, i, s, t: stage(b, i, s, t).astype(dt), name=spec.output)
         stages[spec.output] = out
     elif spec.projections:
-        attn = te.compute((B, h, n, d_v), normalise, name="attn", attrs={ROLES: "bhs."})
+        attn = te.compute((B, h, n, d_v), normalise, name="attn")
         merged = te.compute((B, n, h * d_v), lambda b, s, m: attn[b, m // d_v, s, m % d_v], name="merged")
         out = _linear(merged, w_o, "out")
         stages.update(attn=attn, merged=merged, out=out)
     elif spec.layout == "BHSD":
-        out = te.compute((B, h, n, d_v), normalise, name="attn", attrs={ROLES: "bhs."})
+        out = te.compute((B, h, n, d_v), normalise, name="attn")
         stages["attn"] = out
     else:
-        out = te.compute((B, n, h, d_v), lambda b, s, i, c: normalise(b, i, s, c), name="attn",
-                         attrs={ROLES: "bsh."})
+        out = te.compute((B, n, h, d_v), lambda b, s, i, c: normalise(b, i, s, c), name="attn")
         stages["attn"] = out
     return AttentionTE(spec, inputs, out, stages, dims)
 

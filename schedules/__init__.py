@@ -35,8 +35,8 @@ def for_target(target: Target, spec: AttentionSpec | None = None) -> ModuleType:
 
 
 def default_schedule(func: PrimFunc, spec: AttentionSpec, target: Target,
-                     knobs: Mapping[str, KnobValue] | None = None) -> tuple[Schedule, dict[str, KnobValue]]:
-    """The target's schedule of ``func`` with default knobs (overridden by ``knobs``)."""
+                     knobs: Mapping[str, KnobValue] | None = None) -> tuple[Schedule, str]:
+    """The target's schedule of ``func`` with default knobs (overridden by ``knobs``), and what it is."""
     rules = for_target(target, spec)
     values = resolve(rules.KNOBS, knobs)
-    return rules.apply(Schedule(func), spec, target, values), values
+    return rules.apply(Schedule(func), spec, target, values), rules.describe(spec, target, values)

@@ -31,14 +31,32 @@ from .knobs import Knob, KnobValue
 KNOBS = (
     Knob("q_tile", (8, 16, 24, 32, 48, 64), 16, "queries per parallel task (a multiple of the vector width)"),
     Knob("qk_keys", (1, 2, 3, 4, 6, 8), 4, "keys per QKᵀ register tile"),
-    Knob("pv_rows", (1, 2, 3, 4, 6), 4, "queries per P·V register tile"),
+    Knob("pv_rows", (1, 2, 3, 4, 6), 4, "queries per P·V register tile (at most: a divisor of q_tile)"),
     Knob("pv_vecs", (1, 2, 3, 4), 2, "vectors of d_v per P·V register tile"),
+    Knob("key_chunks", (2, 4, 8, 16, 32), 8,
+         "key chunks run in parallel when (batch, head) pairs are few (at most: a divisor of n_kv)"),
     Knob("gemm_rows", (1, 2, 3, 4, 6, 8), 4, "rows per projection register tile"),
     Knob("gemm_vecs", (1, 2, 3, 4), 2, "vectors of columns per projection register tile"),
+    Knob("gemm_block_rows", (1, 4, 8, 16, 32), 16, "register tiles of rows per projection task"),
+    Knob("gemm_block_cols", (1, 2, 4, 8), 4, "register tiles of columns per projection task"),
 )
 
 INLINED = ("q_heads", "k_heads", "v_heads", "logits", "merged")
 PER_TILE = ("pv", "row_sum", "probs", "row_max", "scores")  # consumers first, for compute_at
+
+
+def describe(spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> str:
+    """Which variant ``apply`` builds for ``spec``, with the knobs it reads."""
+    lanes = vector_lanes(target)
+    if _few_tasks_of_one_query(spec, target, lanes) and _divisor_at_most(spec.n_kv, knobs["key_chunks"]) > 1:
+        used = ["key_chunks"]
+        what = f"split-K decode over {_divisor_at_most(spec.n_kv, knobs['key_chunks'])} key chunks"
+    else:
+        used = ["q_tile", "qk_keys", "pv_rows", "pv_vecs"]
+        what = f"query tiles × {lanes}-lane vectors"
+    if spec.projections:
+        used += ["gemm_rows", "gemm_vecs", "gemm_block_rows", "gemm_block_cols"]
+    return f"{what}: " + " ".join(f"{name}={knobs[name]}" for name in used)
 
 
 def apply(sch: Schedule, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> Schedule:
@@ -47,7 +65,11 @@ def apply(sch: Schedule, spec: AttentionSpec, target: Target, knobs: Mapping[str
     for name in INLINED:
         if _has_block(sch, name):
             sch.compute_inline(sch.get_sblock(name))
-    _attention_core(sch, spec, lanes, knobs)
+    chunks = _divisor_at_most(spec.n_kv, _int(sch, knobs["key_chunks"]))  # rfactor drops tail predicates
+    if _few_tasks_of_one_query(spec, target, lanes) and chunks > 1:
+        _split_keys(sch, spec, lanes, chunks)
+    else:
+        _attention_core(sch, spec, lanes, knobs)
     for name in ("q_proj", "k_proj", "v_proj", "out"):
         if _has_block(sch, name):
             _gemm(sch, name, lanes, knobs)
@@ -55,7 +77,12 @@ def apply(sch: Schedule, spec: AttentionSpec, target: Target, knobs: Mapping[str
 
 
 def _attention_core(sch: Schedule, spec: AttentionSpec, lanes: int, k: Mapping[str, KnobValue]) -> None:
-    q_tile = _int(sch, k["q_tile"])
+    tile_factor = _at_most(sch, k["q_tile"], spec.n_q)  # a few queries (decode): one exact tile
+    q_tile = _int(sch, tile_factor)
+    s_lanes = _lanes_for(q_tile, lanes)  # queries per vector
+    by_head_dim = s_lanes == 1 and _lanes_for(spec.d_k, lanes) > 1  # one query (decode): vectors along d_k
+    if by_head_dim:
+        scores_rf = _split_head_dim(sch, _lanes_for(spec.d_k, lanes))
     # Tile-local buffers are laid out (query tile, key, query in tile): vectors run along queries, and
     # the tile axis makes their compacted size q_tile × n_kv even when lengths are symbolic.
     by_tile = lambda b, i, s, *rest: (b, i, s // q_tile, *rest, s % q_tile)  # noqa: E731
@@ -65,29 +92,93 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, lanes: int, k: Mapping[s
                          lambda b, i, s, c: (b, i, s // q_tile, s % q_tile, c), assume_injective_transform=True)
 
     attn = sch.get_sblock("attn")
-    loops = dict(zip(_roles(sch, attn), sch.get_loops(attn)))
-    s_tile, s_in = sch.split(loops["s"], [None, k["q_tile"]])
-    sch.reorder(loops["b"], loops["h"], s_tile, s_in, loops["."])
-    task = sch.fuse(loops["b"], loops["h"], s_tile)
+    loops = _loops_by_axis(sch, attn)
+    s_tile, s_in = sch.split(loops["s"], [None, tile_factor])
+    sch.reorder(loops["b"], loops["i"], s_tile, s_in, loops["c"])
+    task = sch.fuse(loops["b"], loops["i"], s_tile)
     sch.parallel(task)
-    _vectorize(sch, loops["."], spec.d_v, lanes)
+    _vectorize(sch, loops["c"], spec.d_v, lanes)
     for name in PER_TILE:
-        sch.compute_at(sch.get_sblock(name), task, preserve_unit_loops=False)
+        sch.compute_at(sch.get_sblock(name), task, preserve_unit_loops=True)
 
-    _pack_queries(sch, spec, task, q_tile)
-    _scores(sch, lanes, k)
+    if by_head_dim:
+        _scores_along_head_dim(sch, scores_rf)
+    else:
+        _pack_queries(sch, spec, task, q_tile)
+        _scores(sch, s_lanes, _at_most(sch, k["qk_keys"], spec.n_kv))
     for name in ("row_max", "row_sum"):
         blk = sch.get_sblock(name)
         s, t = sch.get_loops(blk)[-2:]
-        s_out, s_vec = sch.split(s, [None, lanes])
+        s_out, s_vec = sch.split(s, [None, s_lanes])
         sch.reorder(s_out, t, s_vec)
-        sch.vectorize(s_vec)
+        _vectorize(sch, s_vec, s_lanes, s_lanes)
         sch.decompose_reduction(blk, t)
     probs = sch.get_sblock("probs")
     s, t = sch.get_loops(probs)[-2:]
     sch.reorder(t, s)
-    sch.vectorize(sch.split(s, [None, lanes])[1])
-    _weights_v(sch, spec, lanes, k)
+    if s_lanes > 1:
+        _vectorize(sch, s, q_tile, s_lanes)
+    else:  # one query: the keys are contiguous
+        _vectorize(sch, t, spec.n_kv if isinstance(spec.n_kv, int) else None, lanes)
+    # whole row groups per tile: a partial group's accumulator has a loop-dependent size
+    _weights_v(sch, spec, lanes, _divisor_at_most(q_tile, _int(sch, k["pv_rows"])), k["pv_vecs"])
+
+
+def _few_tasks_of_one_query(spec: AttentionSpec, target: Target, lanes: int) -> bool:
+    """Decode with fewer (batch, head) pairs than twice the cores: only the keys can keep them busy."""
+    sizes = (spec.batch, spec.n_q, spec.n_kv)
+    if any(isinstance(x, str) for x in sizes) or spec.n_q > 1 or _lanes_for(spec.d_k, lanes) == 1:
+        return False
+    cores = int(target.attrs.get("num-cores", 1))
+    return spec.batch * spec.h < 2 * cores and spec.n_kv >= 64 * cores
+
+
+def _divisor_at_most(n, limit: int) -> int:
+    """The largest factor of ``n`` up to ``limit`` (1 when n is symbolic)."""
+    if not isinstance(n, int):
+        return 1
+    return max(d for d in range(1, limit + 1) if n % d == 0)
+
+
+def _split_keys(sch: Schedule, spec: AttentionSpec, lanes: int, chunks: int) -> None:
+    """Split-K decode: every key reduction becomes per-chunk partials computed in parallel (rfactor)
+    and a small combine; scores and probs run in parallel over key chunks directly. ``chunks``
+    divides n_kv.
+
+        scores[t]              parallel over chunks of t     (dot products along d_k, `_scores_along_head_dim`)
+        row_max_rf[chunk]      parallel  → row_max = max over chunks
+        probs[t]               parallel over chunks of t
+        row_sum_rf[chunk], pv_rf[chunk, c]   parallel → sums over chunks
+    """
+    scores_rf = _split_head_dim(sch, _lanes_for(spec.d_k, lanes))
+    partial = {}
+    for name in ("row_max", "row_sum", "pv"):
+        t = sch.get_loops(sch.get_sblock(name))[-1]
+        chunk, _ = sch.split(t, [chunks, None])
+        partial[name] = sch.rfactor(chunk, 0)
+    attn = sch.get_sblock("attn")
+    loops = _loops_by_axis(sch, attn)
+    sch.reorder(loops["b"], loops["i"], loops["s"], loops["c"])
+    task = sch.fuse(loops["b"], loops["i"], loops["s"])  # few: serial, the parallelism is inside
+    _vectorize(sch, loops["c"], spec.d_v, lanes)
+    for blk in (sch.get_sblock("pv"), partial["pv"], sch.get_sblock("row_sum"), partial["row_sum"],
+                sch.get_sblock("probs"), sch.get_sblock("row_max"), partial["row_max"], sch.get_sblock("scores")):
+        sch.compute_at(blk, task, preserve_unit_loops=True)
+
+    _scores_along_head_dim(sch, scores_rf, chunks)
+    for name in ("row_max", "row_sum"):
+        chunk = sch.get_loops(partial[name])[-5]  # (chunk, b, i, s, t_in)
+        sch.parallel(chunk)
+    probs_t = sch.get_loops(sch.get_sblock("probs"))[-1]
+    chunk, t_in = sch.split(probs_t, [chunks, None])
+    sch.parallel(chunk)
+    _vectorize(sch, t_in, None, lanes)
+    chunk, *_, c, t_in = sch.get_loops(partial["pv"])[-6:]  # (chunk, b, i, s, c, t_in)
+    sch.reorder(t_in, c)
+    sch.parallel(chunk)
+    _vectorize(sch, c, spec.d_v, lanes)
+    sch.decompose_reduction(partial["pv"], t_in)
+    _vectorize(sch, sch.get_loops(sch.get_sblock("pv"))[-1], spec.d_v, lanes)
 
 
 def _pack_queries(sch: Schedule, spec: AttentionSpec, task, q_tile: int) -> None:
@@ -96,7 +187,7 @@ def _pack_queries(sch: Schedule, spec: AttentionSpec, task, q_tile: int) -> None
     reads = [r.source.name for r in sch.get(scores).reads]
     q_index = next(i for i, name in enumerate(reads) if name in ("q", "q_proj"))
     panel = sch.cache_read(scores, q_index, "global")
-    sch.compute_at(panel, task, preserve_unit_loops=False)
+    sch.compute_at(panel, task, preserve_unit_loops=True)
     if spec.projections:  # q_proj (B, n, h·d_k)
         layout = lambda b, s, m: (b, s // q_tile, m, s % q_tile)  # noqa: E731
     elif spec.layout == "BHSD":
@@ -106,38 +197,67 @@ def _pack_queries(sch: Schedule, spec: AttentionSpec, task, q_tile: int) -> None
     sch.transform_layout(panel, ("write", 0), layout, assume_injective_transform=True)
 
 
-def _scores(sch: Schedule, lanes: int, k: Mapping[str, KnobValue]) -> None:
-    """acc[qk_keys keys][q_tile queries] += k[t, e] · q[e, s], over e, in registers."""
+def _scores(sch: Schedule, lanes: int, keys_factor: KnobValue) -> None:
+    """acc[qk_keys keys][q_tile queries] += k[t, e] · q[e, s], over e, in registers (``lanes``
+    queries per vector)."""
     scores = sch.get_sblock("scores")
     s, t, e = sch.get_loops(scores)[-3:]
-    keys = _int(sch, k["qk_keys"])
-    t_out, t_in = sch.split(t, [None, k["qk_keys"]])
+    keys = _int(sch, keys_factor)
+    t_out, t_in = sch.split(t, [None, keys_factor])
     s_out, s_vec = sch.split(s, [None, lanes])
     sch.reorder(t_out, e, t_in, s_out, s_vec)
     acc = sch.cache_write(scores, 0, "local")
     sch.transform_layout(scores, ("write", 0), lambda b, i, st, t, s: (b, i, st, t // keys, t % keys, s),
                          assume_injective_transform=True)
-    sch.reverse_compute_at(acc, t_out, preserve_unit_loops=False)
+    sch.reverse_compute_at(acc, t_out, preserve_unit_loops=True)
     sch.unroll(t_in)
     sch.unroll(s_out)
-    sch.vectorize(s_vec)
-    sch.vectorize(sch.split(sch.get_loops(acc)[-1], [None, lanes])[1])
+    _vectorize(sch, s_vec, lanes, lanes)
+    _vectorize(sch, sch.get_loops(acc)[-1], None, lanes)
     sch.decompose_reduction(scores, e)
 
 
-def _weights_v(sch: Schedule, spec: AttentionSpec, lanes: int, k: Mapping[str, KnobValue]) -> None:
+def _split_head_dim(sch: Schedule, lanes: int):
+    """Before anything moves: scores = Σ_lane Σ_e_out q·k, each inner sum one vector lane."""
+    scores = sch.get_sblock("scores")
+    *_, e = sch.get_loops(scores)
+    _, e_lane = sch.split(e, [None, lanes])
+    return sch.rfactor(e_lane, 0)
+
+
+def _scores_along_head_dim(sch: Schedule, scores_rf, chunks: KnobValue | None = None) -> None:
+    """Per key: lanes partial dot products over d_k (one vector FMA per step), then their sum;
+    with ``chunks``, the keys run in that many parallel chunks.
+
+    The blocks' loops follow their iterators: scores (e_lane, b, i, s, t) and, inside one key,
+    scores_rf (e_lane, b, i, s, t, e_out).
+    """
+    scores = sch.get_sblock("scores")
+    e_lane, *_, t = sch.get_loops(scores)[-5:]
+    sch.reorder(t, e_lane)
+    if chunks is not None:
+        chunk, t = sch.split(t, [chunks, None])
+        sch.parallel(chunk)
+    sch.compute_at(scores_rf, t, preserve_unit_loops=True)
+    e_lane, *_, e_out = sch.get_loops(scores_rf)[-6:]
+    sch.reorder(e_out, e_lane)
+    sch.vectorize(e_lane)
+    sch.decompose_reduction(scores_rf, e_out)
+
+
+def _weights_v(sch: Schedule, spec: AttentionSpec, lanes: int, rows_factor: KnobValue, vecs: KnobValue) -> None:
     """acc[pv_rows queries][pv_vecs·lanes of d_v] += probs[t, s] · v[t, c], over t, in registers."""
     pv = sch.get_sblock("pv")
     s, c, t = sch.get_loops(pv)[-3:]
-    rows = _int(sch, k["pv_rows"])
-    s_out, s_in = sch.split(s, [None, k["pv_rows"]])
+    rows = _int(sch, rows_factor)
+    s_out, s_in = sch.split(s, [None, rows_factor])
     lanes_c = _lanes_for(spec.d_v, lanes)
-    c_out, c_mid, c_vec = sch.split(c, [None, k["pv_vecs"] if lanes_c == lanes else 1, lanes_c])
+    c_out, c_mid, c_vec = sch.split(c, [None, vecs if lanes_c == lanes else 1, lanes_c])
     sch.reorder(s_out, c_out, t, s_in, c_mid, c_vec)
     acc = sch.cache_write(pv, 0, "local")
     sch.transform_layout(pv, ("write", 0), lambda b, i, st, s, c: (b, i, st, s // rows, s % rows, c),
                          assume_injective_transform=True)
-    sch.reverse_compute_at(acc, c_out, preserve_unit_loops=False)
+    sch.reverse_compute_at(acc, c_out, preserve_unit_loops=True)
     sch.unroll(s_in)
     sch.unroll(c_mid)
     _vectorize(sch, c_vec, lanes_c, lanes_c)
@@ -153,13 +273,18 @@ def _gemm(sch: Schedule, name: str, lanes: int, k: Mapping[str, KnobValue]) -> N
     width = int(sch.get(m).extent)
     # Row tiles stay inside one sequence: a tile crossing a batch boundary would make the
     # accumulator's region non-rectangular, and its write-back would cover rows it never computed.
-    r_out, r_in = sch.split(s, [None, k["gemm_rows"]])
+    r_task, r_out, r_in = sch.split(s, [None, k["gemm_block_rows"], k["gemm_rows"]])
     lanes_m = _lanes_for(width, lanes)
-    m_out, m_mid, m_vec = sch.split(m, [None, k["gemm_vecs"] if lanes_m == lanes else 1, lanes_m])
-    sch.reorder(b, r_out, m_out, c, r_in, m_mid, m_vec)
+    m_task, m_out, m_mid, m_vec = sch.split(
+        m, [None, k["gemm_block_cols"], k["gemm_vecs"] if lanes_m == lanes else 1, lanes_m])
+    # a task owns a block of rows × columns, so its panels of x and w stay in L2 across register tiles
+    sch.reorder(b, r_task, m_task, r_out, m_out, c, r_in, m_mid, m_vec)
     acc = sch.cache_write(blk, 0, "local")
-    sch.reverse_compute_at(acc, m_out, preserve_unit_loops=False)
-    sch.parallel(sch.fuse(b, r_out, m_out))
+    rows = _int(sch, k["gemm_rows"])
+    sch.transform_layout(blk, ("write", 0), lambda b_, s_, m_: (b_, s_ // rows, s_ % rows, m_),
+                         assume_injective_transform=True)  # a fixed-size accumulator, also for symbolic n
+    sch.reverse_compute_at(acc, m_out, preserve_unit_loops=True)
+    sch.parallel(sch.fuse(b, r_task, m_task))
     sch.unroll(r_in)
     sch.unroll(m_mid)
     _vectorize(sch, m_vec, lanes_m, lanes_m)
@@ -173,16 +298,14 @@ def _gemm(sch: Schedule, name: str, lanes: int, k: Mapping[str, KnobValue]) -> N
 
 
 def _vectorize(sch: Schedule, loop, extent: int | None, lanes: int) -> None:
-    """Vectorise ``loop`` by ``lanes`` (split off when longer); scalar when lanes is 1."""
-    if lanes <= 1:
-        return
+    """Vectorise ``loop`` by the widest vector (at most ``lanes``) dividing its extent; split off if longer."""
     if extent is None:
         extent_expr = sch.get(loop).extent
-        extent = int(extent_expr) if hasattr(extent_expr, "value") else None
-    if extent == lanes:
-        sch.vectorize(loop)
-    else:
-        sch.vectorize(sch.split(loop, [None, _lanes_for(extent, lanes) if extent else lanes])[1])
+        extent = int(extent_expr.value) if hasattr(extent_expr, "value") else lanes  # symbolic: tail predicate
+    width = _lanes_for(extent, lanes)
+    if width == 1:
+        return
+    sch.vectorize(loop if extent == width else sch.split(loop, [None, width])[1])
 
 
 def _lanes_for(extent: int, lanes: int) -> int:
@@ -192,14 +315,21 @@ def _lanes_for(extent: int, lanes: int) -> int:
     return lanes
 
 
+def _at_most(sch: Schedule, factor: KnobValue, extent) -> KnobValue:
+    """A split factor no larger than a static extent: a tile of one real row and padding rows makes
+    TVM's buffer compaction leak loop variables into allocation sizes."""
+    return extent if isinstance(extent, int) and extent < _int(sch, factor) else factor
+
+
 def _int(sch: Schedule, value: KnobValue) -> int:
     """A knob's value now: itself, or the current decision of a sampled variable. Only buffer layouts
     read it, and a layout never changes what is computed, so a later resampling stays correct."""
     return value if isinstance(value, int) else int(sch.get(value))
 
 
-def _roles(sch: Schedule, block) -> str:
-    return str(sch.get(block).annotations["tvmattn.roles"])
+def _loops_by_axis(sch: Schedule, block) -> dict:
+    """An untransformed block's loops by the TE axis they run over (b, i, s, c, …)."""
+    return {iv.var.name.removeprefix("v_"): loop for iv, loop in zip(sch.get(block).iter_vars, sch.get_loops(block))}
 
 
 def _has_block(sch: Schedule, name: str) -> bool:

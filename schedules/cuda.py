@@ -15,6 +15,10 @@ from .knobs import Knob, KnobValue
 KNOBS: tuple[Knob, ...] = ()
 
 
+def describe(spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> str:
+    return "dlight fallback rules"
+
+
 def apply(sch: Schedule, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> Schedule:
     with target:
         scheduled = dlight.gpu.Fallback().apply(sch.mod["main"], target, False)

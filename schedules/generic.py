@@ -21,6 +21,12 @@ from .knobs import Knob, KnobValue
 KNOBS: tuple[Knob, ...] = ()
 
 
+def describe(spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> str:
+    if target.kind.name == "cuda":
+        return cuda.describe(spec, target, knobs)
+    return "generic: every stage parallel over (batch, head)"
+
+
 def apply(sch: Schedule, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> Schedule:
     if target.kind.name == "cuda":
         return cuda.apply(sch, spec, target, knobs)

@@ -43,7 +43,3 @@ def sample(sch: Schedule, space: tuple[Knob, ...]) -> dict[str, KnobValue]:
     """One random variable per knob, uniform over its choices (MetaSchedule's design space)."""
     return {k.name: sch.sample_categorical(list(k.choices), [1.0 / len(k.choices)] * len(k.choices))
             for k in space}
-
-
-def describe(values: Mapping[str, KnobValue]) -> str:
-    return " ".join(f"{k}={v}" for k, v in values.items() if isinstance(v, int))

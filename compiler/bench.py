@@ -1,0 +1,319 @@
+"""`tvmattn bench`: tvmattn against its peers on the same inputs, in one process.
+
+Peers (each only if installed): PyTorch `scaled_dot_product_attention`, ONNX Runtime's `Attention`
+(opset 23) and NumPy. Each runs with every core, after a warm-up, for the median of repeated runs;
+idle worker threads are told not to spin so that one implementation does not steal the next one's
+cores (TVM_THREAD_POOL_SPIN_COUNT=0, OMP_WAIT_POLICY=PASSIVE, ORT allow_spinning=0).
+
+GFLOP/s = FLOPs of a dense implementation / time: 4·B·h·n·n_kv·d_k for the core (QKᵀ and P·V),
+causal too (skipping masked work shows as a higher figure), plus the four projections for a full
+layer (`flops`, the shape trace's matmul rows).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before any runtime starts its thread pool (the CLI imports this module before running anything).
+os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import ctypes  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from .errors import TvmAttnError  # noqa: E402
+from .explain import trace  # noqa: E402
+from .kernel import numpy_dtype  # noqa: E402
+from .oracle import allowed_keys, reference  # noqa: E402
+from .spec import AttentionSpec  # noqa: E402
+from .target import cpu_cores  # noqa: E402
+from .verify import random_inputs  # noqa: E402
+
+DEFAULT_SUITE = [(1, 8, 128, 64), (1, 8, 512, 64), (4, 12, 512, 64), (1, 16, 2048, 64), (8, 8, 256, 32)]
+NUMPY_LIMIT_BYTES = 2 << 30  # NumPy materialises the scores; skip it above this
+ORACLE_LIMIT_ELEMENTS = 1 << 27  # the float64 oracle materialises them too
+
+
+@dataclass
+class Result:
+    impl: str
+    spec: str
+    ms: float | None = None
+    gflops: float | None = None
+    max_rel_error: float | None = None
+    peak_extra_mib: float | None = None
+    note: str = ""
+
+
+def suite(name: str) -> list[AttentionSpec]:
+    """The named benchmark suite: ``default`` is five common shapes, non-causal and causal."""
+    if name != "default":
+        raise TvmAttnError(f"unknown suite {name!r}: the only suite is 'default'")
+    return [AttentionSpec(batch=b, seq_len=n, num_heads=h, head_dim=d, causal=c, projections=False)
+            for b, h, n, d in DEFAULT_SUITE for c in (False, True)]
+
+
+def flops(spec: AttentionSpec) -> int:
+    """The work a dense implementation does: matmuls of the trace (the shape trace's own count)."""
+    return sum(r.flops for r in trace(spec) if "·" in r.name)
+
+
+def measure(fn: Callable[[], object], budget_s: float = 1.0, warmup: int = 2) -> float:
+    """Median seconds of ``fn`` after ``warmup`` calls, repeated until ``budget_s`` (3 ≤ runs ≤ 50)."""
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 3 or (time.perf_counter() - start < budget_s and len(times) < 50):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def peak_extra_mib(fn: Callable[[], object], output_bytes: int = 0) -> float | None:
+    """Resident memory a first call adds at its peak, less its output (Linux: VmHWM after resetting
+    it; freed heap is returned first, so that reusing it does not hide an allocation)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _status_kib("VmRSS")
+        fn()
+        return max(_status_kib("VmHWM") - before - output_bytes / 1024, 0) / 1024
+    except OSError:
+        return None
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(field)
+
+
+# ---- implementations: each returns a zero-argument callable that produces the output ------------
+def tvmattn_impl(spec: AttentionSpec, args: dict[str, np.ndarray], target: str = "cpu",
+                 log_dir: str | None = None) -> tuple[Callable[[], np.ndarray], str]:
+    import tvm
+
+    from .build import compile as build
+
+    kernel = build(spec, target)
+    dev = kernel.device
+    tensors = [tvm.runtime.tensor(a, dev) for a in args.values()]
+    out = tvm.runtime.tensor(np.zeros(spec.output_shape(), numpy_dtype(spec.dtype)), dev)  # resident already
+
+    def run():
+        kernel.run(*tensors, out)
+        return out
+
+    return run, kernel.schedule
+
+
+def torch_impl(spec: AttentionSpec, args: dict[str, np.ndarray]) -> tuple[Callable[[], object], str]:
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(cpu_cores())
+    t = {k: torch.from_numpy(v) for k, v in args.items()}
+    mask = _mask(spec, args)
+    kw = dict(attn_mask=torch.from_numpy(mask) if mask is not None else None,
+              is_causal=mask is None and spec.causal, enable_gqa=spec.h != spec.h_kv, scale=spec.softmax_scale)
+
+    def heads(x, h):  # (B, n, h·d) → (B, h, n, d)
+        return x.unflatten(-1, (h, -1)).transpose(1, 2)
+
+    @torch.inference_mode()
+    def run():
+        if spec.projections:
+            x_kv = t.get("x_kv", t["x"])
+            q, k, v = heads(t["x"] @ t["w_q"], spec.h), heads(x_kv @ t["w_k"], spec.h_kv), heads(x_kv @ t["w_v"], spec.h_kv)
+            o = F.scaled_dot_product_attention(q, k, v, **kw)
+            return o.transpose(1, 2).flatten(2) @ t["w_o"]
+        q, k, v = t["q"], t["k"], t["v"]
+        if spec.layout == "BSHD":
+            q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+
+    return run, f"torch {torch.__version__} scaled_dot_product_attention"
+
+
+def onnxruntime_impl(spec: AttentionSpec, args: dict[str, np.ndarray]) -> tuple[Callable[[], object], str]:
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    if spec.projections or spec.layout != "BHSD":
+        raise NotImplementedError("the ORT peer covers the core BHSD kernel")
+    feed = {"Q": args["q"], "K": args["k"], "V": args["v"]}
+    inputs = ["Q", "K", "V"]
+    mask = _mask(spec, args)
+    if mask is not None:
+        feed["M"] = mask
+        inputs.append("M")
+    node = helper.make_node("Attention", inputs, ["O"], is_causal=int(spec.causal and mask is None),
+                            scale=spec.softmax_scale)
+    graph = helper.make_graph(
+        [node], "attention",
+        [helper.make_tensor_value_info(n, TensorProto.BOOL if n == "M" else TensorProto.FLOAT, list(a.shape))
+         for n, a in feed.items()],
+        [helper.make_tensor_value_info("O", TensorProto.FLOAT, list(spec.output_shape()))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = cpu_cores()
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return (lambda: session.run(None, feed)[0]), f"onnxruntime {ort.__version__} Attention-23"
+
+
+def numpy_impl(spec: AttentionSpec, args: dict[str, np.ndarray]) -> tuple[Callable[[], object], str]:
+    if spec.projections or spec.layout != "BHSD":
+        raise NotImplementedError("the NumPy peer covers the core BHSD kernel")
+    scores_bytes = 4 * spec.batch * spec.h * spec.n_q * spec.n_kv
+    if scores_bytes > NUMPY_LIMIT_BYTES:
+        raise NotImplementedError(f"needs {scores_bytes / 2**30:.0f} GiB for the scores")
+    q, k, v = args["q"], np.repeat(args["k"], spec.group, 1), np.repeat(args["v"], spec.group, 1)
+    mask = _mask(spec, args)
+
+    @np.errstate(invalid="ignore")  # a row that sees no key becomes NaN, as in most frameworks
+    def run():
+        s = (q @ k.transpose(0, 1, 3, 2)) * np.float32(spec.softmax_scale)
+        if mask is not None or spec.causal:
+            s = np.where(mask if mask is not None else _causal(spec), s, np.float32(-np.inf))
+        s = np.exp(s - s.max(-1, keepdims=True))
+        return (s / s.sum(-1, keepdims=True)) @ v
+
+    return run, f"numpy {np.__version__} (float32, scores materialised)"
+
+
+PEERS = {"torch": torch_impl, "onnxruntime": onnxruntime_impl, "numpy": numpy_impl}
+
+
+def _causal(spec: AttentionSpec) -> np.ndarray:
+    return allowed_keys(spec, 1, spec.n_q, spec.n_kv, None)
+
+
+def _mask(spec: AttentionSpec, args: dict[str, np.ndarray]) -> np.ndarray | None:
+    """A boolean (B, 1, n, n_kv) mask where the peer has no built-in for the spec's masking."""
+    plain_causal = spec.causal and spec.causal_align == "top_left" and spec.window is None
+    if not spec.is_masked or (plain_causal and not spec.key_padding):
+        return None
+    return allowed_keys(spec, spec.batch, spec.n_q, spec.n_kv, args.get("kv_lens"))
+
+
+# ---- the run -------------------------------------------------------------------------------------
+def bench(spec: AttentionSpec, peers: tuple[str, ...] = tuple(PEERS), budget_s: float = 1.0,
+          target: str = "cpu") -> list[Result]:
+    """tvmattn and each available peer on the same seeded inputs; tvmattn's row comes first."""
+    if spec.symbolic_dims:
+        raise TvmAttnError(f"bench needs concrete sizes, not {', '.join(spec.symbolic_dims)}: give --seq/--batch numbers")
+    args = random_inputs(spec, seed=0)
+    label = spec.describe()
+    ref = None
+    if spec.batch * spec.h * spec.n_q * spec.n_kv <= ORACLE_LIMIT_ELEMENTS:
+        arrays = {k: v for k, v in args.items() if k != "kv_lens"}
+        ref = reference(spec, *arrays.values(), kv_lens=args.get("kv_lens"))
+        seen = _rows_that_see_keys(spec, args.get("kv_lens"))
+    out_bytes = int(np.prod(spec.output_shape())) * np.dtype(numpy_dtype(spec.dtype)).itemsize
+    impls: list[tuple[str, Callable]] = [("tvmattn", lambda s, a: tvmattn_impl(s, a, target))]
+    impls += [(name, PEERS[name]) for name in peers]
+    results = []
+    for name, make in impls:
+        try:
+            fn, what = make(spec, args)
+        except ImportError:
+            results.append(Result(name, label, note="not installed"))
+            continue
+        except NotImplementedError as why:
+            results.append(Result(name, label, note=f"skipped: {why}"))
+            continue
+        time.sleep(0.2)  # let the previous implementation's workers go idle
+        memory = peak_extra_mib(fn, 0 if name == "tvmattn" else out_bytes)  # the first call, cold
+        seconds = measure(fn, budget_s)
+        out = np.asarray(_to_numpy(fn()), dtype=np.float64)
+        err = _error(out, ref, seen) if ref is not None else None
+        results.append(Result(name, label, seconds * 1e3, flops(spec) / seconds / 1e9, err, memory, what))
+    return results
+
+
+def _rows_that_see_keys(spec: AttentionSpec, kv_lens: np.ndarray | None) -> np.ndarray:
+    """(B, h|1, n, 1) True where a query sees a key: rows that see none are zeros for tvmattn and NaN
+    for most peers, so errors are taken over the others."""
+    seen = allowed_keys(spec, spec.batch, spec.n_q, spec.n_kv, kv_lens).any(-1, keepdims=True)
+    if spec.projections:
+        return np.ones((1, 1, 1), bool)
+    return seen if spec.layout == "BHSD" else seen.transpose(0, 2, 1, 3)
+
+
+def _error(out: np.ndarray, ref: np.ndarray, seen: np.ndarray) -> float:
+    diff = np.where(seen, np.abs(out - ref), 0.0)
+    return float(diff.max() / max(np.abs(ref).max(), 1e-30))
+
+
+def _to_numpy(x) -> np.ndarray:
+    if hasattr(x, "numpy"):
+        return x.numpy()
+    return np.asarray(x)
+
+
+def fp32_peak_gflops() -> float:
+    """This machine's FP32 peak as we measure it: NumPy's sgemm (its BLAS, all cores), 1024³."""
+    a = np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)
+    return 2 * 1024**3 / measure(lambda: a @ a, 0.5) / 1e9
+
+
+def table(results: list[Result], peak: float) -> str:
+    """One block per spec: ms, GFLOP/s, % of peak, how much faster tvmattn is, error, memory."""
+    lines = []
+    for label in dict.fromkeys(r.spec for r in results):
+        rows = [r for r in results if r.spec == label]
+        ours = next((r for r in rows if r.impl == "tvmattn" and r.ms), None)
+        lines.append(label)
+        lines.append(f"  {'implementation':<12} {'ms':>9} {'GFLOP/s':>8} {'%peak':>6} {'tvmattn ×':>10} "
+                     f"{'max rel err':>11} {'peak MiB':>9}  notes")
+        for r in rows:
+            if r.ms is None:
+                lines.append(f"  {r.impl:<12} {'—':>9} {'':>8} {'':>6} {'':>10} {'':>11} {'':>9}  {r.note}")
+                continue
+            speedup = f"{r.ms / ours.ms:.2f}" if ours and r is not ours else "—"
+            err = f"{r.max_rel_error:.1e}" if r.max_rel_error is not None else "—"
+            mem = f"{r.peak_extra_mib:.1f}" if r.peak_extra_mib is not None else "—"
+            lines.append(f"  {r.impl:<12} {r.ms:>9.3f} {r.gflops:>8.1f} {100 * r.gflops / peak:>5.0f}% "
+                         f"{speedup:>10} {err:>11} {mem:>9}  {r.note}")
+    return "\n".join(lines)
+
+
+def write_json(results: list[Result], peak: float, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump({"fp32_peak_gflops": peak, "threads": cpu_cores(), "results": [asdict(r) for r in results]},
+                  f, indent=1)
+
+
+def plot(results: list[Result], path: str) -> None:
+    """GFLOP/s against sequence length, one line per implementation (needs matplotlib)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for impl in dict.fromkeys(r.impl for r in results):
+        pts = sorted((_seq_len(r.spec), r.gflops) for r in results if r.impl == impl and r.gflops)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=impl)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length n")
+    ax.set_ylabel("GFLOP/s (4·B·h·n·n_kv·d_k / time)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _seq_len(label: str) -> int:
+    return int(label.split(" n=")[1].split()[0])

@@ -1,0 +1,87 @@
+"""The tvmattn command: each subcommand, presets with overrides, and every bad-input path."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tvmattn.compiler.cli import build_parser, main, spec_from_args
+from tvmattn.models.presets import PRESETS
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def spec_of(*argv):
+    return spec_from_args(build_parser().parse_args(["explain", *argv]))
+
+
+def test_preset_with_overrides():
+    spec = spec_of("--preset", "gpt2-small", "--seq", "64", "--no-projections")
+    assert (spec.seq_len, spec.d_model, spec.num_heads, spec.causal, spec.projections) == (64, 768, 12, True, False)
+    assert not spec_of("--preset", "gpt2-small", "--no-causal").causal
+
+
+def test_flags_without_preset_and_symbolic_sizes():
+    spec = spec_of("--batch", "B", "--seq", "n", "--heads", "4", "--head-dim", "16", "--kv-heads", "2",
+                   "--layout", "bshd", "--dtype", "fp16", "--window", "8", "--key-padding")
+    assert (spec.batch, spec.seq_len, spec.layout, spec.dtype, spec.num_kv_heads) == ("B", "n", "BSHD", "float16", 2)
+    assert spec_of().d_model == 512
+
+
+def test_verify_passes_and_reports(capsys):
+    code, out, _ = run(capsys, "verify", "--seq", "n", "--d-model", "32", "--heads", "2", "--causal",
+                       "--at", "n=19")
+    assert code == 0
+    assert "PASS at n=19" in out and "max abs error" in out
+
+
+def test_verify_all_presets(capsys):
+    for name in PRESETS:
+        code, out, _ = run(capsys, "verify", "--preset", name)
+        assert code == 0 and "PASS" in out, out
+
+
+def test_explain(capsys):
+    code, out, _ = run(capsys, "explain", "--preset", "bert-base")
+    assert code == 0 and "scores = q·kᵀ" in out and "(2, 12, 512, 512)" in out
+
+
+def test_compile_cpu_writes_the_library(capsys, tmp_path):
+    code, out, _ = run(capsys, "compile", "--seq", "16", "--d-model", "32", "--heads", "2", "-o", str(tmp_path))
+    assert code == 0 and (tmp_path / "attention.so").stat().st_size > 0
+    assert "default schedule" in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["verify", "--d-model", "100", "--heads", "8"], "not divisible by num_heads"),
+    (["verify", "--preset", "gpt3"], "unknown preset 'gpt3'"),
+    (["verify", "--seq", "8", "--d-model", "16", "--target", "tpu"], "unknown target 'tpu'"),
+    (["verify", "--seq", "8", "--d-model", "16", "--dtype", "int4"], "unknown dtype"),
+    (["verify", "--seq", "n", "--d-model", "16", "--at", "n=zero"], "--at 'n=zero'"),
+    (["verify", "--seq", "8", "--d-model", "16", "--heads", "2", "--kv-heads", "3"], "multiple of num_kv_heads"),
+    (["compile", "--seq", "8", "--d-model", "16", "--target", "cuda", "--arch", "volta"], "unknown CUDA arch"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, words):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and words in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_argparse_errors_are_one_line_too(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["verify", "--layout", "XYZW"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tvmattn: error:") and err.count("\n") == 1
+
+
+def test_console_script_has_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "tvmattn.compiler.cli", "verify", "--heads", "7", "--d-model", "64"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("tvmattn: error: d_model=64 is not divisible by num_heads=7: "
+                                   "choose num_heads dividing d_model, or give head_dim explicitly")

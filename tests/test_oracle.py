@@ -1,0 +1,66 @@
+"""The NumPy oracle itself, checked against PyTorch's SDPA and hand-derived masks."""
+
+import numpy as np
+import pytest
+
+from tvmattn import AttentionSpec
+from tvmattn.compiler.oracle import allowed_keys, core, reference
+
+torch = pytest.importorskip("torch")
+
+
+def _sdpa(q, k, v, **kw):
+    t = [torch.from_numpy(x) for x in (q, k, v)]
+    return torch.nn.functional.scaled_dot_product_attention(*t, **kw).numpy()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_core_matches_torch_sdpa(causal):
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 3, 7, 5)) for _ in range(3))
+    spec = AttentionSpec(seq_len=7, num_heads=3, head_dim=5, causal=causal, projections=False)
+    np.testing.assert_allclose(core(spec, q, k, v), _sdpa(q, k, v, is_causal=causal), rtol=1e-10, atol=1e-12)
+
+
+def test_gqa_matches_torch_with_repeated_heads():
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 6, 4, 8))
+    k, v = (rng.standard_normal((1, 2, 9, 8)) for _ in range(2))
+    spec = AttentionSpec(seq_len=4, kv_seq_len=9, num_heads=6, num_kv_heads=2, head_dim=8, projections=False)
+    want = _sdpa(q, np.repeat(k, 3, axis=1), np.repeat(v, 3, axis=1))
+    np.testing.assert_allclose(core(spec, q, k, v), want, rtol=1e-10, atol=1e-12)
+
+
+def test_full_layer_matches_torch_multihead_attention():
+    rng = np.random.default_rng(2)
+    d, h, n = 16, 4, 5
+    x = rng.standard_normal((2, n, d))
+    w_q, w_k, w_v, w_o = (rng.standard_normal((d, d)) / 4 for _ in range(4))
+    mha = torch.nn.MultiheadAttention(d, h, bias=False, batch_first=True, dtype=torch.float64)
+    with torch.no_grad():  # torch computes x·Wᵀ: hand it the transposes of our (in, out) weights
+        mha.in_proj_weight.copy_(torch.from_numpy(np.concatenate([w_q.T, w_k.T, w_v.T])))
+        mha.out_proj.weight.copy_(torch.from_numpy(w_o.T))
+        mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)
+        want = mha(*[torch.from_numpy(x)] * 3, attn_mask=mask, need_weights=False)[0].numpy()
+    spec = AttentionSpec(batch=2, seq_len=n, d_model=d, num_heads=h, causal=True)
+    np.testing.assert_allclose(reference(spec, x, w_q, w_k, w_v, w_o), want, rtol=1e-10, atol=1e-12)
+
+
+def test_masks_by_hand():
+    def keys(**fields):
+        spec = AttentionSpec(num_heads=1, head_dim=4, projections=False, **fields)
+        return allowed_keys(spec, 1, 3, 5, None)[0, 0].astype(int).tolist()
+
+    assert keys(causal=True) == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]
+    assert keys(causal=True, causal_align="bottom_right") == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert keys(causal=True, window=2) == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0]]
+    assert keys(window=2) == [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 1, 1, 1, 0]]
+
+
+def test_padding_and_rows_that_see_nothing_give_zeros():
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((2, 1, 3, 4)) for _ in range(3))
+    spec = AttentionSpec(batch=2, seq_len=3, num_heads=1, head_dim=4, key_padding=True, projections=False)
+    out = core(spec, q, k, v, kv_lens=np.array([0, 2]))
+    assert np.all(out[0] == 0)
+    np.testing.assert_allclose(out[1], _sdpa(q[1:], k[1:, :, :2], v[1:, :, :2])[0], rtol=1e-10)

@@ -1,0 +1,80 @@
+"""Every variant of the CPU schedule against the oracle: knobs at their extremes, tails, masks, GQA,
+cross-attention, both layouts, symbolic lengths, and the decode paths (one query; split-K)."""
+
+import pytest
+from helpers import compiled
+
+import tvmattn
+from tvmattn import AttentionSpec
+from tvmattn.compiler.target import resolve_target
+from tvmattn.compiler.verify import check
+from tvmattn.schedules import cpu
+
+EXTREMES = [
+    dict(q_tile=8, qk_keys=1, pv_rows=1, pv_vecs=1),
+    dict(q_tile=64, qk_keys=8, pv_rows=6, pv_vecs=4),
+    dict(q_tile=24, qk_keys=3, pv_rows=3, pv_vecs=3),
+]
+SHAPES = [
+    AttentionSpec(batch=2, seq_len=77, num_heads=4, num_kv_heads=2, head_dim=32, causal=True, projections=False),
+    AttentionSpec(batch=1, seq_len=50, kv_seq_len=93, num_heads=3, head_dim=24, window=17, key_padding=True,
+                  causal=True, causal_align="bottom_right", layout="BSHD", projections=False),
+    AttentionSpec(batch=2, seq_len="n", d_model=40, num_heads=2, causal=True),
+]
+
+
+@pytest.mark.parametrize("knobs", EXTREMES, ids=lambda k: "-".join(f"{n}{v}" for n, v in k.items()))
+@pytest.mark.parametrize("spec", SHAPES, ids=["gqa-causal-tail", "cross-window-padding-bshd", "layer-symbolic"])
+def test_knob_extremes(spec, knobs):
+    layer_knobs = dict(gemm_rows=8, gemm_vecs=4) if knobs["q_tile"] == 64 else dict(gemm_rows=1, gemm_vecs=1)
+    kernel = compiled(spec, knobs=tuple(sorted({**knobs, **layer_knobs}.items())))
+    for sizes in ([{"n": 1}, {"n": 65}] if spec.symbolic_dims else [{}]):
+        result = check(kernel, sizes)
+        assert result.ok, result.line()
+
+
+DECODE = [
+    AttentionSpec(batch=1, seq_len=1, kv_seq_len=1024, num_heads=32, head_dim=64, causal=True,
+                  causal_align="bottom_right", projections=False),  # many heads: one task per head
+    AttentionSpec(batch=1, seq_len=1, kv_seq_len=1000, num_heads=2, num_kv_heads=1, head_dim=64, key_padding=True,
+                  layout="BSHD", projections=False),  # few heads: split-K
+    AttentionSpec(batch=1, seq_len=1, kv_seq_len=700, num_heads=1, head_dim=48, window=100, causal=True,
+                  causal_align="bottom_right", projections=False),  # split-K with a window
+    AttentionSpec(batch=2, seq_len=3, kv_seq_len=300, num_heads=2, head_dim=16, causal=True,
+                  causal_align="bottom_right", projections=False),  # a few queries
+]
+
+
+@pytest.mark.parametrize("spec", DECODE, ids=["many-heads", "split-k-gqa-padding", "split-k-window", "three-queries"])
+@pytest.mark.parametrize("chunks", [2, 32])
+def test_decode_paths(spec, chunks):
+    result = check(compiled(spec, knobs=(("key_chunks", chunks),)), seed=chunks)
+    assert result.ok, result.line()
+
+
+def test_variant_choice():
+    cpu_target = resolve_target("cpu")
+    assert cpu.describe(DECODE[1], cpu_target, dict(key_chunks=8)).startswith("split-K decode")
+    knobs = dict(q_tile=16, qk_keys=4, pv_rows=4, pv_vecs=2)
+    assert cpu.describe(DECODE[0], cpu_target, knobs).startswith("query tiles")
+
+
+AVX2 = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}
+
+
+def _host_has(flag: str) -> bool:
+    try:
+        return flag in open("/proc/cpuinfo").read().split()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _host_has("avx2"), reason="this CPU cannot run AVX2 code")
+@pytest.mark.parametrize("spec", SHAPES[:2] + DECODE[1:2], ids=["gqa-causal-tail", "cross-window-padding-bshd",
+                                                                 "split-k"])
+def test_eight_lane_vectors(spec):
+    """An AVX2 target (8 fp32 lanes) whatever this machine has: CI and users may have either."""
+    kernel = tvmattn.compile(spec, AVX2)
+    assert kernel.schedule.count("8-lane") or "split-K" in kernel.schedule
+    result = check(kernel)
+    assert result.ok, result.line()
