@@ -10,6 +10,8 @@ The rest of the graph is compiled by TVM as its stock importer converts it.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -148,8 +150,9 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
 
     def convert(self) -> tvm.IRModule:
         opset = onnx_graph.opset_of(self.model) or 1
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the importer warns about renamed inputs and dynamic shapes
+        # TVM's importer warns about renamed inputs and dynamic shapes, and prints the node it failed on
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
             try:
                 return self.from_onnx(self.model.graph, opset)
             except TvmAttnError as err:
