@@ -99,9 +99,10 @@ def fold_static(model: onnx.ModelProto, keep: Iterable[tuple[str, str]] = ()) ->
         return model
     shapes = _known_dims(inferred.graph)
     consts: dict[str, np.ndarray] = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    partial: dict[str, tuple[int | None, ...]] = {}  # outputs of Shape nodes with some dimensions unknown
     kept: list[onnx.NodeProto] = []
     for node in model.graph.node:
-        value = _fold(node, consts, shapes, opset) if (node.domain, node.op_type) not in keep else None
+        value = _fold(node, consts, shapes, partial, opset) if (node.domain, node.op_type) not in keep else None
         if value is None:
             kept.append(node)
         else:
@@ -130,8 +131,8 @@ def _known_dims(graph: onnx.GraphProto) -> dict[str, tuple[int | None, ...]]:
 
 
 def _fold(node: onnx.NodeProto, consts: dict[str, np.ndarray], shapes: dict[str, tuple[int | None, ...]],
-          opset: int) -> dict[str, np.ndarray] | None:
-    """The node's outputs if they are known now, else None."""
+          partial: dict[str, tuple[int | None, ...]], opset: int) -> dict[str, np.ndarray] | None:
+    """The node's outputs if they are known now, else None (recording partly known Shape values)."""
     if node.domain not in DEFAULT_DOMAINS or node.op_type in _NOT_FOLDABLE:
         return None
     if node.op_type in ("Shape", "Size") and node.input[0] not in consts:
@@ -139,11 +140,11 @@ def _fold(node: onnx.NodeProto, consts: dict[str, np.ndarray], shapes: dict[str,
         value = _shape_value(node, shape) if shape is not None else None
         if value is None:  # partly known: a Gather may still pick a static dimension of it
             if node.op_type == "Shape" and shape is not None:
-                shapes[node.output[0]] = _shape_slice(node, shape)
+                partial[node.output[0]] = _shape_slice(node, shape)
             return None
         return {node.output[0]: value}
-    if node.op_type == "Gather" and node.input[0] in shapes and node.input[1] in consts and node.input[0] not in consts:
-        picked = np.asarray(shapes[node.input[0]], dtype=object)[consts[node.input[1]]]
+    if node.op_type == "Gather" and node.input[0] in partial and node.input[1] in consts:
+        picked = np.asarray(partial[node.input[0]], dtype=object)[consts[node.input[1]]]
         known = all(d is not None for d in np.ravel(picked))
         return {node.output[0]: np.asarray(picked, dtype=np.int64)} if known else None
     inputs = [i for i in node.input if i]

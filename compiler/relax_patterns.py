@@ -47,7 +47,8 @@ def _op(name: str, *args: DFPattern) -> DFPattern:
 
 
 def _cast(x: DFPattern) -> DFPattern:
-    return _op("astype", x) | x
+    """``x``, or ``x`` cast once or twice (softmax(…, dtype=float32).to(q.dtype) exports as two)."""
+    return _op("astype", _op("astype", x)) | _op("astype", x) | x
 
 
 def _repeat(x: DFPattern) -> DFPattern:
