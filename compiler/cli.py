@@ -152,7 +152,8 @@ def cmd_import(args: argparse.Namespace) -> int:
         print(f"library → {lib}")
     if not args.check:
         return 0
-    checks = compare_with_ort(model, imported, random_feed(imported.inputs, parse_sizes(args.at), args.seed))
+    sizes = parse_sizes(args.at)
+    checks = compare_with_ort(model, imported, random_feed(imported.inputs, sizes, args.seed), sizes)
     for c in checks:
         print(c.line())
     return 0 if all(c.ok for c in checks) else 1

@@ -6,33 +6,15 @@ normalised by the output's scale, as in `verify`, with the tolerance of the outp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import onnx
 
 from .errors import TvmAttnError
 from .kernel import numpy_dtype
 from .onnx_import import GraphInput, ImportedModel
-from .verify import TOLERANCE
+from .verify import TOLERANCE, Check, errors
 
 DEFAULT_SIZE = 4  # the value of a named dimension when none is given
-
-
-@dataclass
-class OutputCheck:
-    name: str
-    max_abs: float
-    max_rel: float
-    tolerance: float
-
-    @property
-    def ok(self) -> bool:
-        return bool(np.isfinite(self.max_abs)) and self.max_rel <= self.tolerance
-
-    def line(self) -> str:
-        return (f"{'PASS' if self.ok else 'FAIL'} {self.name}: max abs error {self.max_abs:.3g}, max rel error "
-                f"{self.max_rel:.3g} (tolerance {self.tolerance:g})")
 
 
 def random_feed(inputs: list[GraphInput], sizes: dict[str, int], seed: int = 0) -> dict[str, np.ndarray]:
@@ -51,7 +33,9 @@ def random_feed(inputs: list[GraphInput], sizes: dict[str, int], seed: int = 0) 
     return feed
 
 
-def compare_with_ort(model: onnx.ModelProto, imported: ImportedModel, feed: dict[str, np.ndarray]) -> list[OutputCheck]:
+def compare_with_ort(model: onnx.ModelProto, imported: ImportedModel, feed: dict[str, np.ndarray],
+                     sizes: dict[str, int]) -> list[Check]:
+    """One check per graph output: ``imported`` against ONNX Runtime on ``feed``."""
     try:
         import onnxruntime as ort
     except ImportError:
@@ -63,12 +47,7 @@ def compare_with_ort(model: onnx.ModelProto, imported: ImportedModel, feed: dict
         raise TvmAttnError(f"ONNX Runtime cannot run this model: {str(err).strip().splitlines()[0]}") from None
     checks = []
     for name, ref, out in zip(imported.output_names, expected, imported.run(feed)):
-        tolerance = TOLERANCE.get(str(np.asarray(ref).dtype), 0.0)  # integer and bool outputs: exact
-        ref, out = np.asarray(ref, np.float64), np.asarray(out, np.float64)
-        with np.errstate(invalid="ignore"):  # equal infinities are no error
-            diff = np.where(ref == out, 0.0, np.abs(ref - out))
-        max_abs = float(diff.max()) if diff.size else 0.0
-        finite = np.abs(ref[np.isfinite(ref)])
-        scale = float(finite.max()) if finite.size else 1.0
-        checks.append(OutputCheck(name, max_abs, max_abs / max(scale, 1e-30), tolerance))
+        dtype = str(np.asarray(ref).dtype)
+        tolerance = TOLERANCE.get(dtype, 0.0)  # integer and bool outputs: exact
+        checks.append(Check(f"{name} {dtype}", sizes, *errors(out, ref), tolerance))
     return checks

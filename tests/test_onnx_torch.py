@@ -38,22 +38,22 @@ class MHA(torch.nn.Module):
         return self.attn(x, x, x, key_padding_mask=pad, need_weights=False)[0]
 
 
-class SDPA(torch.nn.Module):
+class FusedQKV(torch.nn.Module):
+    """One Linear projecting x to q, k and v side by side."""
+
     def __init__(self) -> None:
         super().__init__()
         self.qkv = torch.nn.Linear(E, 3 * E)
 
+
+class SDPA(FusedQKV):
     def forward(self, x):
         b, n, _ = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, HEADS, E // HEADS).permute(2, 0, 3, 1, 4)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, E)
 
 
-class HandWritten(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.qkv = torch.nn.Linear(E, 3 * E)
-
+class HandWritten(FusedQKV):
     def forward(self, x):
         b, n, _ = x.shape
         q, k, v = (t.view(b, n, HEADS, -1).transpose(1, 2) for t in self.qkv(x).split(E, dim=2))
