@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 import onnx
-from tvm import relax, tirx
+from tvm import relax
 
 from .errors import TvmAttnError
 from .relax_attention import Kernels, Mask, Sizes, attend, shape_of, static

@@ -27,7 +27,6 @@ Anything else is left to TVM as imported, and its softmax is listed in the repor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import tvm

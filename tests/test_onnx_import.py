@@ -290,3 +290,22 @@ def test_run_with_missing_wrong_or_unknown_inputs():
     with pytest.raises(tvmattn.TvmAttnError, match="unknown input 'w'"):
         imported.run({**good, "w": good["q"]})
     assert imported.run(good)[0].shape == (2, 2, 3, D)
+
+
+# ---- CUDA: built here; run only where a GPU is ------------------------------------------------------------
+def test_cuda_build_uses_the_kernel():
+    imported = tvmattn.import_onnx(BUILDERS["gpt2"](), "cuda")
+    assert imported.target.kind.name == "cuda"
+    assert kernels_used(imported) == 1 and "dlight" in imported.report.replacements[0].schedule
+
+
+@pytest.mark.gpu
+def test_cuda_run_matches_onnx_runtime():
+    import tvm
+
+    if not tvm.cuda(0).exist:
+        pytest.skip("no CUDA device on this machine")
+    model = BUILDERS["llama"]()
+    feed = _feeds("llama", np.random.default_rng(13))[0]
+    got = tvmattn.import_onnx(model, "cuda").run(feed)[0]
+    np.testing.assert_allclose(got, ort_run(model, feed)[0], rtol=1e-4, atol=1e-4)
