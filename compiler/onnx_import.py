@@ -67,17 +67,21 @@ class ImportedModel:
     inputs: list[GraphInput]
     output_names: list[str]
     report: ImportReport
-    _vm: Any = None
+    _vm: Any = None  # the VirtualMachine, made at the first run
+
+    @property
+    def device(self) -> tvm.runtime.Device:
+        dev = tvm.cuda(0) if self.target.kind.name == "cuda" else tvm.cpu(0)
+        if not dev.exist:
+            raise TvmAttnError("no CUDA device on this machine: export_library() and run it where one is")
+        return dev
 
     def run(self, feed: Mapping[str, Any]) -> list[np.ndarray]:
         """The graph's outputs, in order, for the inputs in ``feed`` (name → array)."""
         args = self._arguments(feed)
+        dev = self.device
         if self._vm is None:
-            dev = tvm.cuda(0) if self.target.kind.name == "cuda" else tvm.cpu(0)
-            if not dev.exist:
-                raise TvmAttnError("no CUDA device on this machine: export_library() and run it where one is")
             self._vm = relax.VirtualMachine(self.executable, dev)
-        dev = self._vm.devices[0] if hasattr(self._vm, "devices") else tvm.cpu(0)
         try:
             out = self._vm["main"](*[tvm.runtime.tensor(a, dev) for a in args])
         except Exception as err:  # a shape TVM rejects at run time: say which, without its traceback
@@ -203,11 +207,11 @@ def _graph_inputs(model: onnx.ModelProto) -> list[GraphInput]:
             continue
         t = info.type.tensor_type
         dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim)
-        out.append(GraphInput(info.name, dims, str(numpy_dtype_name(t.elem_type))))
+        out.append(GraphInput(info.name, dims, _dtype_name(t.elem_type)))
     return out
 
 
-def numpy_dtype_name(elem_type: int) -> str:
+def _dtype_name(elem_type: int) -> str:
     if elem_type == onnx.TensorProto.BFLOAT16:
         return "bfloat16"
     return str(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)))

@@ -289,7 +289,7 @@ class _Match:
             bias = self.leaf(self.p.bias)
             if not isinstance(bias, tvm.ir.GenericConst):
                 return Mask(bias, "additive"), {}, None
-            values = bias.value.numpy()
+            values = bias.value.numpy().astype(np.float64)
             keep = values == 0
             if np.all(keep | (values <= _HUGE_NEGATIVE)) and _hides_only(keep, values):
                 return (*_keep(keep, self._scores_shape()), keep)
