@@ -11,17 +11,13 @@ from dataclasses import dataclass, field
 
 import tvm
 from tvm import relax, tirx
-from tvm.s_tir import Schedule
 from tvm.ir.expr import Expr as PrimExpr
 from tvm.sym import Analyzer
 from tvm.target import Target
 
-from tvmattn.schedules import generic
-
-from .build import lowering_passes, schedule_attention
+from .build import schedule_attention
 from .errors import TvmAttnError
 from .spec import AttentionSpec, Dim
-from .te_attention import attention_te
 
 _OPAQUE = 8  # relax op_pattern kOpaque: FuseOps must not merge a scheduled kernel with its neighbours
 
@@ -72,23 +68,12 @@ _SCHEDULED: dict[tuple[AttentionSpec, str], tuple[tvm.IRModule, str]] = {}
 
 
 def _schedule(spec: AttentionSpec, target: Target) -> tuple[tvm.IRModule, str]:
-    """The target's schedule of ``spec``, cached: models repeat their attention shapes, and scheduling
-    is a pure function of the spec and the target (Targets compare by identity, hence their text)."""
+    """`schedule_attention`, cached: models repeat their attention shapes, and scheduling is a pure
+    function of the spec and the target (Targets compare by identity, hence their text)."""
     key = (spec, str(target))
     if key not in _SCHEDULED:
-        _SCHEDULED[key] = _schedule_uncached(spec, target)
+        _SCHEDULED[key] = schedule_attention(spec, target)
     return _SCHEDULED[key]
-
-
-def _schedule_uncached(spec: AttentionSpec, target: Target) -> tuple[tvm.IRModule, str]:
-    """The target's schedule; where it cannot handle the shape, the generic one."""
-    try:
-        return schedule_attention(spec, target)
-    except Exception as err:  # s_tir raises ScheduleError (and others) for shapes a schedule did not plan for
-        reason = str(err).strip().splitlines()[-1][:120]
-    func = attention_te(spec).prim_func()
-    sch = generic.apply(Schedule(func), spec, target, {})
-    return lowering_passes(spec, target)(sch.mod), f"generic schedule (the default one failed: {reason})"
 
 
 def _conform(bb: relax.BlockBuilder, x: relax.Expr, want: list, sizes: "Sizes", what: str) -> relax.Expr:
