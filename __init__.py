@@ -3,6 +3,9 @@
     spec = tvmattn.AttentionSpec(batch=1, seq_len=1024, d_model=768, num_heads=12, causal=True)
     kernel = tvmattn.compile(spec, "cpu")       # or "cuda"
     out = kernel(x, w_q, w_k, w_v, w_o)         # NumPy in, NumPy out
+
+    model = tvmattn.import_onnx("model.onnx")   # an ONNX model, its attention on tvmattn kernels
+    outs = model.run({"x": x}); print(model.report)
 """
 
 import os as _os
@@ -16,7 +19,9 @@ _os.environ.setdefault("TVM_NUM_THREADS", str(len(_os.sched_getaffinity(0)) if h
 from tvmattn.compiler.build import compile  # noqa: E402,A004
 from tvmattn.compiler.errors import TvmAttnError  # noqa: E402
 from tvmattn.compiler.kernel import CompiledAttention  # noqa: E402
+from tvmattn.compiler.onnx_import import ImportedModel, import_onnx  # noqa: E402
 from tvmattn.compiler.oracle import reference  # noqa: E402
 from tvmattn.compiler.spec import AttentionSpec  # noqa: E402
 
-__all__ = ["AttentionSpec", "CompiledAttention", "TvmAttnError", "compile", "reference"]
+__all__ = ["AttentionSpec", "CompiledAttention", "ImportedModel", "TvmAttnError", "compile", "import_onnx",
+           "reference"]

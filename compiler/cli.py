@@ -136,6 +136,46 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import(args: argparse.Namespace) -> int:
+    from .onnx_check import compare_with_ort, random_feed
+    from .onnx_graph import load
+    from .onnx_import import import_onnx
+
+    model = load(args.model)
+    imported = import_onnx(model, args.target, arch=args.arch)
+    print(imported.report)
+    if args.output:
+        out = Path(args.output)
+        out.mkdir(parents=True, exist_ok=True)
+        lib = out / (Path(args.model).stem + ".so")
+        imported.export_library(str(lib))
+        print(f"library → {lib}")
+    if not args.check:
+        return 0
+    sizes = parse_sizes(args.at)
+    checks = compare_with_ort(model, imported, random_feed(imported.inputs, sizes, args.seed), sizes)
+    for c in checks:
+        print(c.line())
+    return 0 if all(c.ok for c in checks) else 1
+
+
+def cmd_export_onnx(args: argparse.Namespace) -> int:
+    import onnx
+
+    from .onnx_export import export_onnx
+
+    spec = spec_from_args(args)
+    model, _ = export_onnx(spec, args.opset, args.seed)
+    out = Path(args.output)
+    if out.parent != Path("."):
+        out.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(out))
+    how = "the Attention op" if args.opset >= 23 else "decomposed MatMul/Softmax ops"
+    print(f"spec:   {spec.describe()}")
+    print(f"opset {args.opset} ({how}), inputs {', '.join(i.name for i in model.graph.input)} → {out}")
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line too."""
 
@@ -197,6 +237,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_flags(p)
     p.add_argument("--at", action="append", help="values of symbolic sizes for the counts, e.g. --at n=1024")
     p.set_defaults(run=cmd_explain)
+
+    p = sub.add_parser("import", help="import an ONNX model: its attention on tvmattn kernels, the rest by TVM")
+    p.add_argument("model", help="the .onnx file")
+    add_target_flags(p)
+    p.add_argument("-o", "--output", help="directory for the compiled library")
+    p.add_argument("--check", action="store_true", help="run on seeded random inputs and compare with ONNX Runtime")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--at", action="append", help="sizes of named dimensions for --check, e.g. --at seq=128 (default 4)")
+    p.set_defaults(run=cmd_import)
+
+    p = sub.add_parser("export-onnx", help="write the attention layer as a standard ONNX model with its weights")
+    add_spec_flags(p)
+    p.add_argument("-o", "--output", default="attention.onnx", help="the .onnx file to write")
+    p.add_argument("--opset", type=int, default=23, help="23 or later: ONNX's Attention op; 17: decomposed ops")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.set_defaults(run=cmd_export_onnx)
     return parser
 
 

@@ -1,7 +1,7 @@
 """`CompiledAttention`: a built kernel with the calling convention of its spec.
 
-    core   kernel(q, k, v, kv_lens=None)                       -> o      (arrays in the spec's layout)
-    layer  kernel(x, w_q, w_k, w_v, w_o, x_kv=None, kv_lens=None) -> out  (B, n, d)
+    core   kernel(q, k, v, kv_lens=None, attn_mask=None)       -> o      (arrays in the spec's layout)
+    layer  kernel(x, w_q, w_k, w_v, w_o, x_kv=None, kv_lens=None, attn_mask=None) -> out  (B, n, d)
 
 NumPy in, NumPy out (arrays are converted to the spec's dtype; bfloat16 is ``ml_dtypes.bfloat16``).
 `run` is the copy-free path on TVM tensors that are already on the device.
@@ -35,8 +35,8 @@ class CompiledAttention:
     compile_seconds: float
 
     # ---- calling ----------------------------------------------------------------------------------
-    def __call__(self, *arrays: Any, x_kv: Any = None, kv_lens: Any = None) -> np.ndarray:
-        args, sizes = self._arguments(arrays, x_kv, kv_lens)
+    def __call__(self, *arrays: Any, x_kv: Any = None, kv_lens: Any = None, attn_mask: Any = None) -> np.ndarray:
+        args, sizes = self._arguments(arrays, x_kv, kv_lens, attn_mask)
         dev = self.device
         tensors = [tvm.runtime.tensor(a, dev) for a in args.values()]
         out_shape = tuple(sizes[d] if isinstance(d, str) else d for d in self.spec.output_shape())
@@ -72,11 +72,12 @@ class CompiledAttention:
         return self.executable.mod.inspect_source("asm")
 
     # ---- argument checking ----------------------------------------------------------------------
-    def _arguments(self, arrays: tuple, x_kv: Any, kv_lens: Any) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    def _arguments(self, arrays: tuple, x_kv: Any, kv_lens: Any,
+                   attn_mask: Any) -> tuple[dict[str, np.ndarray], dict[str, int]]:
         """The arrays in PrimFunc order, converted and shape-checked; and the symbolic sizes they bind."""
         spec = self.spec
         shapes = spec.input_shapes()
-        positional = [n for n in shapes if n not in ("x_kv", "kv_lens")]
+        positional = [n for n in shapes if n not in ("x_kv", "kv_lens", "attn_mask")]
         if len(arrays) != len(positional):
             raise TvmAttnError(f"the kernel takes {len(positional)} arrays ({', '.join(positional)}), "
                                f"got {len(arrays)}")
@@ -93,11 +94,18 @@ class CompiledAttention:
             given["kv_lens"] = kv_lens
         elif kv_lens is not None:
             raise TvmAttnError("kv_lens given but the spec has no key_padding: build with key_padding=True")
+        if spec.attn_mask is not None:
+            if attn_mask is None:
+                raise TvmAttnError(f"this spec has a {spec.attn_mask} attn_mask: pass attn_mask="
+                                   f"{_pretty(spec.attn_mask_shape())}")
+            given["attn_mask"] = attn_mask
+        elif attn_mask is not None:
+            raise TvmAttnError("attn_mask given but the spec has none: build with attn_mask='bool' or 'additive'")
 
         sizes: dict[str, int] = {}
         out: dict[str, np.ndarray] = {}
         for name, want in shapes.items():
-            dtype = np.dtype("int32") if name == "kv_lens" else numpy_dtype(spec.dtype)
+            dtype = numpy_dtype(spec.input_dtype(name))
             arr = np.ascontiguousarray(np.asarray(given[name]).astype(dtype, copy=False))
             _bind_shape(name, arr.shape, want, sizes)
             out[name] = arr
@@ -113,8 +121,11 @@ def _bind_shape(name: str, got: tuple[int, ...], want: tuple, sizes: dict[str, i
     """Check ``got`` against ``want`` (ints and symbolic names), recording what each name is bound to."""
     if len(got) != len(want) or any(
             (w != g) if isinstance(w, int) else (sizes.setdefault(w, g) != g) for g, w in zip(got, want)):
-        pretty = "(" + ", ".join(str(w) for w in want) + ")"
-        raise TvmAttnError(f"{name} has shape {tuple(got)}; this spec expects {pretty}"
+        raise TvmAttnError(f"{name} has shape {tuple(got)}; this spec expects {_pretty(want)}"
                            + (f" with {', '.join(f'{k}={v}' for k, v in sizes.items())}" if sizes else ""))
     if any(g == 0 for g in got):
         raise TvmAttnError(f"{name} has an empty dimension {tuple(got)}: sizes must be positive")
+
+
+def _pretty(shape: tuple) -> str:
+    return "(" + ", ".join(str(w) for w in shape) + ")"

@@ -10,8 +10,12 @@ import numpy as np
 from .spec import AttentionSpec
 
 
-def reference(spec: AttentionSpec, *arrays: np.ndarray, kv_lens: np.ndarray | None = None) -> np.ndarray:
-    """Attention of ``spec`` on ``arrays`` (the kernel's arguments in call order), in float64."""
+def reference(spec: AttentionSpec, *arrays: np.ndarray, kv_lens: np.ndarray | None = None,
+              attn_mask: np.ndarray | None = None) -> np.ndarray:
+    """Attention of ``spec`` on ``arrays`` (the kernel's arguments in call order), in float64.
+
+    For ``spec.output`` other than "attn", the requested (B, h, n, n_kv) stage instead.
+    """
     a = [np.asarray(x, dtype=np.float64) for x in arrays]
     if spec.projections:
         x, rest = a[0], a[1:]
@@ -24,7 +28,9 @@ def reference(spec: AttentionSpec, *arrays: np.ndarray, kv_lens: np.ndarray | No
         q, k, v = a
         if spec.layout == "BSHD":
             q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-    o = core(spec, q, k, v, kv_lens)             # (B, h, n, d_v)
+    o = core(spec, q, k, v, kv_lens, attn_mask)  # (B, h, n, d_v)
+    if spec.output != "attn":
+        return o
     if spec.projections:
         B, h, n, d_v = o.shape
         return o.transpose(0, 2, 1, 3).reshape(B, n, h * d_v) @ w_o
@@ -32,20 +38,34 @@ def reference(spec: AttentionSpec, *arrays: np.ndarray, kv_lens: np.ndarray | No
 
 
 def core(spec: AttentionSpec, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-         kv_lens: np.ndarray | None = None) -> np.ndarray:
-    """softmax(scale·q·kᵀ + mask)·v for q (B,h,n,d_k), k (B,h_kv,n_kv,d_k), v (B,h_kv,n_kv,d_v)."""
+         kv_lens: np.ndarray | None = None, attn_mask: np.ndarray | None = None) -> np.ndarray:
+    """softmax(cap(scale·q·kᵀ) + mask)·v for q (B,h,n,d_k), k (B,h_kv,n_kv,d_k), v (B,h_kv,n_kv,d_v).
+
+    ``attn_mask`` broadcasts to (B, h, n, n_kv): True/False for a bool mask, a float bias otherwise.
+    """
     group = q.shape[1] // k.shape[1]
     k = np.repeat(k, group, axis=1)
     v = np.repeat(v, group, axis=1)
-    logits = spec.softmax_scale * (q @ k.transpose(0, 1, 3, 2))  # (B, h, n, n_kv)
+    scores = spec.softmax_scale * (q @ k.transpose(0, 1, 3, 2))  # (B, h, n, n_kv)
+    if spec.softcap is not None:
+        scores = spec.softcap * np.tanh(scores / spec.softcap)
     allowed = allowed_keys(spec, q.shape[0], q.shape[2], k.shape[2], kv_lens)  # (B, 1, n, n_kv)
+    logits = scores
+    if spec.attn_mask == "bool":
+        allowed = allowed & np.asarray(attn_mask, dtype=bool)
+    elif spec.attn_mask == "additive":
+        bias = np.asarray(attn_mask, dtype=np.float64)
+        allowed = allowed & (bias != -np.inf)
+        with np.errstate(invalid="ignore"):  # inf - inf where hidden; np.where drops it
+            logits = scores + bias
     logits = np.where(allowed, logits, -np.inf)
     row_max = logits.max(axis=-1, keepdims=True)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)  # a row with no visible key
     weights = np.exp(logits - row_max)
     total = weights.sum(axis=-1, keepdims=True)
     weights = np.divide(weights, total, out=np.zeros_like(weights), where=total > 0)
-    return weights @ v
+    stage = {"scaled_scores": scores, "logits": logits, "weights": weights}.get(spec.output)
+    return weights @ v if stage is None else stage
 
 
 def allowed_keys(spec: AttentionSpec, batch: int, n: int, n_kv: int,

@@ -44,7 +44,8 @@ def skip_masked_key_tiles(spec: AttentionSpec) -> tvm.transform.Pass:
 
     @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.SkipMaskedKeyTiles")
     def transform(func: PrimFunc, _mod, _ctx) -> PrimFunc:
-        if not (spec.causal or spec.window is not None or spec.key_padding):
+        # A kernel returning scores or weights writes every key, hidden ones included.
+        if not (spec.causal or spec.window is not None or spec.key_padding) or spec.output != "attn":
             return func
         kv_lens = next((p for p in func.params if p.name == "kv_lens"), None)
         ranges = _KeyLoopRanges(spec, kv_lens)

@@ -26,6 +26,9 @@ DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16":
           "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 LAYOUTS = ("BHSD", "BSHD")
 CAUSAL_ALIGNS = ("top_left", "bottom_right")
+MASK_KINDS = ("bool", "additive")
+MASK_AXES = "bhst"  # batch, head, query, key: the axes of the scores an attn_mask may vary along
+OUTPUTS = ("attn", "scaled_scores", "logits", "weights")
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,17 @@ class AttentionSpec:
       window        sliding window W: i+offset-W < j <= i+offset when causal, |i+offset-j| < W if not.
       key_padding   the kernel takes ``kv_lens`` (B,) int32 at run time: keys j >= kv_lens[b] are
                     hidden.
+      attn_mask     the kernel takes a mask tensor ``attn_mask`` (as in ONNX ``Attention`` and PyTorch
+                    SDPA): ``"bool"`` (True = may attend) or ``"additive"`` (float32, added to the
+                    logits; -inf hides a key). Its shape is (B, h, n, n_kv) with size 1 on every axis
+                    not named in ``attn_mask_dims`` (b, h, s = query, t = key): it broadcasts.
     A query row that sees no key at all produces zeros (not NaN).
+
+    ``softcap`` c bounds the scaled scores before the mask: c·tanh(scale·q·k / c) (Gemma, ONNX).
+    ``output`` names what the (core) kernel returns: ``"attn"`` (O), or an intermediate (B, h, n, n_kv)
+    stage, as ONNX ``qk_matmul_output`` exposes it: ``"scaled_scores"`` (soft-capped), ``"logits"``
+    (the mask applied: -inf where hidden) or ``"weights"`` (the softmax; zero rows where nothing is
+    visible).
     """
 
     batch: Dim = 1
@@ -62,6 +75,10 @@ class AttentionSpec:
     dtype: str = "float32"
     projections: bool = True
     scale: float | None = None  # None: 1/sqrt(head_dim)
+    attn_mask: str | None = None  # None, "bool" or "additive"
+    attn_mask_dims: str = MASK_AXES
+    softcap: float | None = None
+    output: str = "attn"
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str) and self.dtype.lower() in DTYPES:
@@ -120,7 +137,7 @@ class AttentionSpec:
 
     @property
     def is_masked(self) -> bool:
-        return self.causal or self.window is not None or self.key_padding
+        return self.causal or self.window is not None or self.key_padding or self.attn_mask is not None
 
     # ---- the calling convention ----------------------------------------------------------------
     def _bhsd(self, heads: int, seq: Dim, width: int) -> tuple[Dim, ...]:
@@ -144,9 +161,26 @@ class AttentionSpec:
                       "v": self._bhsd(self.h_kv, self.n_kv, self.d_v)}
         if self.key_padding:
             shapes["kv_lens"] = (self.batch,)
+        if self.attn_mask is not None:
+            shapes["attn_mask"] = self.attn_mask_shape()
         return shapes
 
+    def attn_mask_shape(self) -> tuple[Dim, ...]:
+        """(B, h, n, n_kv) with 1 on the axes the mask broadcasts along."""
+        full = dict(zip(MASK_AXES, (self.batch, self.h, self.n_q, self.n_kv)))
+        return tuple(full[a] if a in self.attn_mask_dims else 1 for a in MASK_AXES)
+
+    def input_dtype(self, name: str) -> str:
+        """The dtype of kernel argument ``name``."""
+        if name == "kv_lens":
+            return "int32"
+        if name == "attn_mask":
+            return "bool" if self.attn_mask == "bool" else "float32"
+        return self.dtype
+
     def output_shape(self) -> tuple[Dim, ...]:
+        if self.output != "attn":
+            return (self.batch, self.h, self.n_q, self.n_kv)
         if self.projections:
             return (self.batch, self.n_q, self.d)
         return self._bhsd(self.h, self.n_q, self.d_v)
@@ -178,7 +212,25 @@ class AttentionSpec:
         if self.scale is not None and not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale)
                                            and self.scale > 0):
             raise TvmAttnError(f"scale={self.scale!r} must be a positive finite number (default 1/sqrt(head_dim))")
+        self._validate_extras()
         return self
+
+    def _validate_extras(self) -> None:
+        """The fields ONNX models need: tensor masks, softcap, intermediate outputs."""
+        if self.attn_mask is not None and self.attn_mask not in MASK_KINDS:
+            raise TvmAttnError(f"unknown attn_mask {self.attn_mask!r}: use bool (True = attend) or additive "
+                               f"(added to the logits)")
+        if not set(self.attn_mask_dims) <= set(MASK_AXES) or len(set(self.attn_mask_dims)) != len(
+                self.attn_mask_dims):
+            raise TvmAttnError(f"attn_mask_dims={self.attn_mask_dims!r}: name each mask axis once, from "
+                               f"b (batch), h (head), s (query), t (key)")
+        if self.softcap is not None and not (isinstance(self.softcap, (int, float)) and math.isfinite(self.softcap)
+                                             and self.softcap > 0):
+            raise TvmAttnError(f"softcap={self.softcap!r} must be a positive finite number (or None: no cap)")
+        if self.output not in OUTPUTS:
+            raise TvmAttnError(f"unknown output {self.output!r}: use one of {', '.join(OUTPUTS)}")
+        if self.output != "attn" and self.projections:
+            raise TvmAttnError(f"output={self.output!r} is a core-kernel stage: add projections=False")
 
     # ---- (de)serialisation -----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -201,7 +253,10 @@ class AttentionSpec:
         dv = f"d_v={self.d_v} " if self.d_v != self.d_k else ""
         flags = [f for f, on in (("causal" + ("" if self.causal_align == "top_left" else "(bottom-right)"),
                                   self.causal), (f"window={self.window}", self.window is not None),
-                                 ("key-padding", self.key_padding)) if on]
+                                 ("key-padding", self.key_padding),
+                                 (f"{self.attn_mask}-mask({self.attn_mask_dims})", self.attn_mask is not None),
+                                 (f"softcap={self.softcap:g}" if self.softcap else "", self.softcap is not None),
+                                 (f"returns {self.output}", self.output != "attn")) if on]
         kind = "layer X->W_Q,W_K,W_V..W_O" if self.projections else f"core Q,K,V->O {self.layout}"
         return (f"B={self.batch} n={self.n_q} {kv}d={self.d} h={self.h} {gqa}d_k={self.d_k} {dv}"
                 f"{self.dtype} {kind}" + (" " + " ".join(flags) if flags else ""))

@@ -3,7 +3,8 @@
     x (B,n,d) ──q_proj──► (B,n,h·d_k) ──q_heads──► (B,h,n,d_k) ─┐
     x_kv (B,n_kv,d) ─k_proj/v_proj─► k_heads, v_heads (B,h_kv,n_kv,d_k|d_v)
     scores  = q·kᵀ                         (B,h,n,n_kv)   fp32 accumulation
-    logits  = scale·scores, masked to -inf (B,h,n,n_kv)
+    logits  = cap(scale·scores) + bias,    (B,h,n,n_kv)   cap: softcap·tanh(·/softcap) if set;
+              masked to -inf                              bias: an additive attn_mask
     row_max = max_t logits                 (B,h,n)
     probs   = exp(logits - row_max)        (B,h,n,n_kv)   0 where masked
     row_sum = Σ_t probs                    (B,h,n)
@@ -13,7 +14,8 @@
     out     = merged·W_O                   (B,n,d)
 
 The core kernel (``projections=False``) starts at q, k, v in the spec's layout and ends at attn in
-that layout. Cross-attention, GQA and both layouts only change index maps.
+that layout, or, when ``spec.output`` names one, at an intermediate (B,h,n,n_kv) stage. Cross-attention,
+GQA, both layouts and broadcast masks only change index maps.
 
 Axis names are part of the contract: b batch, i query head, s query position, t key position,
 e the q·k dot product, c a value column. TVM names a block's iterators after them (v_b, v_s, v_t, …),
@@ -30,7 +32,7 @@ from tvm import te, tirx
 from tvm.ir.expr import Expr as PrimExpr
 
 from . import mask
-from .spec import AttentionSpec, Dim
+from .spec import MASK_AXES, AttentionSpec, Dim
 
 ACC = "float32"  # accumulation dtype, whatever the input dtype
 KEY_STAGE = "tvmattn.key_stage"
@@ -93,8 +95,15 @@ def attention_te(spec: AttentionSpec) -> AttentionTE:
     else:
         kv_len = lambda b: tirx.const(n_kv, "int32") if isinstance(n_kv, int) else n_kv  # noqa: E731
 
-    def visible(b, s, t):
-        return mask.visible(spec, s, t, kv_len(b), _as_expr(n))
+    mask_at = _attn_mask(spec, dim, inputs)
+
+    def visible(b, i, s, t):
+        seen = mask.visible(spec, s, t, kv_len(b), _as_expr(n))
+        if spec.attn_mask == "bool":
+            return tirx.all(seen, mask_at(b, i, s, t))
+        if spec.attn_mask == "additive":  # a -inf bias hides the key like a False would
+            return tirx.all(seen, mask_at(b, i, s, t) > -tirx.infinity(ACC))
+        return seen
 
     e = te.reduce_axis((0, d_k), "e")
     scores = te.compute(
@@ -102,16 +111,26 @@ def attention_te(spec: AttentionSpec) -> AttentionTE:
         lambda b, i, s, t: te.sum(q_at(b, i, s, e).astype(ACC) * k_at(b, i // g, t, e).astype(ACC), axis=e),
         name="scores", attrs={KEY_STAGE: 1})
     scale = tirx.const(spec.softmax_scale, ACC)
-    logits = te.compute(
-        (B, h, n, n_kv),
-        lambda b, i, s, t: tirx.Select(visible(b, s, t), scores[b, i, s, t] * scale, -tirx.infinity(ACC)),
-        name="logits", attrs={KEY_STAGE: 1})
+
+    def scaled(b, i, s, t):
+        x = scores[b, i, s, t] * scale
+        if spec.softcap is None:
+            return x
+        return tirx.const(spec.softcap, ACC) * tirx.tanh(x * tirx.const(1.0 / spec.softcap, ACC))
+
+    def logit(b, i, s, t):
+        x = scaled(b, i, s, t)
+        if spec.attn_mask == "additive":
+            x = x + mask_at(b, i, s, t)
+        return tirx.Select(visible(b, i, s, t), x, -tirx.infinity(ACC))
+
+    logits = te.compute((B, h, n, n_kv), logit, name="logits", attrs={KEY_STAGE: 1})
     t = te.reduce_axis((0, n_kv), "t")
     row_max = te.compute((B, h, n), lambda b, i, s: te.max(logits[b, i, s, t], axis=t),
                          name="row_max", attrs={KEY_STAGE: 1})
     probs = te.compute(
         (B, h, n, n_kv),
-        lambda b, i, s, t: tirx.Select(visible(b, s, t), tirx.exp(logits[b, i, s, t] - row_max[b, i, s]),
+        lambda b, i, s, t: tirx.Select(visible(b, i, s, t), tirx.exp(logits[b, i, s, t] - row_max[b, i, s]),
                                        tirx.const(0, ACC)),
         name="probs", attrs={KEY_STAGE: 1})
     t = te.reduce_axis((0, n_kv), "t")
@@ -127,7 +146,16 @@ def attention_te(spec: AttentionSpec) -> AttentionTE:
         return tirx.Select(total > 0, pv[b, i, s, c] / total, tirx.const(0, ACC)).astype(dt)
 
     stages.update(scores=scores, logits=logits, row_max=row_max, probs=probs, row_sum=row_sum, pv=pv)
-    if spec.projections:
+    if spec.output != "attn":
+        def weight(b, i, s, t):
+            total = row_sum[b, i, s]
+            return tirx.Select(total > 0, probs[b, i, s, t] / total, tirx.const(0, ACC))
+
+        stage = {"scaled_scores": scaled, "logits": logits, "weights": weight}[spec.output]
+        # Not a key stage: key-tile skipping must not apply here, the hidden entries are part of the output.
+        out = te.compute((B, h, n, n_kv), lambda b, i, s, t: stage(b, i, s, t).astype(dt), name=spec.output)
+        stages[spec.output] = out
+    elif spec.projections:
         attn = te.compute((B, h, n, d_v), normalise, name="attn")
         merged = te.compute((B, n, h * d_v), lambda b, s, m: attn[b, m // d_v, s, m % d_v], name="merged")
         out = _linear(merged, w_o, "out")
@@ -139,6 +167,15 @@ def attention_te(spec: AttentionSpec) -> AttentionTE:
         out = te.compute((B, n, h, d_v), lambda b, s, i, c: normalise(b, i, s, c), name="attn")
         stages["attn"] = out
     return AttentionTE(spec, inputs, out, stages, dims)
+
+
+def _attn_mask(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor]) -> Callable | None:
+    """The mask tensor's reader at (b, head, s, t), reading index 0 on the axes it broadcasts along."""
+    if spec.attn_mask is None:
+        return None
+    m = te.placeholder(tuple(dim(x) for x in spec.attn_mask_shape()), spec.input_dtype("attn_mask"), "attn_mask")
+    inputs.append(m)
+    return lambda *index: m[tuple(ix if axis in spec.attn_mask_dims else 0 for axis, ix in zip(MASK_AXES, index))]
 
 
 def _as_expr(x) -> PrimExpr:

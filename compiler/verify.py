@@ -21,7 +21,7 @@ DEFAULT_SYMBOLIC_SIZES = (1, 37, 128)  # the lengths a symbolic size is checked 
 
 @dataclass
 class Check:
-    spec: AttentionSpec
+    what: str  # what was compared: the dtype, or an output's name and dtype
     sizes: dict[str, int]
     max_abs: float
     max_rel: float
@@ -34,7 +34,7 @@ class Check:
     def line(self) -> str:
         at = (" at " + " ".join(f"{k}={v}" for k, v in self.sizes.items())) if self.sizes else ""
         return (f"{'PASS' if self.ok else 'FAIL'}{at}: max abs error {self.max_abs:.3g}, "
-                f"max rel error {self.max_rel:.3g} (tolerance {self.tolerance:g}, {self.spec.dtype})")
+                f"max rel error {self.max_rel:.3g} (tolerance {self.tolerance:g}, {self.what})")
 
 
 def random_inputs(spec: AttentionSpec, sizes: dict[str, int] | None = None,
@@ -49,6 +49,11 @@ def random_inputs(spec: AttentionSpec, sizes: dict[str, int] | None = None,
             n_kv = sizes[spec.n_kv] if isinstance(spec.n_kv, str) else spec.n_kv
             out[name] = rng.integers(1, n_kv + 1, size=shape).astype(np.int32)
             continue
+        if name == "attn_mask":  # about one key in five hidden; a bias of O(1) on the others
+            hidden = rng.random(shape) < 0.2
+            out[name] = ~hidden if spec.attn_mask == "bool" else np.where(
+                hidden, -np.inf, rng.standard_normal(shape)).astype(np.float32)
+            continue
         std = 1.0 / np.sqrt(shape[0]) if name.startswith("w_") else 1.0  # W ~ N(0, 1/fan_in)
         out[name] = (rng.standard_normal(shape) * std).astype(numpy_dtype(spec.dtype))
     return out
@@ -59,15 +64,25 @@ def check(kernel: CompiledAttention, sizes: dict[str, int] | None = None, seed: 
     spec = kernel.spec
     args = random_inputs(spec, sizes, seed)
     kv_lens = args.pop("kv_lens", None)
+    attn_mask = args.pop("attn_mask", None)
     x_kv = args.pop("x_kv", None) if spec.projections and spec.is_cross else None
-    out = kernel(*args.values(), x_kv=x_kv, kv_lens=kv_lens).astype(np.float64)
+    out = kernel(*args.values(), x_kv=x_kv, kv_lens=kv_lens, attn_mask=attn_mask).astype(np.float64)
     arrays = list(args.values())
     if x_kv is not None:
         arrays.insert(1, x_kv)
-    ref = reference(spec, *arrays, kv_lens=kv_lens)
-    max_abs = float(np.max(np.abs(out - ref))) if out.size else 0.0
-    scale = float(np.max(np.abs(ref))) if ref.size else 1.0
-    return Check(spec, dict(sizes or {}), max_abs, max_abs / max(scale, 1e-30), TOLERANCE[spec.dtype])
+    ref = reference(spec, *arrays, kv_lens=kv_lens, attn_mask=attn_mask)
+    return Check(spec.dtype, dict(sizes or {}), *errors(out, ref), TOLERANCE[spec.dtype])
+
+
+def errors(out: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
+    """max|out - ref|, and that over max|ref| (its finite entries; equal infinities are no error)."""
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    with np.errstate(invalid="ignore"):  # -inf logits where a key is hidden: equal, not NaN
+        diff = np.where(out == ref, 0.0, np.abs(out - ref))
+    max_abs = float(np.max(diff)) if out.size else 0.0
+    finite = ref[np.isfinite(ref)]
+    scale = float(np.max(np.abs(finite))) if finite.size else 1.0
+    return max_abs, max_abs / max(scale, 1e-30)
 
 
 def sizes_to_check(spec: AttentionSpec, given: dict[str, int] | None = None) -> list[dict[str, int]]:

@@ -17,13 +17,16 @@ from tvm.tirx import PrimFunc
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.spec import AttentionSpec
 
-from . import cpu, cuda
+from . import cpu, cuda, generic
 from .knobs import KnobValue, resolve
 
 SCHEDULES: dict[str, ModuleType] = {"llvm": cpu, "cuda": cuda}
 
 
-def for_target(target: Target) -> ModuleType:
+def for_target(target: Target, spec: AttentionSpec | None = None) -> ModuleType:
+    """The schedule module for ``target``; kernels returning an intermediate stage get `generic`."""
+    if spec is not None and spec.output != "attn" and target.kind.name in SCHEDULES:
+        return generic
     try:
         return SCHEDULES[target.kind.name]
     except KeyError:
@@ -34,6 +37,6 @@ def for_target(target: Target) -> ModuleType:
 def default_schedule(func: PrimFunc, spec: AttentionSpec, target: Target,
                      knobs: Mapping[str, KnobValue] | None = None) -> tuple[Schedule, str]:
     """The target's schedule of ``func`` with default knobs (overridden by ``knobs``), and what it is."""
-    rules = for_target(target)
+    rules = for_target(target, spec)
     values = resolve(rules.KNOBS, knobs)
     return rules.apply(Schedule(func), spec, target, values), rules.describe(spec, target, values)

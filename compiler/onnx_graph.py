@@ -1,0 +1,174 @@
+"""Reading an ONNX model before TVM sees it: load and check it, name its nodes, fold what is static.
+
+Exporters spell shapes as graphs (Shape → Gather → Concat → Reshape; Sqrt(Cast(Shape)) for 1/√d_k;
+Range/Less/Where for a causal mask). Where the shapes are static, `fold_static` evaluates those
+subgraphs with ONNX's reference implementation and leaves constants, which TVM's importer handles
+and in which the attention patterns can read a scale or a causal mask.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable
+
+import numpy as np
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+from .errors import TvmAttnError
+
+DEFAULT_DOMAINS = ("", "ai.onnx")
+# Ops whose value is not a function of their inputs, or which hold subgraphs: never folded.
+_NOT_FOLDABLE = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli",
+                 "Multinomial", "If", "Loop", "Scan", "Dropout"}
+_FOLD_LIMIT_BYTES = 64 << 20  # a folded value larger than this stays a computation
+
+
+def load(model: Any) -> onnx.ModelProto:
+    """An ONNX model from a path, bytes or a ModelProto, checked; TvmAttnError if it is not one."""
+    if isinstance(model, onnx.ModelProto):
+        proto = model
+    elif isinstance(model, (bytes, bytearray)):
+        proto = _parse(bytes(model), "the given bytes")
+    elif isinstance(model, (str, os.PathLike)):
+        try:
+            with open(model, "rb") as f:
+                data = f.read()
+        except OSError as err:
+            raise TvmAttnError(f"cannot read ONNX model {os.fspath(model)!r}: {err.strerror}") from None
+        proto = _parse(data, repr(os.fspath(model)))
+    else:
+        raise TvmAttnError(f"import_onnx takes a path, bytes or an onnx.ModelProto, not {type(model).__name__}")
+    try:
+        onnx.checker.check_model(proto)
+    except (onnx.checker.ValidationError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise TvmAttnError(f"not a valid ONNX model ({first}): re-export it, or check it with "
+                           f"onnx.checker.check_model") from None
+    if not proto.graph.node:
+        raise TvmAttnError("the ONNX graph has no nodes: is the file complete?")
+    return proto
+
+
+def _parse(data: bytes, where: str) -> onnx.ModelProto:
+    proto = onnx.ModelProto()
+    try:
+        proto.ParseFromString(data)
+    except (DecodeError, RuntimeError, ValueError):
+        raise TvmAttnError(f"{where} is not an ONNX model (protobuf parse failed): the file is truncated or "
+                           f"of another format") from None
+    if proto.ir_version == 0 or not proto.HasField("graph"):
+        raise TvmAttnError(f"{where} is not an ONNX model (no IR version or graph): the file is empty, "
+                           f"truncated or of another format")
+    return proto
+
+
+def opset_of(model: onnx.ModelProto, domain: str = "") -> int | None:
+    """The model's opset version for ``domain`` (the default domain: "" or "ai.onnx")."""
+    names = DEFAULT_DOMAINS if domain in DEFAULT_DOMAINS else (domain,)
+    return next((o.version for o in model.opset_import if o.domain in names), None)
+
+
+def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy in which every node has a unique, non-empty name (reports and errors cite them)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    seen: set[str] = set()
+    for i, node in enumerate(out.graph.node):
+        name = node.name or f"{node.op_type}_{i}"
+        while name in seen:
+            name = f"{name}_{i}"
+        node.name = name
+        seen.add(name)
+    return out
+
+
+def fold_static(model: onnx.ModelProto, keep: Iterable[tuple[str, str]] = ()) -> onnx.ModelProto:
+    """Evaluate every node whose inputs are constants or static shapes; keep (domain, op) pairs in ``keep``.
+
+    Constants consumed by the remaining nodes become initializers. Nothing is folded when ONNX shape
+    inference fails on the model: TVM's importer then sees it as given.
+    """
+    keep = set(keep)
+    opset = opset_of(model) or 1
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception:  # onnx raises several error types; an uninferable model is simply not folded
+        return model
+    shapes = _known_dims(inferred.graph)
+    consts: dict[str, np.ndarray] = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    partial: dict[str, tuple[int | None, ...]] = {}  # outputs of Shape nodes with some dimensions unknown
+    kept: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        value = _fold(node, consts, shapes, partial, opset) if (node.domain, node.op_type) not in keep else None
+        if value is None:
+            kept.append(node)
+        else:
+            consts.update(value)
+    if len(kept) == len(model.graph.node):
+        return model
+    needed = {i for node in kept for i in node.input} | {o.name for o in model.graph.output}
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.node[:]
+    out.graph.node.extend(kept)
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(numpy_helper.from_array(np.asarray(v), name) for name, v in consts.items()
+                                 if name in needed)
+    return out
+
+
+def _known_dims(graph: onnx.GraphProto) -> dict[str, tuple[int | None, ...]]:
+    """The shapes shape inference found, None for a dimension it could not size."""
+    shapes = {}
+    for info in list(graph.input) + list(graph.value_info) + list(graph.output):
+        t = info.type.tensor_type
+        if t.HasField("shape"):
+            shapes[info.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim)
+    return shapes
+
+
+def _fold(node: onnx.NodeProto, consts: dict[str, np.ndarray], shapes: dict[str, tuple[int | None, ...]],
+          partial: dict[str, tuple[int | None, ...]], opset: int) -> dict[str, np.ndarray] | None:
+    """The node's outputs if they are known now, else None (recording partly known Shape values)."""
+    if node.domain not in DEFAULT_DOMAINS or node.op_type in _NOT_FOLDABLE:
+        return None
+    if node.op_type in ("Shape", "Size") and node.input[0] not in consts:
+        shape = shapes.get(node.input[0])
+        value = _shape_value(node, shape) if shape is not None else None
+        if value is None:  # partly known: a Gather may still pick a static dimension of it
+            if node.op_type == "Shape" and shape is not None:
+                partial[node.output[0]] = _shape_slice(node, shape)
+            return None
+        return {node.output[0]: value}
+    if node.op_type == "Gather" and node.input[0] in partial and node.input[1] in consts:
+        picked = np.asarray(partial[node.input[0]], dtype=object)[consts[node.input[1]]]
+        known = all(d is not None for d in np.ravel(picked))
+        return {node.output[0]: np.asarray(picked, dtype=np.int64)} if known else None
+    inputs = [i for i in node.input if i]
+    if any(i not in consts for i in inputs):
+        return None
+    try:
+        results = ReferenceEvaluator(node, opsets={"": opset}).run(None, {i: consts[i] for i in inputs})
+    except Exception:  # the reference may not implement an op or a case: then TVM computes it
+        return None
+    if sum(np.asarray(r).nbytes for r in results) > _FOLD_LIMIT_BYTES:
+        return None
+    return {name: np.asarray(r) for name, r in zip(node.output, results) if name}
+
+
+def _shape_value(node: onnx.NodeProto, shape: tuple[int | None, ...]) -> np.ndarray | None:
+    """A Shape or Size node's value where every dimension it reports is known."""
+    dims = shape if node.op_type == "Size" else _shape_slice(node, shape)
+    if any(d is None for d in dims):
+        return None
+    if node.op_type == "Size":
+        return np.array(int(np.prod(dims)), dtype=np.int64)
+    return np.array(dims, dtype=np.int64)
+
+
+def _shape_slice(node: onnx.NodeProto, shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    return shape[slice(attrs.get("start", 0), attrs.get("end", None))]

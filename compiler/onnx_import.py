@@ -1,0 +1,221 @@
+"""`import_onnx`: an ONNX model → Relax (TVM's importer plus tvmattn's attention converters) →
+decomposed attention rewritten to tvmattn kernels → one compiled module you run with NumPy.
+
+    m = tvmattn.import_onnx("model.onnx", target="cpu")
+    outs = m.run({"input_ids": ids})      # NumPy arrays, in graph-output order
+    print(m.report)                       # every attention found, its spec and kernel
+
+The rest of the graph is compiled by TVM as its stock importer converts it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+import onnx
+import tvm
+from tvm import relax
+from tvm.relax.frontend.onnx import onnx_frontend
+from tvm.target import Target
+
+from . import onnx_graph, relax_patterns
+from .errors import TvmAttnError
+from .kernel import numpy_dtype
+from .onnx_converters import Node, find
+from .onnx_shape_ops import SHAPE_FIXES
+from .relax_attention import Kernels, Replacement
+from .target import resolve_target
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    name: str
+    shape: tuple[int | str | None, ...]  # a size, a named (symbolic) size, or None: unknown
+    dtype: str
+
+
+@dataclass
+class ImportReport:
+    """Which attention subgraphs of the model became which tvmattn kernels."""
+
+    model: str
+    target: str
+    replacements: list[Replacement]
+    left_to_tvm: list[str] = field(default_factory=list)  # softmax nodes TVM computes as it imported them
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        lines = [f"{self.model}: {len(self.replacements)} attention(s) on tvmattn kernels, target {self.target}, "
+                 f"imported and compiled in {self.seconds:.2f} s"]
+        lines += [f"  {i}. {r.line()}" for i, r in enumerate(self.replacements, 1)]
+        lines += [f"  left to TVM: softmax at {where}" for where in self.left_to_tvm]
+        return "\n".join(lines)
+
+
+@dataclass
+class ImportedModel:
+    """A compiled ONNX model: ``run`` it with NumPy inputs by name."""
+
+    target: Target
+    executable: Any  # relax VMExecutable
+    inputs: list[GraphInput]
+    output_names: list[str]
+    report: ImportReport
+    _vm: Any = None  # the VirtualMachine, made at the first run
+
+    @property
+    def device(self) -> tvm.runtime.Device:
+        dev = tvm.cuda(0) if self.target.kind.name == "cuda" else tvm.cpu(0)
+        if not dev.exist:
+            raise TvmAttnError("no CUDA device on this machine: export_library() and run it where one is")
+        return dev
+
+    def run(self, feed: Mapping[str, Any]) -> list[np.ndarray]:
+        """The graph's outputs, in order, for the inputs in ``feed`` (name → array)."""
+        args = self._arguments(feed)
+        dev = self.device
+        if self._vm is None:
+            self._vm = relax.VirtualMachine(self.executable, dev)
+        try:
+            out = self._vm["main"](*[tvm.runtime.tensor(a, dev) for a in args])
+        except Exception as err:  # a shape TVM rejects at run time: say which, without its traceback
+            raise TvmAttnError(f"the model rejected its inputs: {str(err).strip().splitlines()[-1]}") from None
+        outs = [out] if isinstance(out, tvm.runtime.Tensor) else list(out)
+        return [o.numpy() for o in outs]
+
+    def export_library(self, path: str) -> None:
+        self.executable.export_library(path)
+
+    def _arguments(self, feed: Mapping[str, Any]) -> list[np.ndarray]:
+        unknown = sorted(set(feed) - {i.name for i in self.inputs})
+        if unknown:
+            raise TvmAttnError(f"unknown input {unknown[0]!r}: the model's inputs are "
+                               f"{', '.join(i.name for i in self.inputs)}")
+        sizes: dict[str, int] = {}
+        args = []
+        for spec in self.inputs:
+            if spec.name not in feed:
+                raise TvmAttnError(f"missing input {spec.name!r} ({spec.dtype}, shape {_pretty(spec.shape)})")
+            arr = np.asarray(feed[spec.name])
+            want = numpy_dtype(spec.dtype)
+            if arr.dtype != want:
+                if arr.dtype.kind != want.kind and not (arr.dtype.kind in "iu" and want.kind in "iu"):
+                    raise TvmAttnError(f"input {spec.name!r} is {arr.dtype}; the model takes {spec.dtype}")
+                arr = arr.astype(want)
+            if len(arr.shape) != len(spec.shape) or any(
+                    w is not None and (w != g if isinstance(w, int) else sizes.setdefault(w, g) != g)
+                    for g, w in zip(arr.shape, spec.shape)):
+                raise TvmAttnError(f"input {spec.name!r} has shape {arr.shape}; the model takes "
+                                   f"{_pretty(spec.shape)}" + (f" with {sizes}" if sizes else ""))
+            args.append(np.require(arr, requirements="C"))  # not ascontiguousarray: it makes scalars 1-D
+        return args
+
+
+def import_onnx(model: Any, target: Any = "cpu", *, arch: str | None = None) -> ImportedModel:
+    """Import an ONNX model (a path, bytes or ModelProto), compile it for ``target``, attention on tvmattn."""
+    start = time.perf_counter()
+    tgt = resolve_target(target, arch)
+    proto = onnx_graph.name_nodes(onnx_graph.load(model))
+    proto = onnx_graph.fold_static(proto, keep=[(n.domain, n.op_type) for n in proto.graph.node if find(n)])
+    kernels = Kernels(tgt)
+    importer = _Importer(proto, kernels)
+    mod = importer.convert()
+    mod = relax_patterns.rewrite(mod, kernels, importer.provenance)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            executable = tvm.compile(mod, tgt)
+        except Exception as err:
+            raise TvmAttnError(f"TVM could not compile the imported model for {tgt.kind.name}: "
+                               f"{str(err).strip().splitlines()[-1]}") from err
+    report = ImportReport(proto.graph.name or "model", tgt.kind.name, list(kernels.replacements),
+                          relax_patterns.remaining_softmax(mod, importer.provenance),
+                          time.perf_counter() - start)
+    return ImportedModel(tgt, executable, _graph_inputs(proto), [o.name for o in proto.graph.output], report)
+
+
+class _Importer(onnx_frontend.ONNXGraphImporter):
+    """TVM's ONNX importer with tvmattn's converters first, errors as TvmAttnError naming the node, and
+    a record of which ONNX node produced each Relax call (for the report)."""
+
+    def __init__(self, model: onnx.ModelProto, kernels: Kernels) -> None:
+        super().__init__(shape_dict=None, dtype_dict="float32")
+        self.model = model
+        self.kernels = kernels
+        self.provenance: dict[relax.Expr, str] = {}
+        self._by_name = {n.name: n for n in model.graph.node}
+        self._current: onnx.NodeProto | None = None
+
+    def convert(self) -> tvm.IRModule:
+        opset = onnx_graph.opset_of(self.model) or 1
+        # TVM's importer warns about renamed inputs and dynamic shapes, and prints the node it failed on
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            try:
+                return self.from_onnx(self.model.graph, opset)
+            except TvmAttnError as err:
+                raise TvmAttnError(self._where() + str(err)) from None
+            except Exception as err:  # TVM's converters raise many types; the user gets the node and a line
+                detail = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+                raise TvmAttnError(f"{self._where()}TVM's ONNX importer failed: {detail}") from err
+
+    def _where(self) -> str:
+        node = self._current
+        if node is None:
+            return ""
+        op = f"{node.domain}.{node.op_type}" if node.domain else node.op_type
+        return f"node {node.name!r} ({op}): "
+
+    def _check_for_unsupported_ops(self, graph: onnx.GraphProto) -> None:
+        stock = onnx_frontend._get_convert_map()
+        for node in graph.node:
+            if not find(node) and node.op_type not in stock and node.op_type not in ("Constant", "If"):
+                op = f"{node.domain}.{node.op_type}" if node.domain else node.op_type
+                raise TvmAttnError(f"node {node.name!r}: operator {op} is not supported (neither by tvmattn "
+                                   f"nor by TVM's ONNX importer)")
+
+    def _convert_operator(self, op_name: str, inputs: list, attrs: dict, opset: int) -> relax.Expr:
+        node = self._by_name.get(attrs["tvm_custom"]["name"])
+        self._current = node
+        convert = find(node) if node is not None else None
+        if convert is None:
+            fix = SHAPE_FIXES.get(op_name)
+            sym = fix(list(inputs)) if fix is not None else None
+            if sym is None:
+                sym = super()._convert_operator(op_name, inputs, attrs, opset)
+            else:
+                sym = self.bb.normalize(sym)
+            if node is not None:
+                self.provenance[sym] = node.name
+            return sym
+        outs = convert(Node(node, self.bb, self.kernels), list(inputs))
+        outs = [o if o is not None else outs[0] for o in outs[:max(len(node.output), 1)]]
+        return outs[0] if len(outs) == 1 else relax.Tuple(outs)
+
+
+def _graph_inputs(model: onnx.ModelProto) -> list[GraphInput]:
+    initializers = {t.name for t in model.graph.initializer}
+    out = []
+    for info in model.graph.input:
+        if info.name in initializers:
+            continue
+        t = info.type.tensor_type
+        dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim)
+        out.append(GraphInput(info.name, dims, _dtype_name(t.elem_type)))
+    return out
+
+
+def _dtype_name(elem_type: int) -> str:
+    if elem_type == onnx.TensorProto.BFLOAT16:
+        return "bfloat16"
+    return str(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)))
+
+
+def _pretty(shape: tuple) -> str:
+    return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"

@@ -1,0 +1,197 @@
+"""tvmattn's attention kernel inside a Relax module: one scheduled PrimFunc per AttentionSpec, called
+with ``call_tir``.
+
+Both ONNX front ends use it: the op converters and the decomposed-attention patterns. Every attention
+it emits is recorded as a `Replacement`, the import report's lines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import tvm
+from tvm import relax, tirx
+from tvm.ir.expr import Expr as PrimExpr
+from tvm.sym import Analyzer
+from tvm.target import Target
+
+from .build import schedule_attention
+from .errors import TvmAttnError
+from .spec import AttentionSpec, Dim
+
+_OPAQUE = 8  # relax op_pattern kOpaque: FuseOps must not merge a scheduled kernel with its neighbours
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """One attention of the model that runs as a tvmattn kernel."""
+
+    nodes: tuple[str, ...]  # the ONNX nodes it replaces
+    source: str  # the converter or pattern that found it
+    spec: AttentionSpec
+    kernel: str  # the PrimFunc's name in the compiled module
+    schedule: str  # how that kernel was scheduled: default knobs or a tuned record
+
+    def line(self) -> str:
+        nodes = ", ".join(self.nodes) if len(self.nodes) <= 3 else f"{self.nodes[0]} … {self.nodes[-1]}"
+        return (f"{self.source} [{nodes}] -> {self.kernel}: {self.spec.describe()}; {self.schedule}")
+
+
+@dataclass
+class Kernels:
+    """The attention kernels of one Relax module being built, one per distinct spec."""
+
+    target: Target
+    replacements: list[Replacement] = field(default_factory=list)
+    _funcs: dict[AttentionSpec, tuple[relax.GlobalVar, str]] = field(default_factory=dict)
+
+    def call(self, bb: relax.BlockBuilder, spec: AttentionSpec, args: list[relax.Expr], sizes: "Sizes",
+             nodes: tuple[str, ...], source: str) -> relax.Var:
+        """Emit ``call_tir`` of the kernel of ``spec`` on ``args`` (its inputs in call order)."""
+        gvar, how = self._kernel(bb, spec)
+        shape = [sizes.expr(d) for d in spec.output_shape()]
+        out = bb.emit(relax.call_tir(gvar, args, relax.TensorType(shape, spec.dtype)))
+        self.replacements.append(Replacement(tuple(nodes), source, spec, gvar.name_hint, how))
+        return out
+
+    def _kernel(self, bb: relax.BlockBuilder, spec: AttentionSpec) -> tuple[relax.GlobalVar, str]:
+        if spec not in self._funcs:
+            mod, how = _schedule(spec, self.target)
+            name = f"tvmattn_attention{len(self._funcs)}" + ("" if spec.output == "attn" else f"_{spec.output}")
+            func = (mod["main"].with_attr("global_symbol", name).with_attr("op_pattern", _OPAQUE)
+                    .with_attr("tirx.is_scheduled", True))  # dlight must not reschedule it (CUDA)
+            self._funcs[spec] = (bb.add_func(func, name), how)
+        return self._funcs[spec]
+
+
+_SCHEDULED: dict[tuple[AttentionSpec, str], tuple[tvm.IRModule, str]] = {}
+
+
+def _schedule(spec: AttentionSpec, target: Target) -> tuple[tvm.IRModule, str]:
+    """`schedule_attention`, cached: models repeat their attention shapes, and scheduling is a pure
+    function of the spec and the target (Targets compare by identity, hence their text)."""
+    key = (spec, str(target))
+    if key not in _SCHEDULED:
+        _SCHEDULED[key] = schedule_attention(spec, target)
+    return _SCHEDULED[key]
+
+
+def _conform(bb: relax.BlockBuilder, x: relax.Expr, want: list, sizes: "Sizes", what: str) -> relax.Expr:
+    """``x`` with shape ``want``: as it is where provably so, through a run-time checked match_cast
+    where sizes are symbolic and unrelated (a model's "T" that must be "P + S"); an error if not."""
+    shape = shape_of(x, what)
+    if len(shape) == len(want) and all(sizes.equal(a, b) for a, b in zip(shape, want)):
+        return x
+    if len(shape) != len(want) or any(isinstance(a, tirx.IntImm) and isinstance(b, tirx.IntImm)
+                                      for a, b in zip(shape, want) if not sizes.equal(a, b)):
+        raise TvmAttnError(f"{what} has shape {tuple(shape)}, where the attention needs {tuple(want)}")
+    return bb.match_cast(x, relax.TensorType(want, str(x.ty.dtype)))
+
+
+class Sizes:
+    """AttentionSpec sizes for Relax shape expressions: an int where static, else a name (the same name
+    for provably equal expressions), so that one kernel serves every length."""
+
+    def __init__(self) -> None:
+        self._exprs: dict[str, PrimExpr] = {}
+        self._analyzer = Analyzer()
+
+    def dim(self, value: PrimExpr, name: str) -> Dim:
+        if isinstance(value, tirx.IntImm):
+            return int(value.value)
+        for known, expr in self._exprs.items():
+            if self.equal(expr, value):
+                return known
+        if isinstance(value, tirx.Var) and value.name.isidentifier():
+            name = value.name
+        base, i = name, 1
+        while name in self._exprs:
+            name, i = f"{base}{i}", i + 1
+        self._exprs[name] = value
+        return name
+
+    def expr(self, d: Dim) -> PrimExpr | int:
+        return self._exprs[d] if isinstance(d, str) else d
+
+    def equal(self, a: PrimExpr, b: PrimExpr) -> bool:
+        if isinstance(a, tirx.IntImm) and isinstance(b, tirx.IntImm):
+            return int(a.value) == int(b.value)
+        return str(a.ty) == str(b.ty) and self._analyzer.can_prove_equal(a, b)
+
+
+def shape_of(expr: relax.Expr, what: str) -> list[PrimExpr]:
+    """The shape of a tensor expression; TvmAttnError if TVM could not infer it."""
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+        raise TvmAttnError(f"the shape of {what} cannot be inferred: give the model's inputs static or "
+                           f"named dimensions (onnx.shape_inference can add them)")
+    return list(ty.shape.values)
+
+
+def static(value: PrimExpr, what: str) -> int:
+    """A size that must be known when the model is compiled (head counts, head widths)."""
+    if not isinstance(value, tirx.IntImm):
+        raise TvmAttnError(f"{what} is {value}, not a number: tvmattn compiles one kernel per head "
+                           f"count and width, so these must be static in the model")
+    return int(value.value)
+
+
+@dataclass
+class Mask:
+    """An attention mask tensor as a front end found it: any shape that broadcasts to (B, h, n, n_kv)."""
+
+    value: relax.Expr
+    kind: str  # "bool" (True = attend) or "additive"
+
+
+def attend(bb: relax.BlockBuilder, kernels: Kernels, q: relax.Expr, k: relax.Expr, v: relax.Expr, *,
+           layout: str, nodes: tuple[str, ...], source: str, mask: Mask | None = None,
+           kv_lens: relax.Expr | None = None, outputs: tuple[str, ...] = ("attn",),
+           **options) -> list[relax.Var]:
+    """Emit the attention of q, k, v (4-D, in ``layout``) as tvmattn kernels, one per requested output.
+
+    ``options`` are AttentionSpec fields (causal, causal_align, window, scale, softcap); the sizes,
+    heads, dtype and mask fields come from the tensors. ``kv_lens`` is an int32 (B,) tensor.
+    """
+    sizes = Sizes()
+    qs, ks, vs = (shape_of(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    if layout == "BSHD":
+        qs, ks, vs = ([s[0], s[2], s[1], s[3]] for s in (qs, ks, vs))
+    batch, heads, n_q, d_k = qs
+    n_kv = ks[2]
+    order = (0, 2, 1, 3) if layout == "BSHD" else (0, 1, 2, 3)
+    k = _conform(bb, k, [[batch, ks[1], n_kv, d_k][i] for i in order], sizes, "k")
+    v = _conform(bb, v, [[batch, ks[1], n_kv, vs[3]][i] for i in order], sizes, "v")
+    dtype = str(q.ty.dtype)
+    if str(k.ty.dtype) != dtype or str(v.ty.dtype) != dtype:
+        raise TvmAttnError(f"q, k and v have dtypes {dtype}, {k.ty.dtype}, {v.ty.dtype}: they must agree")
+    fields = dict(batch=sizes.dim(batch, "B"), seq_len=sizes.dim(n_q, "n"), kv_seq_len=sizes.dim(n_kv, "n_kv"),
+                  num_heads=static(heads, "the query head count"), num_kv_heads=static(ks[1], "the key head count"),
+                  head_dim=static(d_k, "the head width d_k"), v_head_dim=static(vs[3], "the value head width d_v"),
+                  layout=layout, dtype=dtype, projections=False, key_padding=kv_lens is not None, **options)
+    args = [q, k, v] + ([kv_lens] if kv_lens is not None else [])
+    if mask is not None:
+        value, dims = _broadcast_mask(bb, mask, [batch, heads, n_q, n_kv], sizes)
+        fields.update(attn_mask=mask.kind, attn_mask_dims=dims)
+        args.append(value)
+    spec = AttentionSpec(**fields)
+    return [kernels.call(bb, spec.replace(output=o), args, sizes, nodes, source) for o in outputs]
+
+
+def _broadcast_mask(bb: relax.BlockBuilder, mask: Mask, scores: list[PrimExpr], sizes: Sizes) -> tuple[relax.Expr, str]:
+    """The mask as the kernel reads it, (B|1, h|1, n|1, n_kv|1), and the axes it varies along."""
+    shape = shape_of(mask.value, "the attention mask")
+    if not 1 <= len(shape) <= 4:
+        raise TvmAttnError(f"an attention mask of rank {len(shape)}: it must broadcast to (B, h, n, n_kv)")
+    one = tirx.IntImm("int64", 1)
+    shape = [one] * (4 - len(shape)) + shape
+    broadcast = [isinstance(m, tirx.IntImm) and m.value == 1 for m in shape]
+    dims = "".join(axis for axis, b in zip("bhst", broadcast) if not b)
+    value = mask.value
+    if len(shape_of(value, "the attention mask")) != 4:
+        value = bb.emit(relax.op.reshape(value, shape))
+    value = _conform(bb, value, [one if b else s for b, s in zip(broadcast, scores)], sizes, "the attention mask")
+    want = "bool" if mask.kind == "bool" else "float32"
+    if str(value.ty.dtype) != want:
+        value = bb.emit(relax.op.astype(value, want))
+    return value, dims

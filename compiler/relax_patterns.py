@@ -1,0 +1,396 @@
+"""Decomposed attention in an imported Relax module → tvmattn kernels, found with `tvm.relax.dpl`.
+
+The chain exporters leave (PyTorch's TorchScript and dynamo exporters, Hugging Face models, ONNX's own
+expansion of ``Attention``), every step but the two matmuls and the softmax optional:
+
+    scores = (q·c) @ (kᵀ·c)                    the scale on q, on kᵀ, or on the scores (· or /)
+    logits = c·tanh(scores / c)                soft-capping
+    logits = logits + bias                     a float mask or bias (HF's finfo.min masks, T5 biases)
+           | where(keep, logits, fill)         a bool mask; fill -inf or ≤ -1e30
+           | where(hide, fill, logits)
+    probs  = softmax(logits, axis=-1)          float casts around any of these
+    probs  = where(row sees no key, 0, probs)  ONNX's fully-masked-row guard
+    out    = probs @ v                         [then permute (0,2,1,3): the head merge]
+
+Softmax weights the graph also uses elsewhere (an ``output_attentions`` output, ONNX's
+``qk_matmul_output``) become a kernel that returns them.
+
+q, k, v may arrive with their head split (a permute of a (B, n, h, d) tensor: the kernel reads it in
+place, layout BSHD) and K/V with GQA's head repetition (expand_dims → broadcast_to → reshape: the
+kernel indexes K/V head i // g instead). 3-D operands (B·h, n, d) are one head per batch entry.
+
+A match is replaced only when the kernel provably computes the same values: scalar constant scales,
+softmax over the key axis, a mask that broadcasts to the scores, a fill that hides a key as -inf does.
+Anything else is left to TVM as imported, and its softmax is listed in the report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import relax, tirx
+from tvm.relax.dpl import DFPattern, is_const, is_op, is_tuple_get_item, wildcard
+
+from .errors import TvmAttnError
+from .relax_attention import Kernels, Mask, attend, shape_of
+
+SOURCE = "pattern: decomposed attention"
+_HUGE_NEGATIVE = -1e30  # a fill at or below this absorbs any score: where(keep, s, f) == s + where(keep, 0, f)
+_SOFTMAX = tvm.ir.Op.get("relax.nn.softmax")
+
+
+def _op(name: str, *args: DFPattern) -> DFPattern:
+    return is_op(f"relax.{name}")(*args)
+
+
+def _cast(x: DFPattern) -> DFPattern:
+    """``x``, or ``x`` cast once or twice (softmax(…, dtype=float32).to(q.dtype) exports as two)."""
+    return _op("astype", _op("astype", x)) | _op("astype", x) | x
+
+
+def _repeat(x: DFPattern) -> DFPattern:
+    """GQA's head repetition (B, h_kv, n, d) → (B, h_kv·g, n, d), as exporters spell it."""
+    return _op("reshape", _op("broadcast_to", _op("expand_dims", x), wildcard()), wildcard())
+
+
+@dataclass
+class _Scale:
+    """``x``, or x times / divided by a constant; the constants are the handles the rewriter reads."""
+
+    mul: DFPattern
+    div: DFPattern
+
+    @staticmethod
+    def around(x: DFPattern) -> tuple[DFPattern, "_Scale"]:
+        mul, div = is_const(), is_const()
+        pattern = _op("multiply", x, mul) | _op("multiply", mul, x) | _op("divide", x, div) | x
+        return pattern, _Scale(mul, div)
+
+
+ROOTS = ("merged", "out", "weights")  # the chain ending in the head merge, in probs @ v, in the probs
+
+
+class AttentionPattern:
+    """The dpl pattern of decomposed attention, keeping a handle on every part the rewriter reads."""
+
+    def __init__(self, root: str) -> None:
+        self.q, self.k, self.v = wildcard(), wildcard(), wildcard()
+        self.q_perm = _op("permute_dims", self.q)
+        self.k_perm, self.v_perm = _op("permute_dims", self.k), _op("permute_dims", self.v)
+        self.k_rep, self.v_rep = _repeat(self.k_perm | self.k), _repeat(self.v_perm | self.v)
+        self.kt_perm = _op("permute_dims", self.k_rep | self.k_perm | self.k)
+        q_side, q_scale = _Scale.around(self.q_perm | self.q)
+        k_side, k_scale = _Scale.around(self.kt_perm | self.k)
+        self.scores = _op("matmul", q_side, k_side)
+        scaled, s_scale = _Scale.around(_cast(self.scores))
+        self.scales = (q_scale, k_scale, s_scale)
+        self.cap_in, self.cap_out = is_const(), is_const()
+        tanh = _op("tanh", _op("divide", scaled, self.cap_in))
+        logits = _cast(_op("multiply", tanh, self.cap_out) | _op("multiply", self.cap_out, tanh) | scaled)
+        self.bias, self.keep, self.hide = wildcard(), wildcard(), wildcard()
+        self.keep_fill, self.hide_fill = is_const(), is_const()
+        masked = (_op("add", logits, self.bias) | _op("add", self.bias, logits)
+                  | _op("where", self.keep, logits, self.keep_fill) | _op("where", self.hide, self.hide_fill, logits)
+                  | logits)
+        self.softmax = _op("nn.softmax", _cast(masked))
+        probs = _cast(self.softmax)
+        probs = is_tuple_get_item(_op("nn.dropout", probs), 0) | probs
+        self.guard, self.zero = wildcard(), is_const()
+        self.weights = _op("where", self.guard, self.zero, probs) | probs
+        self.out = _op("matmul", self.weights, self.v_rep | self.v_perm | self.v)
+        self.root = {"merged": _op("permute_dims", self.out), "out": self.out, "weights": self.weights}[root]
+        # ONNX's guard: a row whose bias is -inf everywhere gets zeros
+        self.guard_bias = wildcard()
+        self.guard_rule = _op("equal", _op("max", self.guard_bias), is_const())
+
+
+def rewrite(mod: tvm.IRModule, kernels: Kernels, provenance: dict) -> tvm.IRModule:
+    """Every decomposed attention of ``mod``'s main function that provably matches → a tvmattn kernel.
+
+    The pattern that includes the head merge runs first, so a kernel writes its output in the merged
+    layout where it can; then the bare chain; then softmax weights still used after those.
+    """
+    for root in ROOTS:
+        mod = _Rewriter(mod, AttentionPattern(root), kernels, provenance).run()
+        mod = relax.transform.DeadCodeElimination(["main"])(mod)
+    return mod
+
+
+def remaining_softmax(mod: tvm.IRModule, provenance: dict) -> list[str]:
+    """Where ``mod`` still computes a softmax itself: attention that was not replaced, or a classifier."""
+    return [provenance.get(b.value, b.var.name) for block in mod["main"].body.blocks for b in block.bindings
+            if isinstance(b, relax.VarBinding) and isinstance(b.value, relax.Call) and b.value.op.same_as(_SOFTMAX)]
+
+
+@relax.expr_functor.mutator
+class _Rewriter(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, pattern: AttentionPattern, kernels: Kernels, provenance: dict) -> None:
+        super().__init__(mod)
+        self.mod, self.pattern, self.kernels, self.provenance = mod, pattern, kernels, provenance
+        self.var2val = relax.analysis.get_var2val(mod["main"])
+        self.matches = self._maximal_matches()
+
+    def _maximal_matches(self) -> dict:
+        """Binding value → match, leaving out matches inside a larger one (softmax inside cast(softmax))."""
+        found = {}
+        for block in self.mod["main"].body.blocks:
+            for b in block.bindings:
+                matched = self.pattern.root.extract_matched_expr(b.value, self.var2val)
+                if isinstance(b, relax.VarBinding) and matched is not None:
+                    found[b.value] = matched
+        inner = {e for value, m in found.items() for e in m.values() if not e.same_as(value)}
+        return {value: m for value, m in found.items() if value not in inner}
+
+    def run(self) -> tvm.IRModule:
+        gvar = self.mod.get_global_var("main")
+        self.builder_.update_func(gvar, self.visit_expr(self.mod["main"]))
+        return self.builder_.get()
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        matched = self.matches.get(binding.value)
+        new = _Match(self, matched).replace() if matched is not None else None
+        if new is None:
+            super().visit_var_binding_(binding)
+            return
+        if self.builder_.current_block_is_dataflow() and not isinstance(binding.var, relax.DataflowVar):
+            new = self.builder_.emit_output(new)
+        self.set_var_remap(binding.var, new)
+
+
+@dataclass
+class _Operand:
+    """A q, k or v tensor as the kernel reads it: ``src`` permuted by ``axes`` is (B, h, n, d) (or
+    (N, n, d)); K/V heads repeated ``group`` times by the graph."""
+
+    src: relax.Expr
+    axes: tuple[int, ...]
+    group: int = 1
+
+    @property
+    def rank(self) -> int:
+        return len(self.axes)
+
+    @property
+    def bshd(self) -> bool:
+        return self.axes == (0, 2, 1, 3)
+
+    def bhsd(self, bb: relax.BlockBuilder) -> relax.Expr:
+        x = self.src if self.axes == tuple(range(self.rank)) else bb.emit(relax.op.permute_dims(self.src, self.axes))
+        if self.rank == 3:  # one head per batch entry
+            n, seq, width = shape_of(x, "an attention operand")
+            x = bb.emit(relax.op.reshape(x, [n, 1, seq, width]))
+        return x
+
+
+class _Match:
+    """One match of the pattern, checked and turned into a kernel call."""
+
+    def __init__(self, rewriter: _Rewriter, matched: dict) -> None:
+        self.r, self.m, self.p = rewriter, matched, rewriter.pattern
+        self.bb: relax.BlockBuilder = rewriter.builder_
+
+    def leaf(self, pattern: DFPattern) -> relax.Expr:
+        """A matched input of the chain, as the rewritten function names it."""
+        return self.r.visit_expr(self.m[pattern])
+
+    def replace(self) -> relax.Expr | None:
+        try:
+            return self._replace()
+        except _NoMatch:
+            return None
+        except TvmAttnError:  # a shape or dtype the kernel does not take: TVM keeps the chain
+            return None
+
+    def _replace(self) -> relax.Expr:
+        weights = self.p.root is self.p.weights
+        q, k = self._operand(self.p.q, self.p.q_perm, None), self._keys()
+        v = k if weights else self._operand(self.p.v, self.p.v_perm, self.p.v_rep)  # a weights kernel reads no v
+        rank = q.rank
+        if k.rank != rank or v.rank != rank or rank not in (3, 4) or k.group != v.group:
+            raise _NoMatch
+        if self.m[self.p.softmax].attrs.axis not in (-1, rank - 1):
+            raise _NoMatch
+        options = {"scale": self._scale()}
+        cap = self._softcap()
+        if cap is not None:
+            options["softcap"] = cap
+        mask, structure, keep = self._mask()
+        options.update(structure)
+        self._check_guard(keep)
+        bshd = rank == 4 and q.bshd and k.bshd and v.bshd
+        operands = [x.src for x in (q, k, v)] if bshd else [x.bhsd(self.bb) for x in (q, k, v)]
+        if str(self.m[self.p.root].ty.dtype) != str(operands[0].ty.dtype):
+            raise _NoMatch
+        out, = attend(self.bb, self.r.kernels, *operands, layout="BSHD" if bshd else "BHSD", mask=mask,
+                      nodes=self._nodes(), source=SOURCE, outputs=("weights" if weights else "attn",),
+                      **options)
+        return self._merge(out, rank, bshd, weights)
+
+    # ---- operands --------------------------------------------------------------------------------
+    def _operand(self, leaf: DFPattern, perm: DFPattern, repeat: DFPattern | None) -> _Operand:
+        src = self.leaf(leaf)
+        rank = len(shape_of(src, "an attention operand"))
+        axes = tuple(int(a) for a in self.m[perm].attrs.axes) if perm in self.m else tuple(range(rank))
+        group = self._group(self.m[repeat]) if repeat is not None and repeat in self.m else 1
+        return _Operand(src, axes, group)
+
+    def _keys(self) -> _Operand:
+        """K from the scores' right operand kᵀ (…, d_k, n_kv)."""
+        if self.p.kt_perm not in self.m:  # kᵀ came from elsewhere: the kernel reads its transpose
+            if self.p.k_perm in self.m or self.p.k_rep in self.m:
+                raise _NoMatch
+            src = self.leaf(self.p.k)
+            rank = len(shape_of(src, "k"))
+            return _Operand(src, tuple(range(rank - 2)) + (rank - 1, rank - 2))
+        outer = tuple(int(a) for a in self.m[self.p.kt_perm].attrs.axes)
+        rank = len(outer)
+        if outer == tuple(range(rank - 2)) + (rank - 1, rank - 2):  # kᵀ = transpose(K heads)
+            return self._operand(self.p.k, self.p.k_perm, self.p.k_rep)
+        if outer == (0, 2, 3, 1) and self.p.k_perm not in self.m and self.p.k_rep not in self.m:
+            return _Operand(self.leaf(self.p.k), (0, 2, 1, 3))  # kᵀ straight from (B, n_kv, h, d)
+        raise _NoMatch
+
+    def _group(self, reshape: relax.Call) -> int:
+        """g of a head repetition (B, h_kv, n, d) → (B, h_kv·g, n, d); anything else is no match."""
+        broadcast = self.r.var2val.get(reshape.args[0], reshape.args[0])
+        expand = self.r.var2val.get(broadcast.args[0], broadcast.args[0])
+        if [int(a) for a in expand.attrs.axis] != [2]:
+            raise _NoMatch
+        wide = shape_of(broadcast, "a repeated K/V")
+        out = shape_of(reshape, "a repeated K/V")
+        if len(wide) != 5 or not isinstance(wide[2], tirx.IntImm) or len(out) != 4:
+            raise _NoMatch
+        return int(wide[2].value)
+
+    # ---- scale, softcap, mask ------------------------------------------------------------------------
+    def _scale(self) -> float:
+        scale = 1.0
+        for s in self.p.scales:
+            if s.mul in self.m:
+                scale *= _scalar(self.m[s.mul])
+            if s.div in self.m:
+                scale /= _scalar(self.m[s.div])
+        return scale
+
+    def _softcap(self) -> float | None:
+        if self.p.cap_in not in self.m:
+            return None
+        if self.p.cap_out not in self.m or _scalar(self.m[self.p.cap_in]) != _scalar(self.m[self.p.cap_out]):
+            raise _NoMatch
+        return _scalar(self.m[self.p.cap_in])
+
+    def _mask(self) -> tuple[Mask | None, dict, np.ndarray | None]:
+        """The tensor mask, if any; the spec fields a constant causal mask becomes instead; and, when
+        the mask is a constant, which keys it lets each query see (None when that is decided at run
+        time)."""
+        if self.p.bias in self.m:
+            bias = self.leaf(self.p.bias)
+            if not isinstance(bias, tvm.ir.GenericConst):
+                return Mask(bias, "additive"), {}, None
+            values = bias.value.numpy().astype(np.float64)
+            keep = values == 0
+            if np.all(keep | (values <= _HUGE_NEGATIVE)) and _hides_only(keep, values):
+                return (*_keep(keep, self._scores_shape()), keep)
+            return Mask(bias, "additive"), {}, values != -np.inf
+        for cond, fill, negate in ((self.p.keep, self.p.keep_fill, False), (self.p.hide, self.p.hide_fill, True)):
+            if cond in self.m:
+                return self._select_mask(self.leaf(cond), _scalar(self.m[fill]), negate)
+        return None, {}, np.ones((1,), dtype=bool)
+
+    def _select_mask(self, cond: relax.Expr, fill: float,
+                     negate: bool) -> tuple[Mask | None, dict, np.ndarray | None]:
+        if str(cond.ty.dtype) != "bool" or fill > _HUGE_NEGATIVE:
+            raise _NoMatch  # a moderate fill gives a fully masked row uniform weights, not what a mask does
+        if isinstance(cond, tvm.ir.GenericConst):
+            keep = cond.value.numpy() != negate
+            if _hides_only(keep, np.where(keep, 0.0, fill)):
+                return (*_keep(keep, self._scores_shape()), keep)
+            bias = np.where(keep, 0.0, fill).astype(np.float32)
+            return Mask(relax.const(bias), "additive"), {}, np.ones_like(keep)
+        keep = self.bb.emit(relax.op.logical_not(cond)) if negate else cond
+        if fill == -np.inf:
+            return Mask(keep, "bool"), {}, None
+        zero, hidden = relax.const(0.0, "float32"), relax.const(fill, "float32")
+        return Mask(self.bb.emit(relax.op.where(keep, zero, hidden)), "additive"), {}, None
+
+    def _scores_shape(self) -> tuple[int | None, ...]:
+        return tuple(int(d.value) if isinstance(d, tirx.IntImm) else None
+                     for d in shape_of(self.m[self.p.scores], "the scores"))
+
+    def _check_guard(self, keep: np.ndarray | None) -> None:
+        """ONNX's where(row sees no key, 0, probs) must zero exactly the rows the kernel zeroes: those
+        whose mask hides every key."""
+        if self.p.guard not in self.m:
+            return
+        if np.any(self.m[self.p.zero].value.numpy() != 0):
+            raise _NoMatch
+        guard = self.m[self.p.guard]
+        if isinstance(guard, tvm.ir.GenericConst):
+            if keep is None:
+                raise _NoMatch
+            no_key = ~keep.any(axis=-1, keepdims=True)
+            if not np.array_equal(*np.broadcast_arrays(guard.value.numpy(), no_key)):
+                raise _NoMatch
+            return
+        rule = self.p.guard_rule.extract_matched_expr(self.r.var2val.get(guard, guard), self.r.var2val)
+        if (rule is None or self.p.bias not in self.m or not rule[self.p.guard_bias].same_as(self.m[self.p.bias])
+                or not _reduces_last_axis(self.r.var2val.get(guard, guard), self.r.var2val)):
+            raise _NoMatch
+
+    # ---- output --------------------------------------------------------------------------------------
+    def _merge(self, out: relax.Expr, rank: int, bshd: bool, weights: bool) -> relax.Expr:
+        """The kernel's output in the shape the replaced expression had."""
+        if rank == 3:
+            n, _, seq, width = shape_of(out, "the attention output")
+            out = self.bb.emit(relax.op.reshape(out, [n, seq, width]))
+        if self.p.root is self.p.out or weights:
+            return out
+        axes = tuple(int(a) for a in self.m[self.p.root].attrs.axes)
+        if bshd and axes == (0, 2, 1, 3):
+            return out  # the kernel wrote the merged layout
+        return self.bb.emit(relax.op.permute_dims(out, axes))
+
+    def _nodes(self) -> tuple[str, ...]:
+        parts = (self.p.scores, self.p.softmax, self.p.root)
+        names = [self.r.provenance.get(self.m[p]) for p in parts if p in self.m]
+        return tuple(dict.fromkeys(n for n in names if n)) or ("(unnamed)",)
+
+
+class _NoMatch(Exception):
+    """The chain matched the pattern but is not provably what the kernel computes."""
+
+
+def _scalar(const: tvm.ir.GenericConst) -> float:
+    values = const.value.numpy()
+    if values.size != 1:
+        raise _NoMatch
+    return float(values.reshape(()))
+
+
+def _hides_only(keep: np.ndarray, bias: np.ndarray) -> bool:
+    """Whether a constant bias acts as the bool mask ``keep``: -inf where hidden, or a fill that
+    absorbs every score (≤ -1e30) in rows that keep a key (exp(fill - max) is then exactly 0)."""
+    return bool(np.all(bias[~keep] == -np.inf) or keep.any(axis=-1).all())
+
+
+def _keep(keep: np.ndarray, scores: tuple[int | None, ...]) -> tuple[Mask | None, dict]:
+    """A constant bool mask: nothing if it hides nothing, the spec's causal rule if it is one."""
+    if keep.all():
+        return None, {}
+    n, n_kv = scores[-2], scores[-1]
+    if keep.shape[-2:] == (n, n_kv) and n is not None and n_kv is not None:
+        rows = keep.reshape(-1, n, n_kv)
+        if (rows == rows[0]).all():
+            i, j = np.arange(n)[:, None], np.arange(n_kv)[None, :]
+            for align, offset in (("top_left", 0), ("bottom_right", n_kv - n)):
+                if np.array_equal(rows[0], j <= i + offset):
+                    return None, {"causal": True, "causal_align": align}
+    return Mask(relax.const(keep), "bool"), {}
+
+
+def _reduces_last_axis(equal: relax.Call, var2val: dict) -> bool:
+    reduce = var2val.get(equal.args[0], equal.args[0])
+    axes = reduce.attrs.axis
+    return axes is not None and [int(a) for a in axes] in ([-1], [len(shape_of(reduce.args[0], "a bias")) - 1])

@@ -1,0 +1,67 @@
+"""The spec fields ONNX needs, on the compiled CPU kernel against the oracle: attn_mask tensors (bool
+and additive, broadcast along any axes), softcap, and kernels returning an intermediate stage."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tvmattn
+from tvmattn.compiler.verify import check
+
+BASE = dict(batch=2, seq_len=5, kv_seq_len=7, num_heads=4, num_kv_heads=2, head_dim=8, projections=False)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(attn_mask="bool"),
+    dict(attn_mask="additive", attn_mask_dims="st"),
+    dict(attn_mask="additive", attn_mask_dims="bt", causal=True),
+    dict(attn_mask="bool", attn_mask_dims="hst", layout="BSHD", dtype="float16"),
+    dict(softcap=2.0),
+    dict(softcap=1.5, attn_mask="additive", key_padding=True, causal=True, causal_align="bottom_right"),
+    dict(output="scaled_scores", softcap=2.0),
+    dict(output="logits", attn_mask="additive", causal=True),
+    dict(output="weights", attn_mask="bool", attn_mask_dims="st", window=3),
+], ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+def test_kernel_matches_oracle(fields):
+    spec = tvmattn.AttentionSpec(**{**BASE, **fields})
+    result = check(tvmattn.compile(spec))
+    assert result.ok, result.line()
+
+
+def test_symbolic_lengths_with_an_additive_mask():
+    spec = tvmattn.AttentionSpec(**{**BASE, "seq_len": "n", "kv_seq_len": "m", "attn_mask": "additive"})
+    kernel = tvmattn.compile(spec)
+    for n in (1, 9):
+        result = check(kernel, {"n": n, "m": n + 2})
+        assert result.ok, result.line()
+
+
+def test_a_row_with_every_key_masked_gives_zeros():
+    spec = tvmattn.AttentionSpec(**{**BASE, "attn_mask": "additive", "attn_mask_dims": "st"})
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8)))
+    bias = np.zeros((1, 1, 5, 7), np.float32)
+    bias[0, 0, 2] = -np.inf
+    out = tvmattn.compile(spec)(q, k, v, attn_mask=bias)
+    assert np.all(out[:, :, 2] == 0) and np.all(np.isfinite(out))
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(attn_mask="maybe"), "unknown attn_mask"),
+    (dict(attn_mask="bool", attn_mask_dims="bx"), "attn_mask_dims"),
+    (dict(softcap=-1.0), "softcap"),
+    (dict(output="probs"), "unknown output"),
+    (dict(output="weights", projections=True, d_model=32), "projections=False"),
+])
+def test_invalid_fields(fields, message):
+    with pytest.raises(tvmattn.TvmAttnError, match=message):
+        tvmattn.AttentionSpec(**{**BASE, **fields})
+
+
+def test_calling_without_the_mask_says_what_to_pass():
+    kernel = tvmattn.compile(tvmattn.AttentionSpec(**{**BASE, "attn_mask": "bool", "attn_mask_dims": "st"}))
+    q = np.zeros((2, 4, 5, 8), np.float32)
+    kv = np.zeros((2, 2, 7, 8), np.float32)
+    with pytest.raises(tvmattn.TvmAttnError, match=r"attn_mask=\(1, 1, 5, 7\)"):
+        kernel(q, kv, kv)

@@ -1,0 +1,311 @@
+"""tvmattn.import_onnx against ONNX Runtime: models/ builders, every converter, fallback, bad input.
+
+Dimensions are symbolic (batch, seq, …) and each model runs at two sizes; the report must show each
+attention on a tvmattn kernel (`onnx_testing.assert_matches_ort` fails if one fell back to TVM).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper as oh
+
+import tvmattn
+from onnx_testing import assert_matches_ort, kernels_used, ort_run, randn
+from tvmattn.compiler.cli import main
+from tvmattn.models.onnx_models import ATTENTIONS, BUILDERS
+
+D = 8  # head width in the op-level models
+
+
+def _feeds(name: str, rng: np.random.Generator) -> list[dict[str, np.ndarray]]:
+    feeds = []
+    for batch, seq in ((2, 7), (1, 16)):
+        feed = {"x": randn(rng, batch, seq, 64)}
+        if name == "bert":
+            feed["attention_mask"] = np.ones((batch, seq), np.int64)
+            feed["attention_mask"][0, seq - 3:] = 0  # padding
+        if name == "llama":
+            feed["position_ids"] = np.tile(np.arange(seq), (batch, 1)).astype(np.int64)
+        if name == "cross":
+            feed["memory"] = randn(rng, batch, seq + 3, 64)
+        feeds.append(feed)
+    return feeds
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_models_match_onnx_runtime(name):
+    imported = assert_matches_ort(BUILDERS[name](), _feeds(name, np.random.default_rng(0)), ATTENTIONS[name])
+    spec = imported.report.replacements[0].spec
+    assert spec.batch == "batch" and spec.seq_len == "seq"  # one kernel for every length
+    if name == "llama":
+        assert (spec.h, spec.h_kv) == (4, 2)  # GQA found under repeat_kv
+    if name == "cross":
+        assert spec.kv_seq_len == "mem_seq"
+
+
+# ---- op-level models, one per converter ------------------------------------------------------------------
+def _model(nodes, inputs, outputs, domain_opsets=(("", 23),)) -> onnx.ModelProto:
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info(*i) for i in inputs],
+                          [oh.make_tensor_value_info(*o) for o in outputs])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid(d, v) for d, v in domain_opsets])
+    model.ir_version = 10
+    return model
+
+
+MS = (("", 17), ("com.microsoft", 1))
+
+
+def test_onnx_attention_3d_gqa_causal_mask_dynamic():
+    node = oh.make_node("Attention", ["q", "k", "v", "m"], ["y"], q_num_heads=4, kv_num_heads=2, is_causal=1)
+    model = _model([node], [("q", TP.FLOAT, ["B", "S", 4 * D]), ("k", TP.FLOAT, ["B", "S", 2 * D]),
+                            ("v", TP.FLOAT, ["B", "S", 2 * D]), ("m", TP.BOOL, ["B", 1, "S", "S"])],
+                   [("y", TP.FLOAT, ["B", "S", 4 * D])])
+    rng = np.random.default_rng(1)
+    feeds = [{"q": randn(rng, b, s, 4 * D), "k": randn(rng, b, s, 2 * D), "v": randn(rng, b, s, 2 * D),
+              "m": rng.random((b, 1, s, s)) < 0.8} for b, s in ((2, 5), (1, 11))]
+    for f in feeds:
+        f["m"][..., 0] = True  # no row without a key: ORT's softmax is NaN there, the kernel's zero
+    imported = assert_matches_ort(model, feeds, 1)
+    spec = imported.report.replacements[0].spec
+    assert spec.causal and spec.attn_mask == "bool" and spec.h_kv == 2
+
+
+def test_onnx_attention_4d_past_present_softcap_dynamic():
+    node = oh.make_node("Attention", ["q", "k", "v", "", "pk", "pv"], ["y", "pk_out", "pv_out"], is_causal=1,
+                        softcap=3.0, scale=0.2)
+    model = _model([node], [("q", TP.FLOAT, ["B", 2, "S", D]), ("k", TP.FLOAT, ["B", 2, "S", D]),
+                            ("v", TP.FLOAT, ["B", 2, "S", D]), ("pk", TP.FLOAT, ["B", 2, "P", D]),
+                            ("pv", TP.FLOAT, ["B", 2, "P", D])],
+                   [("y", TP.FLOAT, ["B", 2, "S", D]), ("pk_out", TP.FLOAT, ["B", 2, "T", D]),
+                    ("pv_out", TP.FLOAT, ["B", 2, "T", D])])
+    rng = np.random.default_rng(2)
+    feeds = [{"q": randn(rng, b, 2, s, D), "k": randn(rng, b, 2, s, D), "v": randn(rng, b, 2, s, D),
+              "pk": randn(rng, b, 2, p, D), "pv": randn(rng, b, 2, p, D)} for b, s, p in ((2, 3, 4), (1, 1, 9))]
+    spec = assert_matches_ort(model, feeds, 1).report.replacements[0].spec
+    assert spec.causal_align == "bottom_right" and spec.softcap == 3.0
+
+
+def test_ms_multi_head_attention_cross_with_key_lengths():
+    node = oh.make_node("MultiHeadAttention", ["q", "k", "v", "", "lens"], ["y"], domain="com.microsoft",
+                        num_heads=4)
+    model = _model([node], [("q", TP.FLOAT, ["B", "S", 4 * D]), ("k", TP.FLOAT, ["B", "L", 4 * D]),
+                            ("v", TP.FLOAT, ["B", "L", 4 * D]), ("lens", TP.INT32, ["B"])],
+                   [("y", TP.FLOAT, ["B", "S", 4 * D])], MS)
+    rng = np.random.default_rng(3)
+    feeds = [{"q": randn(rng, 2, 5, 4 * D), "k": randn(rng, 2, 7, 4 * D), "v": randn(rng, 2, 7, 4 * D),
+              "lens": np.array([7, 3], np.int32)},
+             {"q": randn(rng, 1, 2, 4 * D), "k": randn(rng, 1, 9, 4 * D), "v": randn(rng, 1, 9, 4 * D),
+              "lens": np.array([4], np.int32)}]
+    assert assert_matches_ort(model, feeds, 1).report.replacements[0].spec.key_padding
+
+
+def test_ms_multi_head_attention_causal_cache_bias_and_masks():
+    node = oh.make_node("MultiHeadAttention", ["q", "k", "v", "bias", "mask", "ab", "pk", "pv"],
+                        ["y", "pk_out", "pv_out"], domain="com.microsoft", num_heads=4, unidirectional=1)
+    model = _model([node], [("q", TP.FLOAT, ["B", "S", 4 * D]), ("k", TP.FLOAT, ["B", "S", 4 * D]),
+                            ("v", TP.FLOAT, ["B", "S", 4 * D]), ("bias", TP.FLOAT, [12 * D]),
+                            ("mask", TP.INT32, ["B", "T"]), ("ab", TP.FLOAT, [1, 4, "S", "T"]),
+                            ("pk", TP.FLOAT, ["B", 4, "P", D]), ("pv", TP.FLOAT, ["B", 4, "P", D])],
+                   [("y", TP.FLOAT, ["B", "S", 4 * D]), ("pk_out", TP.FLOAT, ["B", 4, "T", D]),
+                    ("pv_out", TP.FLOAT, ["B", 4, "T", D])], MS)
+    rng = np.random.default_rng(4)
+    feeds = []
+    for b, s, p in ((2, 4, 3), (1, 1, 6)):
+        mask = np.ones((b, p + s), np.int32)
+        mask[-1, :2] = 0
+        feeds.append({"q": randn(rng, b, s, 4 * D), "k": randn(rng, b, s, 4 * D), "v": randn(rng, b, s, 4 * D),
+                      "bias": randn(rng, 12 * D), "mask": mask, "ab": randn(rng, 1, 4, s, p + s),
+                      "pk": randn(rng, b, 4, p, D), "pv": randn(rng, b, 4, p, D)})
+    assert_matches_ort(model, feeds, 1)
+
+
+def _ms_attention(inputs: list[str], extra_inputs, outputs, **attrs) -> onnx.ModelProto:
+    rng = np.random.default_rng(5)
+    node = oh.make_node("Attention", inputs, [o[0] for o in outputs], domain="com.microsoft", num_heads=4, **attrs)
+    model = _model([node], [("x", TP.FLOAT, ["B", "S", 24])] + extra_inputs, outputs, MS)
+    model.graph.initializer.extend([onnx.numpy_helper.from_array(randn(rng, 24, 12 * D) / 5, "w"),
+                                    onnx.numpy_helper.from_array(randn(rng, 12 * D), "b")])
+    return model
+
+
+def test_ms_attention_unidirectional_with_past_and_lengths():
+    model = _ms_attention(["x", "w", "b", "lens", "past"], [("lens", TP.INT32, ["B"]),
+                                                           ("past", TP.FLOAT, [2, "B", 4, "P", D])],
+                          [("y", TP.FLOAT, ["B", "S", 4 * D]), ("present", TP.FLOAT, [2, "B", 4, "T", D])],
+                          unidirectional=1)
+    rng = np.random.default_rng(6)
+    feeds = [{"x": randn(rng, b, s, 24), "lens": np.array([p + s] * (b - 1) + [p + s - 1], np.int32),
+              "past": randn(rng, 2, b, 4, p, D)} for b, s, p in ((2, 5, 3), (1, 2, 4))]
+    assert_matches_ort(model, feeds, 1)
+
+
+def test_ms_attention_scale_and_2d_mask():
+    model = _ms_attention(["x", "w", "b", "mask"], [("mask", TP.INT32, ["B", "S"])],
+                          [("y", TP.FLOAT, ["B", "S", 4 * D])], scale=0.3)
+    rng = np.random.default_rng(7)
+    feeds = []
+    for b, s in ((2, 5), (3, 8)):
+        mask = np.ones((b, s), np.int32)
+        mask[0, 3:] = 0
+        feeds.append({"x": randn(rng, b, s, 24), "mask": mask})
+    assert assert_matches_ort(model, feeds, 1).report.replacements[0].spec.scale == pytest.approx(0.3)
+
+
+def test_ms_group_query_attention_cache_window_softcap():
+    node = oh.make_node("GroupQueryAttention", ["q", "k", "v", "pk", "pv", "seqlens_k", "total"],
+                        ["y", "pk_out", "pv_out"], domain="com.microsoft", num_heads=4, kv_num_heads=2,
+                        local_window_size=3, softcap=2.0)
+    model = _model([node], [("q", TP.FLOAT, ["B", "S", 4 * D]), ("k", TP.FLOAT, ["B", "S", 2 * D]),
+                            ("v", TP.FLOAT, ["B", "S", 2 * D]), ("pk", TP.FLOAT, ["B", 2, "P", D]),
+                            ("pv", TP.FLOAT, ["B", 2, "P", D]), ("seqlens_k", TP.INT32, ["B"]),
+                            ("total", TP.INT32, [])],
+                   [("y", TP.FLOAT, ["B", "S", 4 * D]), ("pk_out", TP.FLOAT, ["B", 2, "T", D]),
+                    ("pv_out", TP.FLOAT, ["B", 2, "T", D])], MS)
+    rng = np.random.default_rng(8)
+    # ORT takes several new tokens after a cache only for batch 1
+    feeds = [{"q": randn(rng, b, s, 4 * D), "k": randn(rng, b, s, 2 * D), "v": randn(rng, b, s, 2 * D),
+              "pk": randn(rng, b, 2, p, D), "pv": randn(rng, b, 2, p, D),
+              "seqlens_k": np.full(b, p + s - 1, np.int32), "total": np.array(p + s, np.int32)}
+             for b, s, p in ((2, 1, 6), (1, 4, 3))]
+    spec = assert_matches_ort(model, feeds, 1).report.replacements[0].spec
+    assert spec.window == 3 and spec.h_kv == 2
+
+
+def test_ms_group_query_attention_packed_prompt():
+    node = oh.make_node("GroupQueryAttention", ["qkv", "", "", "", "", "seqlens_k", "total"], ["y"],
+                        domain="com.microsoft", num_heads=4, kv_num_heads=2)
+    model = _model([node], [("qkv", TP.FLOAT, ["B", "S", 8 * D]), ("seqlens_k", TP.INT32, ["B"]),
+                            ("total", TP.INT32, [])], [("y", TP.FLOAT, ["B", "S", 4 * D])], MS)
+    rng = np.random.default_rng(9)
+    feeds = [{"qkv": randn(rng, b, s, 8 * D), "seqlens_k": np.full(b, s - 1, np.int32),
+              "total": np.array(s, np.int32)} for b, s in ((2, 5), (1, 9))]
+    assert_matches_ort(model, feeds, 1)
+
+
+# ---- what is not replaced, and the report ---------------------------------------------------------------
+def _decomposed(fill: float) -> onnx.ModelProto:
+    """softmax(where(keep, q·kᵀ, fill))·v over (B, 2, S, D) inputs."""
+    nodes = [oh.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             oh.make_node("MatMul", ["q", "kt"], ["s"]),
+             oh.make_node("Where", ["keep", "s", "fill"], ["masked"]),
+             oh.make_node("Softmax", ["masked"], ["p"], axis=-1),
+             oh.make_node("MatMul", ["p", "v"], ["y"])]
+    model = _model(nodes, [("q", TP.FLOAT, ["B", 2, "S", D]), ("k", TP.FLOAT, ["B", 2, "S", D]),
+                           ("v", TP.FLOAT, ["B", 2, "S", D]), ("keep", TP.BOOL, ["B", 1, "S", "S"])],
+                   [("y", TP.FLOAT, ["B", 2, "S", D])], (("", 17),))
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.float32(fill), "fill"))
+    return model
+
+
+def _decomposed_feed(rng):
+    keep = rng.random((2, 1, 6, 6)) < 0.7
+    keep[..., 0] = True
+    return {"q": randn(rng, 2, 2, 6, D), "k": randn(rng, 2, 2, 6, D), "v": randn(rng, 2, 2, 6, D), "keep": keep}
+
+
+def test_decomposed_attention_with_minus_inf_mask_is_replaced():
+    imported = assert_matches_ort(_decomposed(-np.inf), [_decomposed_feed(np.random.default_rng(10))], 1)
+    assert imported.report.replacements[0].spec.attn_mask == "bool"
+    assert "pattern: decomposed attention" in str(imported.report)
+    assert "Softmax_3" in str(imported.report)  # names the ONNX nodes it replaced
+
+
+def test_inexact_match_is_left_to_tvm_and_reported():
+    """where(keep, s, -10) gives a row with every key masked uniform weights: not what a mask does."""
+    model = _decomposed(-10.0)
+    imported = tvmattn.import_onnx(model)
+    assert kernels_used(imported) == 0
+    assert imported.report.left_to_tvm == ["Softmax_3"]
+    assert "left to TVM: softmax at Softmax_3" in str(imported.report)
+    feed = _decomposed_feed(np.random.default_rng(11))
+    np.testing.assert_allclose(imported.run(feed)[0], ort_run(model, feed)[0], rtol=1e-5, atol=1e-5)
+
+
+# ---- bad input: one TvmAttnError naming what is wrong; the CLI prints one line, exits 2 ------------------
+def _simple_attention() -> onnx.ModelProto:
+    node = oh.make_node("Attention", ["q", "k", "v"], ["y"], name="attn")
+    return _model([node], [(n, TP.FLOAT, ["B", 2, 3, D]) for n in "qkv"], [("y", TP.FLOAT, ["B", 2, 3, D])])
+
+
+def _cli_error(args: list[str], capsys) -> str:
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    return err
+
+
+def test_truncated_and_malformed_files(tmp_path, capsys):
+    good = _simple_attention().SerializeToString()
+    (tmp_path / "truncated.onnx").write_bytes(good[: len(good) // 2])
+    (tmp_path / "garbage.onnx").write_bytes(b"\x08\x07not a protobuf\xff\xff\xff")
+    (tmp_path / "empty.onnx").write_bytes(b"")
+    for name in ("truncated.onnx", "garbage.onnx", "empty.onnx", "missing.onnx"):
+        with pytest.raises(tvmattn.TvmAttnError):
+            tvmattn.import_onnx(str(tmp_path / name))
+        assert name in _cli_error(["import", str(tmp_path / name)], capsys)
+
+
+def test_unsupported_op_names_the_node(tmp_path, capsys):
+    model = _model([oh.make_node("FancyAttention", ["x"], ["y"], name="mystery", domain="my.ops")],
+                   [("x", TP.FLOAT, [2, 3])], [("y", TP.FLOAT, [2, 3])], (("", 17), ("my.ops", 1)))
+    with pytest.raises(tvmattn.TvmAttnError, match="'mystery'.*my.ops.FancyAttention.*not supported"):
+        tvmattn.import_onnx(model)
+    onnx.save(model, tmp_path / "m.onnx")
+    assert "mystery" in _cli_error(["import", str(tmp_path / "m.onnx")], capsys)
+
+
+def test_unsupported_attribute_value_names_the_node():
+    node = oh.make_node("GroupQueryAttention", ["q", "k", "v", "", "", "sl", "t"], ["y"], name="gqa",
+                        domain="com.microsoft", num_heads=2, kv_num_heads=2, do_rotary=1)
+    model = _model([node], [("q", TP.FLOAT, [1, 3, 2 * D]), ("k", TP.FLOAT, [1, 3, 2 * D]),
+                            ("v", TP.FLOAT, [1, 3, 2 * D]), ("sl", TP.INT32, [1]), ("t", TP.INT32, [])],
+                   [("y", TP.FLOAT, [1, 3, 2 * D])], MS)
+    with pytest.raises(tvmattn.TvmAttnError, match="'gqa'.*do_rotary=1 is not supported"):
+        tvmattn.import_onnx(model)
+
+
+def test_shape_that_cannot_be_inferred_names_the_node():
+    """Q sliced at bounds given at run time: TVM cannot size it when the kernel is chosen."""
+    nodes = [oh.make_node("Slice", ["x", "start", "end"], ["q"]),
+             oh.make_node("Attention", ["q", "k", "v"], ["y"], name="attn")]
+    model = _model(nodes, [("x", TP.FLOAT, [2, 2, 3, D]), ("start", TP.INT64, [1]), ("end", TP.INT64, [1]),
+                           ("k", TP.FLOAT, [2, 2, 3, D]), ("v", TP.FLOAT, [2, 2, 3, D])], [("y", TP.FLOAT, [2, 2, 3, D])])
+    with pytest.raises(tvmattn.TvmAttnError, match="'attn'.*cannot be inferred"):
+        tvmattn.import_onnx(model)
+
+
+def test_run_with_missing_wrong_or_unknown_inputs():
+    imported = tvmattn.import_onnx(_simple_attention())
+    rng = np.random.default_rng(12)
+    good = {n: randn(rng, 2, 2, 3, D) for n in "qkv"}
+    with pytest.raises(tvmattn.TvmAttnError, match="missing input 'v'"):
+        imported.run({"q": good["q"], "k": good["k"]})
+    with pytest.raises(tvmattn.TvmAttnError, match="input 'k' has shape"):
+        imported.run({**good, "k": randn(rng, 2, 2, 4, D)})
+    with pytest.raises(tvmattn.TvmAttnError, match="takes float32"):
+        imported.run({**good, "q": good["q"].astype(np.int64)})
+    with pytest.raises(tvmattn.TvmAttnError, match="unknown input 'w'"):
+        imported.run({**good, "w": good["q"]})
+    assert imported.run(good)[0].shape == (2, 2, 3, D)
+
+
+# ---- CUDA: built here; run only where a GPU is ------------------------------------------------------------
+def test_cuda_build_uses_the_kernel():
+    imported = tvmattn.import_onnx(BUILDERS["gpt2"](), "cuda")
+    assert imported.target.kind.name == "cuda"
+    assert kernels_used(imported) == 1 and "dlight" in imported.report.replacements[0].schedule
+
+
+@pytest.mark.gpu
+def test_cuda_run_matches_onnx_runtime():
+    import tvm
+
+    if not tvm.cuda(0).exist:
+        pytest.skip("no CUDA device on this machine")
+    model = BUILDERS["llama"]()
+    feed = _feeds("llama", np.random.default_rng(13))[0]
+    got = tvmattn.import_onnx(model, "cuda").run(feed)[0]
+    np.testing.assert_allclose(got, ort_run(model, feed)[0], rtol=1e-4, atol=1e-4)

@@ -1,0 +1,164 @@
+"""PyTorch exports (TorchScript and dynamo exporters) imported by tvmattn and checked against ONNX Runtime.
+
+nn.MultiheadAttention with no mask, a causal attn_mask and a key_padding_mask; F.scaled_dot_product_attention
+(causal); hand-written attention with masked_fill; and Hugging Face's eager attention as its GPT-2 and
+Llama modules write it (causal mask from a tril buffer with Where(finfo.min); repeat_kv for GQA). Batch
+and sequence are dynamic; the report must show the attention on a tvmattn kernel. (TorchScript bakes
+nn.MultiheadAttention's sequence length into its reshapes, so that export varies only the batch.)
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+from onnx_testing import assert_matches_ort  # noqa: E402
+
+E, HEADS = 32, 4
+
+
+class MHA(torch.nn.Module):
+    def __init__(self, mask: str) -> None:
+        super().__init__()
+        self.attn, self.mask = torch.nn.MultiheadAttention(E, HEADS, batch_first=True), mask
+
+    def forward(self, x, pad=None):
+        if self.mask == "causal":
+            n = x.shape[1]
+            causal = torch.triu(torch.full((n, n), float("-inf")), 1)
+            return self.attn(x, x, x, attn_mask=causal, need_weights=False)[0]
+        return self.attn(x, x, x, key_padding_mask=pad, need_weights=False)[0]
+
+
+class FusedQKV(torch.nn.Module):
+    """One Linear projecting x to q, k and v side by side."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(E, 3 * E)
+
+
+class SDPA(FusedQKV):
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, HEADS, E // HEADS).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, E)
+
+
+class HandWritten(FusedQKV):
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, HEADS, -1).transpose(1, 2) for t in self.qkv(x).split(E, dim=2))
+        w = (q @ k.transpose(-2, -1)) / math.sqrt(E // HEADS)
+        w = w.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        return (w.softmax(-1) @ v).transpose(1, 2).reshape(b, n, E)
+
+
+class GPT2Attention(torch.nn.Module):
+    """transformers' GPT2Attention._attn (eager), with its Conv1D projections as Linear."""
+
+    def __init__(self, max_positions: int = 64) -> None:
+        super().__init__()
+        self.c_attn, self.c_proj = torch.nn.Linear(E, 3 * E), torch.nn.Linear(E, E)
+        self.register_buffer("bias", torch.tril(torch.ones(max_positions, max_positions, dtype=torch.bool))
+                             .view(1, 1, max_positions, max_positions), persistent=False)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, HEADS, -1).permute(0, 2, 1, 3) for t in self.c_attn(x).split(E, dim=2))
+        w = torch.matmul(q, k.transpose(-1, -2)) / torch.full([], v.size(-1) ** 0.5)
+        query_length, key_length = q.size(-2), k.size(-2)
+        causal = self.bias[:, :, key_length - query_length:key_length, :key_length]
+        w = torch.where(causal, w, torch.full([], torch.finfo(w.dtype).min))
+        o = torch.matmul(F.softmax(w, dim=-1), v)
+        return self.c_proj(o.permute(0, 2, 1, 3).reshape(b, n, E))
+
+
+class LlamaAttention(torch.nn.Module):
+    """transformers' eager_attention_forward with repeat_kv (GQA) and an additive causal mask."""
+
+    def __init__(self, kv_heads: int = 2) -> None:
+        super().__init__()
+        self.kv_heads, self.d = kv_heads, E // HEADS
+        self.q_proj = torch.nn.Linear(E, E, bias=False)
+        self.k_proj = torch.nn.Linear(E, kv_heads * self.d, bias=False)
+        self.v_proj = torch.nn.Linear(E, kv_heads * self.d, bias=False)
+        self.o_proj = torch.nn.Linear(E, E, bias=False)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, HEADS, self.d).transpose(1, 2)
+        k = self.k_proj(x).view(b, n, self.kv_heads, self.d).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.kv_heads, self.d).transpose(1, 2)
+        group = HEADS // self.kv_heads
+        k = k[:, :, None, :, :].expand(b, self.kv_heads, group, n, self.d).reshape(b, HEADS, n, self.d)
+        v = v[:, :, None, :, :].expand(b, self.kv_heads, group, n, self.d).reshape(b, HEADS, n, self.d)
+        mask = torch.full((n, n), torch.finfo(x.dtype).min).triu(1)[None, None]
+        w = torch.matmul(q, k.transpose(2, 3)) * self.d ** -0.5 + mask
+        w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        return self.o_proj(torch.matmul(w, v).transpose(1, 2).reshape(b, n, E))
+
+
+MODELS = {"mha": lambda: MHA("none"), "mha-causal": lambda: MHA("causal"), "mha-padding": lambda: MHA("padding"),
+          "sdpa-causal": SDPA, "hand-written": HandWritten, "hf-gpt2": GPT2Attention, "hf-llama": LlamaAttention}
+
+
+def export(name: str, dynamo: bool) -> onnx.ModelProto:
+    torch.manual_seed(0)
+    model = MODELS[name]().eval()
+    x = torch.randn(2, 5, E)
+    args, names = ((x, torch.zeros(2, 5, dtype=torch.bool)), ["x", "pad"]) if name == "mha-padding" else ((x,), ["x"])
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if dynamo:
+            dims = {n: {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq")} for n in names}
+            torch.onnx.export(model, args, f, input_names=names, output_names=["y"], dynamo=True,
+                              dynamic_shapes=dims, verbose=False)
+        else:
+            axes = {n: {0: "batch", 1: "seq"} for n in names}
+            torch.onnx.export(model, args, f, input_names=names, output_names=["y"], dynamo=False,
+                              dynamic_axes=axes)
+    return onnx.load_from_string(f.getvalue())
+
+
+def feeds(name: str, dynamo: bool) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    sizes = ((2, 5), (3, 9)) if dynamo or not name.startswith("mha") else ((2, 5), (3, 5))
+    out = []
+    for b, n in sizes:
+        feed = {"x": rng.standard_normal((b, n, E)).astype(np.float32)}
+        if name == "mha-padding":
+            feed["pad"] = np.zeros((b, n), bool)
+            feed["pad"][-1, n // 2:] = True
+        out.append(feed)
+    return out
+
+
+# dynamo exports take seconds each: the default run covers nn.MultiheadAttention and HF Llama with it
+DYNAMO_DEFAULT = {"mha-causal", "mha-padding", "hf-llama"}
+
+
+def _cases():
+    for name in MODELS:
+        yield pytest.param(name, False, id=f"{name}-torchscript")
+        yield pytest.param(name, True, id=f"{name}-dynamo",
+                           marks=[] if name in DYNAMO_DEFAULT else [pytest.mark.slow])
+
+
+@pytest.mark.parametrize("name,dynamo", list(_cases()))
+def test_torch_export_matches_onnx_runtime(name, dynamo):
+    imported = assert_matches_ort(export(name, dynamo), feeds(name, dynamo), attentions=1)
+    spec = imported.report.replacements[0].spec
+    if name == "hf-llama":
+        assert spec.h_kv == 2
+    if name in ("mha-causal", "hf-gpt2", "hf-llama", "sdpa-causal", "hand-written"):
+        assert spec.causal or spec.attn_mask is not None
