@@ -11,10 +11,12 @@ import os as _os
 _os.environ.setdefault("TVM_NUM_THREADS", str(len(_os.sched_getaffinity(0)) if hasattr(_os, "sched_getaffinity")
                                               else (_os.cpu_count() or 1)))
 
-from .compiler.build import compile  # noqa: E402,A004
-from .compiler.errors import TvmAttnError  # noqa: E402
-from .compiler.kernel import CompiledAttention  # noqa: E402
-from .compiler.oracle import reference  # noqa: E402
-from .compiler.spec import AttentionSpec  # noqa: E402
+# Absolute imports: pytest imports this file on its own (as ``__init__``) when the checkout's folder
+# name is not a Python identifier (``wt-tune``, ``repo-1``), and relative imports fail there.
+from tvmattn.compiler.build import compile  # noqa: E402,A004
+from tvmattn.compiler.errors import TvmAttnError  # noqa: E402
+from tvmattn.compiler.kernel import CompiledAttention  # noqa: E402
+from tvmattn.compiler.oracle import reference  # noqa: E402
+from tvmattn.compiler.spec import AttentionSpec  # noqa: E402
 
 __all__ = ["AttentionSpec", "CompiledAttention", "TvmAttnError", "compile", "reference"]
