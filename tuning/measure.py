@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 import tempfile
 from dataclasses import dataclass
 
@@ -66,6 +67,8 @@ class RemoteDevices:
         hint = (f"start one with: TVM_NUM_THREADS=<cores> python -m tvm.exec.rpc_server "
                 f"--tracker {self.host}:{self.port} --key {self.key}")
         try:
+            # A plain connection first: TVM's client retries a missing tracker for a minute.
+            socket.create_connection((self.host, self.port), timeout=10).close()
             summary = rpc.connect_tracker(self.host, self.port).summary()
         except Exception as err:  # connection refused, timeouts: TVM raises several types
             raise TvmAttnError(f"no RPC tracker at {self.host}:{self.port} ({str(err).splitlines()[0]}); "

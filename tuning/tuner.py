@@ -88,7 +88,7 @@ def representative_points(spec: AttentionSpec, at: Sequence[dict[str, int]]) -> 
         if set(point) != names:
             raise TvmAttnError(f"--at {' '.join(f'{k}={v}' for k, v in point.items())}: give a size for each "
                                f"of {', '.join(sorted(names))} and nothing else")
-    return [dict(sorted(p.items())) for p in dict.fromkeys(tuple(sorted(p.items())) for p in at)]
+    return [dict(p) for p in dict.fromkeys(tuple(sorted(p.items())) for p in at)]
 
 
 def instantiate(spec: AttentionSpec, sizes: dict[str, int]) -> AttentionSpec:
