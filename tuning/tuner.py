@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import tvm
 from tvm.ir.utils import derived_object
@@ -105,8 +105,13 @@ def log_path(spec: AttentionSpec, target: Any = "cpu", arch: str | None = None,
 
 def tune(spec: AttentionSpec, target: Any = "cpu", *, trials: int = 64, at: Sequence[dict[str, int]] = (),
          arch: str | None = None, log_dir: str | Path | None = None, remote: measure.RemoteDevices | None = None,
-         seed: int = 0, progress: bool | None = None) -> TuneReport:
-    """Tune ``spec`` for ``target`` until each representative point has ``trials`` measurements."""
+         seed: int = 0, progress: bool | None = None,
+         on_round: Callable[[list[Record]], None] | None = None) -> TuneReport:
+    """Tune ``spec`` for ``target`` until each representative point has ``trials`` measurements.
+
+    ``progress``: draw a live bar (None: when stderr is a terminal). ``on_round``: called with the
+    records of each measured round as soon as they are stored (benchmarks of the search use it).
+    """
     if trials <= 0:
         raise TvmAttnError(f"--trials {trials}: give a positive number of measurements")
     spec.validate()
@@ -134,7 +139,7 @@ def tune(spec: AttentionSpec, target: Any = "cpu", *, trials: int = 64, at: Sequ
         runner = measure.rpc_runner(spec, remote) if remote else measure.local_runner(spec)
         where = remote.describe() if remote else f"{socket.gethostname()} (local, {cpu_cores()} threads)"
         bar = Progress(sum(t.budget for t, _ in todo), live=progress)
-        journal = _Journal(path, tgt, where, bar, prior)
+        journal = _Journal(path, tgt, where, bar, prior, on_round)
         written = journal.written
         try:
             with stop:
@@ -236,8 +241,9 @@ def _context(task: Task, strategy: KnobSearch, seed: int) -> TuneContext:
 class _Journal:
     """Turns measurements into records, appends them to the log, moves the progress display."""
 
-    def __init__(self, path: Path, target, where: str, progress: Progress, prior: list[Record]) -> None:
-        self.path, self.target, self.where, self.progress = path, target, where, progress
+    def __init__(self, path: Path, target, where: str, progress: Progress, prior: list[Record],
+                 on_round: Callable[[list[Record]], None] | None) -> None:
+        self.path, self.target, self.where, self.progress, self.on_round = path, target, where, progress, on_round
         self.best: dict[tuple, float] = {}
         self.written: dict[tuple, int] = {}
         self._note_best(prior)
@@ -261,6 +267,8 @@ class _Journal:
                 target_full=str(self.target), measured_on=self.where, measured_at=now,
                 tvm=tvm.__version__, tvmattn=self.version, ir_hash=m.ir_hash))
         append(self.path, records)
+        if self.on_round:
+            self.on_round(records)
         self._note_best(records)
         key = _point_key(task.at)
         self.written[key] = self.written.get(key, 0) + len(records)
