@@ -12,13 +12,16 @@ import warnings
 from pathlib import Path
 
 import pytest
+from tvm.s_tir import Schedule
 
 import tvmattn
 from tvmattn.compiler.cli import main
 from tvmattn.compiler.target import resolve_target, target_key
 from tvmattn.compiler.verify import check, sizes_to_check
+from tvmattn.schedules import cpu
 from tvmattn.tuning.progress import Progress
 from tvmattn.tuning.records import read_dirs, read_file
+from tvmattn.tuning.space import _sampled, workload
 from tvmattn.tuning.tuner import _StopRequest
 
 KEY = target_key(resolve_target("cpu"))
@@ -139,6 +142,22 @@ def test_concurrent_tuners_on_one_log_keep_every_record(tmp_path, capsys):
     near = tvmattn.compile(spec, log_dirs=[tmp_path])
     assert "at n=16" in near.schedule and check(near).ok
     assert "no tuning record" in tvmattn.compile(spec.replace(seq_len=41), log_dirs=[tmp_path]).schedule
+
+
+@pytest.mark.parametrize("spec", [
+    tvmattn.AttentionSpec(seq_len=40, d_model=32, num_heads=2, causal=True, projections=False),
+    tvmattn.AttentionSpec(seq_len=24, d_model=64, num_heads=4, num_kv_heads=2),
+    tvmattn.AttentionSpec(seq_len=1, kv_seq_len=64, num_heads=4, head_dim=32, causal=True,
+                          causal_align="bottom_right", projections=False),
+])
+def test_metaschedule_design_space_samples_every_declared_knob(spec):
+    """The ScheduleFn space MetaSchedule generates: the schedule must accept sampled knobs."""
+    target = resolve_target("cpu")
+    for seed in (1, 2, 3):
+        sch = Schedule(workload(spec), seed=seed)
+        _sampled(spec, target, sch)
+        samples = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
+        assert len(samples) == len(cpu.KNOBS)
 
 
 def test_progress_bar_and_plain_lines():
