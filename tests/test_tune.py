@@ -12,13 +12,15 @@ import warnings
 from pathlib import Path
 
 import pytest
+from tvm.runtime.module import num_threads
 from tvm.s_tir import Schedule
 
 import tvmattn
 from tvmattn.compiler.cli import main
-from tvmattn.compiler.target import resolve_target, target_key
+from tvmattn.compiler.target import cpu_cores, resolve_target, target_key
 from tvmattn.compiler.verify import check, sizes_to_check
 from tvmattn.schedules import cpu
+from tvmattn.tuning import measure
 from tvmattn.tuning.progress import Progress
 from tvmattn.tuning.records import read_dirs, read_file
 from tvmattn.tuning.space import _sampled, workload
@@ -158,6 +160,12 @@ def test_metaschedule_design_space_samples_every_declared_knob(spec):
         _sampled(spec, target, sch)
         samples = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
         assert len(samples) == len(cpu.KNOBS)
+
+
+def test_local_runner_measures_with_every_core(monkeypatch):
+    monkeypatch.setenv("TVM_NUM_THREADS", "1")  # what the tuning process itself was started with
+    runner = measure.local_runner(tvmattn.AttentionSpec(seq_len=8, d_model=8, num_heads=1))
+    assert runner.pool.submit(num_threads).result() == cpu_cores()  # TVM's pool in the runner's worker
 
 
 def test_progress_bar_and_plain_lines():
