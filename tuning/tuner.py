@@ -123,7 +123,7 @@ def tune(spec: AttentionSpec, target: Any = "cpu", *, trials: int = 64, at: Sequ
     space = KnobSpace(tuple(rules.KNOBS))
     points = representative_points(spec, at)
     out_dir = Path(log_dir).expanduser() if log_dir else user_dir()
-    path = log_path(spec, tgt, log_dir=log_dir)
+    path = log_file(out_dir, target_key(tgt), spec)
     start = time.monotonic()
 
     prior = _earlier(out_dir, spec, tgt)
@@ -143,7 +143,7 @@ def tune(spec: AttentionSpec, target: Any = "cpu", *, trials: int = 64, at: Sequ
         written = journal.written
         try:
             with stop:
-                _run(todo, tgt, runner, journal, seed, stop)
+                _run(todo, runner, journal, seed, stop)
         except Exception:
             if stop.requested:  # a second Ctrl-C, surfacing through TVM's FFI as a RuntimeError
                 raise KeyboardInterrupt from None
@@ -169,7 +169,7 @@ def _earlier(out_dir: Path, spec: AttentionSpec, target: tvm.target.Target) -> l
     return [r for r in read_dirs([out_dir], target_key(target)) if r.spec == key and r.schedule == name]
 
 
-def _run(todo: list[tuple[Task, list[Record]]], target, runner, journal: "_Journal", seed: int,
+def _run(todo: list[tuple[Task, list[Record]]], runner, journal: "_Journal", seed: int,
          stop: "_StopRequest") -> None:
     logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)  # our progress, not its tables
     contexts = [_context(task, KnobSearch(task, done, journal.write, lambda: stop.requested, seed + i), seed + i)
