@@ -165,7 +165,10 @@ def test_metaschedule_design_space_samples_every_declared_knob(spec):
 def test_local_runner_measures_with_every_core(monkeypatch):
     monkeypatch.setenv("TVM_NUM_THREADS", "1")  # what the tuning process itself was started with
     runner = measure.local_runner(tvmattn.AttentionSpec(seq_len=8, d_model=8, num_heads=1))
-    assert runner.pool.submit(num_threads).result() == cpu_cores()  # TVM's pool in the runner's worker
+    try:
+        assert runner.pool.submit(num_threads).result() == cpu_cores()  # TVM's pool in the runner's worker
+    finally:
+        runner.pool.shutdown()
 
 
 def test_progress_bar_and_plain_lines():

@@ -3,14 +3,15 @@ run measured through them, the records written locally. Everything is bounded an
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
 
+import psutil
 import pytest
-
 from tvm import rpc
 
 from tvmattn.compiler.cli import main
@@ -33,6 +34,10 @@ def free_port() -> int:
 
 
 def stop(proc: subprocess.Popen) -> None:
+    """End a tracker or server and the session workers it started (they outlive a killed server)."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
     if proc.poll() is None:
         proc.terminate()
         try:

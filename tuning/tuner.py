@@ -150,6 +150,7 @@ def tune(spec: AttentionSpec, target: Any = "cpu", *, trials: int = 64, at: Sequ
             raise
         finally:
             bar.close()
+            runner.pool.shutdown()  # its worker processes would otherwise idle until this process exits
 
     records = _earlier(out_dir, spec, tgt)
     reports = []
