@@ -10,7 +10,8 @@
 
 import os as _os
 
-# Absolute imports: pytest also imports this file as the repository folder (whatever its name).
+# Absolute imports: pytest imports this file on its own when the checkout's folder name is not a
+# Python identifier (a CI clone such as ``repo-1``), and relative imports fail there.
 
 # TVM's CPU runtime starts with one thread unless told otherwise, and reads this once, at first use.
 _os.environ.setdefault("TVM_NUM_THREADS", str(len(_os.sched_getaffinity(0)) if hasattr(_os, "sched_getaffinity")

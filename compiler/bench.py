@@ -23,7 +23,7 @@ import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
-from typing import Callable  # noqa: E402
+from typing import Callable, Sequence  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -101,12 +101,12 @@ def _status_kib(field: str) -> int:
 
 # ---- implementations: each returns a zero-argument callable that produces the output ------------
 def tvmattn_impl(spec: AttentionSpec, args: dict[str, np.ndarray], target: str = "cpu",
-                 log_dir: str | None = None) -> tuple[Callable[[], np.ndarray], str]:
+                 log_dirs: Sequence[str] = (), tuned: bool = True) -> tuple[Callable[[], np.ndarray], str]:
     import tvm
 
     from .build import compile as build
 
-    kernel = build(spec, target)
+    kernel = build(spec, target, log_dirs=log_dirs, tuned=tuned)
     dev = kernel.device
     tensors = [tvm.runtime.tensor(a, dev) for a in args.values()]
     out = tvm.runtime.tensor(np.zeros(spec.output_shape(), numpy_dtype(spec.dtype)), dev)  # resident already
@@ -210,8 +210,10 @@ def _mask(spec: AttentionSpec, args: dict[str, np.ndarray]) -> np.ndarray | None
 
 # ---- the run -------------------------------------------------------------------------------------
 def bench(spec: AttentionSpec, peers: tuple[str, ...] = tuple(PEERS), budget_s: float = 1.0,
-          target: str = "cpu") -> list[Result]:
-    """tvmattn and each available peer on the same seeded inputs; tvmattn's row comes first."""
+          target: str = "cpu", log_dirs: Sequence[str] = (), tuned: bool = True) -> list[Result]:
+    """tvmattn and each available peer on the same seeded inputs; tvmattn's row comes first.
+
+    tvmattn uses the best tuning record (``log_dirs`` first) unless ``tuned`` is False."""
     if spec.symbolic_dims:
         raise TvmAttnError(f"bench needs concrete sizes, not {', '.join(spec.symbolic_dims)}: give --seq/--batch numbers")
     args = random_inputs(spec, seed=0)
@@ -222,7 +224,7 @@ def bench(spec: AttentionSpec, peers: tuple[str, ...] = tuple(PEERS), budget_s: 
         ref = reference(spec, *arrays.values(), kv_lens=args.get("kv_lens"))
         seen = _rows_that_see_keys(spec, args.get("kv_lens"))
     out_bytes = int(np.prod(spec.output_shape())) * np.dtype(numpy_dtype(spec.dtype)).itemsize
-    impls: list[tuple[str, Callable]] = [("tvmattn", lambda s, a: tvmattn_impl(s, a, target))]
+    impls: list[tuple[str, Callable]] = [("tvmattn", lambda s, a: tvmattn_impl(s, a, target, log_dirs, tuned))]
     impls += [(name, PEERS[name]) for name in peers]
     results = []
     for name, make in impls:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 import tvm
 from tvm.target import Target
 
 from tvmattn import schedules
+from tvmattn.compiler.tuning.lookup import tuned_schedule
 
 from . import passes
 from .errors import TvmAttnError
@@ -19,25 +21,37 @@ from .te_attention import attention_te
 
 
 def compile(spec: AttentionSpec, target: Any = "cpu", *, arch: str | None = None,
-            knobs: Mapping[str, int] | None = None) -> CompiledAttention:  # noqa: A001 (tvm.compile's name)
-    """Build the attention of ``spec`` for ``target`` (``"cpu"``, ``"cuda"``, a dict or a Target)."""
+            knobs: Mapping[str, int] | None = None, log_dirs: Sequence[str | Path] = (),
+            tuned: bool = True) -> CompiledAttention:  # noqa: A001 (tvm.compile's name)
+    """Build the attention of ``spec`` for ``target`` (``"cpu"``, ``"cuda"``, a dict or a Target).
+
+    Without ``knobs`` the best tuning record for this workload is used (``log_dirs`` are searched
+    before the user's and the shipped logs; ``tuned=False`` ignores them all).
+    """
     tgt = resolve_target(target, arch)
     start = time.perf_counter()
-    mod, how = schedule_attention(spec, tgt, knobs)
+    mod, how = schedule_attention(spec, tgt, knobs, log_dirs=log_dirs, tuned=tuned)
     executable = build_module(mod, spec, tgt)
     return CompiledAttention(spec, tgt, executable, how, time.perf_counter() - start)
 
 
-def schedule_attention(spec: AttentionSpec, target: Target,
-                       knobs: Mapping[str, int] | None = None) -> tuple[tvm.IRModule, str]:
+def schedule_attention(spec: AttentionSpec, target: Target, knobs: Mapping[str, int] | None = None, *,
+                       log_dirs: Sequence[str | Path] = (), tuned: bool = True) -> tuple[tvm.IRModule, str]:
     """The scheduled PrimFunc of ``spec`` (in an IRModule, as ``main``) and how it was scheduled.
 
-    This is what `compile` builds; other front ends (ONNX import) embed it in larger modules.
+    This is what `compile` builds; other front ends (ONNX import) embed it in larger modules. Given
+    ``knobs`` win; otherwise a tuning record (`tvmattn.compiler.tuning.lookup`), else the default schedule.
     """
     spec.validate()
     func = attention_te(spec).prim_func()
+    why = ""
+    if knobs is None and tuned:
+        sch, why = tuned_schedule(func, spec, target, log_dirs)
+        if sch is not None:
+            return lowering_passes(spec, target)(sch.mod), why
     sch, how = schedules.default_schedule(func, spec, target, knobs)
-    return lowering_passes(spec, target)(sch.mod), f"default schedule ({how})"
+    how = f"default schedule ({how})"
+    return lowering_passes(spec, target)(sch.mod), f"{how}: {why}" if why else how
 
 
 def lowering_passes(spec: AttentionSpec, target: Target) -> tvm.transform.Pass:

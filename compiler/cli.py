@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -69,6 +70,18 @@ def add_target_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", help="CUDA arch for --target cuda (default sm_90)")
 
 
+def add_log_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-dir", action="append", default=[],
+                   help="tuning logs to search before the user's and the shipped ones (repeatable)")
+    p.add_argument("--default-schedule", action="store_true", help="ignore tuning logs: the default schedule")
+
+
+def build_from_args(args: argparse.Namespace, spec: AttentionSpec):
+    from .build import compile as build
+
+    return build(spec, args.target, arch=args.arch, log_dirs=args.log_dir, tuned=not args.default_schedule)
+
+
 def parse_sizes(items: list[str] | None) -> dict[str, int]:
     """``--at n=128 --at m=512`` → {"n": 128, "m": 512}."""
     sizes: dict[str, int] = {}
@@ -83,10 +96,8 @@ def parse_sizes(items: list[str] | None) -> dict[str, int]:
 
 # ---- commands ---------------------------------------------------------------------------------------
 def cmd_compile(args: argparse.Namespace) -> int:
-    from .build import compile as build
-
     spec = spec_from_args(args)
-    kernel = build(spec, args.target, arch=args.arch)
+    kernel = build_from_args(args, spec)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     lib = out / "attention.so"
@@ -110,12 +121,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .build import compile as build
     from .verify import check, sizes_to_check
 
     spec = spec_from_args(args)
     start = time.perf_counter()
-    kernel = build(spec, args.target, arch=args.arch)
+    kernel = build_from_args(args, spec)
     print(f"spec:     {spec.describe()}")
     print(f"schedule: {kernel.schedule} (compiled in {kernel.compile_seconds:.2f} s)")
     ok = True
@@ -176,6 +186,52 @@ def cmd_export_onnx(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from tvmattn.compiler.tuning.measure import RemoteDevices
+    from tvmattn.compiler.tuning.progress import clock
+    from tvmattn.compiler.tuning.tuner import log_path, tune
+
+    spec = spec_from_args(args)
+    remote = RemoteDevices.parse(args.rpc, args.device_key) if args.rpc else None
+    if args.device_key and not args.rpc:
+        raise TvmAttnError("--device-key is for --rpc HOST:PORT (the tracker the servers registered with)")
+    points = [parse_sizes([item]) for item in args.at or []]
+    print(f"spec:     {spec.describe()}")
+    try:
+        report = tune(spec, args.target, trials=args.trials, at=points, arch=args.arch, log_dir=args.log_dir,
+                      remote=remote, seed=args.seed)
+    except KeyboardInterrupt:
+        print(f"tvmattn: interrupted: every completed round is kept in "
+              f"{log_path(spec, args.target, args.arch, args.log_dir)}; run the same command again to continue",
+              file=sys.stderr)
+        return 130
+    print(f"target:   {report.target}")
+    print(f"tuned:    {report.measured_now} trial(s) this run in {clock(report.seconds)} → {report.log_file}")
+    for point in report.points:
+        at = " ".join(f"{k}={v}" for k, v in point.at.items())
+        print(f"  {'at ' + at + ': ' if at else ''}{point.trials} trial(s) recorded")
+        if point.best is None:
+            print("    no successful measurement: see the errors in the log")
+            continue
+        print(f"    best:    {_latency(point.best)}  {_knobs(point.best)}")
+        if point.default is not None:
+            print(f"    default: {_latency(point.default)}  → tuned is "
+                  f"{point.default.latency_us / point.best.latency_us:.2f}× the default's speed")
+    if report.stopped:
+        print("tvmattn: stopped early on Ctrl-C: run the same command again to continue", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _latency(record) -> str:
+    rate = f" ({record.gflops:.1f} GFLOP/s)" if record.gflops else ""
+    return f"{record.latency_us:,.1f} µs{rate}"
+
+
+def _knobs(record) -> str:
+    return " ".join(f"{k}={v}" for k, v in record.knobs.items())
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line too."""
 
@@ -196,7 +252,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
           f"tvmattn × = peer time / tvmattn time")
     results = []
     for spec in specs:
-        rows = bench.bench(spec, peers, args.budget, args.target)
+        rows = bench.bench(spec, peers, args.budget, args.target, args.log_dir, not args.default_schedule)
         print(bench.table(rows, peak), flush=True)
         results += rows
     if args.json:
@@ -213,12 +269,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compile", help="build the kernel for a target and write the library")
     add_spec_flags(p)
     add_target_flags(p)
+    add_log_flags(p)
     p.add_argument("-o", "--output", default="tvmattn_out", help="output directory")
     p.set_defaults(run=cmd_compile)
 
     p = sub.add_parser("verify", help="build, run on seeded random data, compare with the NumPy oracle")
     add_spec_flags(p)
     add_target_flags(p)
+    add_log_flags(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--at", action="append", help="values of symbolic sizes, e.g. --at n=100 (default 1, 37, 128)")
     p.set_defaults(run=cmd_verify)
@@ -226,12 +284,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="time tvmattn against PyTorch, ONNX Runtime and NumPy in one process")
     add_spec_flags(p)
     add_target_flags(p)
+    add_log_flags(p)
     p.add_argument("--suite", help="a benchmark suite instead of one spec: default")
     p.add_argument("--peers", help="comma-separated subset of torch,onnxruntime,numpy ('' for none)")
     p.add_argument("--budget", type=float, default=1.0, help="seconds of timed runs per implementation")
     p.add_argument("--json", help="write the results to this JSON file")
     p.add_argument("--plot", help="draw GFLOP/s against sequence length to this PNG (needs matplotlib)")
     p.set_defaults(run=cmd_bench)
+
+    p = sub.add_parser("tune", help="search the schedule's knobs with MetaSchedule; later compiles use the best")
+    add_spec_flags(p)
+    add_target_flags(p)
+    p.add_argument("--trials", type=int, default=64,
+                   help="measurements per workload in total: a re-run measures only what is missing (default 64)")
+    p.add_argument("--at", action="append",
+                   help="a representative point of a symbolic spec, e.g. --at n=512; repeat for several")
+    p.add_argument("--log-dir", help="where records go (default ~/.cache/tvmattn/tuning_logs)")
+    p.add_argument("--rpc", metavar="HOST:PORT", help="measure on the servers of this RPC tracker")
+    p.add_argument("--device-key", help="the key the RPC servers registered with (python -m tvm.exec.rpc_server --key)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the search")
+    p.set_defaults(run=cmd_tune)
 
     p = sub.add_parser("explain", help="the shape trace: each stage's shape, FLOPs and bytes")
     add_spec_flags(p)
@@ -258,13 +330,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return args.run(args)
-    except TvmAttnError as err:
-        print(f"tvmattn: error: {err}", file=sys.stderr)
-        if os.environ.get("TVMATTN_DEBUG"):
-            raise
-        return 2
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning
+        try:
+            return args.run(args)
+        except TvmAttnError as err:
+            print(f"tvmattn: error: {err}", file=sys.stderr)
+            if os.environ.get("TVMATTN_DEBUG"):
+                raise
+            return 2
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"tvmattn: warning: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

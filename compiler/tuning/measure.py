@@ -1,0 +1,190 @@
+"""Building and measuring candidates: MetaSchedule's LocalBuilder, LocalRunner and RPCRunner, set up
+for tvmattn.
+
+- The build function runs tvmattn's own TIR passes (block skipping, polynomial exp) before
+  `tvm.compile`, exactly as `tvmattn.compile` does, and never imports `tvm.s_tir.tensor_intrin`
+  (MetaSchedule's default build does: about a minute per fresh worker, past its timeout).
+- Artifacts are shared libraries linked in the build workers, not tarballs the runner would link
+  one by one.
+- Arguments are random, except ``kv_lens`` (key padding), which is set to the full key length: a
+  random int32 there would send key loops out of bounds.
+- Local measurement runs in a worker process whose TVM thread pool uses every core of this process
+  (TVM's runtime starts with one thread otherwise). RPC servers need ``TVM_NUM_THREADS`` set where
+  they are started.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import rpc
+from tvm.ir.utils import derived_object
+from tvm.s_tir.meta_schedule.builder import BuilderInput, BuilderResult, LocalBuilder
+from tvm.s_tir.meta_schedule.builder.local_builder import _worker_func as _build_worker
+from tvm.s_tir.meta_schedule.runner import EvaluatorConfig, LocalRunner, RPCConfig, RPCRunner
+from tvm.s_tir.meta_schedule.runner.utils import alloc_argument_common
+from tvm.s_tir.meta_schedule.utils import get_global_func_on_rpc_session
+from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
+from tvm.target import Target
+
+from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.spec import AttentionSpec
+from tvmattn.compiler.target import cpu_cores
+
+RECYCLE_ROUNDS = 16
+# Median of 5 repeats of at least 40 ms each: stable enough on a busy machine, ~0.3 s per candidate.
+EVALUATOR = EvaluatorConfig(number=1, repeat=5, min_repeat_ms=40, enable_cpu_cache_flush=False)
+BUILD_TIMEOUT_S = 120.0
+RUN_TIMEOUT_S = 60.0
+RANDOM_FILL = "tvm.contrib.random.random_fill_for_measure"
+
+
+@dataclass(frozen=True)
+class RemoteDevices:
+    """An RPC tracker and the key its servers registered with."""
+
+    host: str
+    port: int
+    key: str
+
+    @classmethod
+    def parse(cls, address: str, key: str | None) -> "RemoteDevices":
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise TvmAttnError(f"--rpc {address!r}: write the tracker's HOST:PORT, e.g. --rpc 127.0.0.1:9190")
+        if not key:
+            raise TvmAttnError("--rpc needs --device-key KEY: the key the RPC servers registered with")
+        return cls(host, int(port), key)
+
+    def servers(self) -> int:
+        """Servers registered under the key (free or busy); a TvmAttnError when there is none."""
+        hint = (f"start one with: TVM_NUM_THREADS=<cores> python -m tvm.exec.rpc_server "
+                f"--tracker {self.host}:{self.port} --key {self.key}")
+        try:
+            # A plain connection first: TVM's client retries a missing tracker for a minute.
+            socket.create_connection((self.host, self.port), timeout=10).close()
+            summary = rpc.connect_tracker(self.host, self.port).summary()
+        except Exception as err:  # connection refused, timeouts: TVM raises several types
+            raise TvmAttnError(f"no RPC tracker at {self.host}:{self.port} ({str(err).splitlines()[0]}); "
+                               f"start it with: python -m tvm.exec.rpc_tracker --host {self.host} "
+                               f"--port {self.port}") from None
+        count = sum(1 for s in summary.get("server_info", []) if s.get("key") == f"server:{self.key}")
+        if count == 0:
+            raise TvmAttnError(f"no RPC server registered with key {self.key!r} at {self.host}:{self.port}; {hint}")
+        return count
+
+    def describe(self) -> str:
+        return f"rpc:{self.key}@{self.host}:{self.port}"
+
+
+@derived_object
+class PooledBuilder(LocalBuilder._cls):
+    """MetaSchedule's LocalBuilder, but its worker processes outlive a round.
+
+    LocalBuilder starts fresh workers for every round (against a slow leak in long-lived ones); each
+    pays TVM's import, 3–7 s here, more than building a round's candidates. These workers are
+    replaced every `RECYCLE_ROUNDS` rounds instead.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=cpu_cores(), timeout_sec=BUILD_TIMEOUT_S, f_build=build_candidate,
+                         f_export=export_shared_library)
+        self._pool: PopenPoolExecutor | None = None
+        self._rounds = 0
+
+    def build(self, build_inputs: list[BuilderInput]) -> list[BuilderResult]:
+        if self._pool is None or self._rounds % RECYCLE_ROUNDS == 0:
+            self.close()
+            self._pool = PopenPoolExecutor(max_workers=self.max_workers, timeout=self.timeout_sec)
+        self._rounds += 1
+        jobs = [(self.f_build, self.f_export, b.mod, b.target, None) for b in build_inputs]
+        results = []
+        for outcome in self._pool.map_with_error_catching(lambda job: _build_worker(*job), jobs):
+            if outcome.status == StatusKind.COMPLETE:
+                results.append(BuilderResult(outcome.value, None))
+            elif outcome.status == StatusKind.TIMEOUT:
+                results.append(BuilderResult(None, f"build timed out after {self.timeout_sec:.0f} s"))
+            else:
+                results.append(BuilderResult(None, f"build failed: {outcome.value}"))
+        return results
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+
+def local_runner(spec: AttentionSpec) -> LocalRunner:
+    return LocalRunner(timeout_sec=RUN_TIMEOUT_S, evaluator_config=EVALUATOR,
+                       f_alloc_argument=functools.partial(alloc_local, _kv_lens_fill(spec)),
+                       initializer=functools.partial(use_threads, cpu_cores()))
+
+
+def rpc_runner(spec: AttentionSpec, remote: RemoteDevices) -> RPCRunner:
+    """Measure on the servers behind an RPC tracker, one candidate per server at a time."""
+    config = RPCConfig(tracker_host=remote.host, tracker_port=remote.port, tracker_key=remote.key,
+                       session_timeout_sec=int(RUN_TIMEOUT_S))
+    return RPCRunner(rpc_config=config, evaluator_config=EVALUATOR, max_workers=remote.servers(),
+                     f_alloc_argument=functools.partial(alloc_remote, _kv_lens_fill(spec)))
+
+
+# ---- functions that run in MetaSchedule's worker processes (pickled by reference) -----------------
+def build_candidate(mod: tvm.IRModule, target: Target, _params) -> tvm.runtime.Executable:
+    """`tvmattn.compile`'s steps after scheduling, for the spec the workload carries."""
+    from tvmattn.compiler.build import lowering_passes
+
+    from .space import spec_of
+
+    return tvm.compile(lowering_passes(spec_of(mod), target)(mod), target)
+
+
+def export_shared_library(executable: tvm.runtime.Executable) -> str:
+    path = os.path.join(tempfile.mkdtemp(prefix="tvmattn-tune-"), "candidate.so")
+    executable.export_library(path)
+    return path
+
+
+def use_threads(cores: int) -> None:
+    """Runner worker start-up: size TVM's thread pool before it exists."""
+    os.environ["TVM_NUM_THREADS"] = str(cores)
+
+
+KvLensFill = tuple[int, "int | tuple[int, int]"]  # kv_lens' argument index; n_kv, or where to read it
+
+
+def alloc_local(kv_lens: KvLensFill | None, device, args_info, alloc_repeat: int) -> list:
+    fill = tvm.get_global_func(RANDOM_FILL)
+    return _with_kv_lens(alloc_argument_common(fill, device, args_info, alloc_repeat), args_info, kv_lens)
+
+
+def alloc_remote(kv_lens: KvLensFill | None, session, device, args_info, alloc_repeat: int) -> list:
+    fill = get_global_func_on_rpc_session(session, RANDOM_FILL, "the RPC server's TVM lacks random fill")
+    return _with_kv_lens(alloc_argument_common(fill, device, args_info, alloc_repeat), args_info, kv_lens)
+
+
+def _with_kv_lens(repeated_args: list, args_info, kv_lens: KvLensFill | None) -> list:
+    if kv_lens is not None:
+        index, length = kv_lens
+        if not isinstance(length, int):  # a symbolic n_kv: read it from the shape of an input
+            arg, axis = length
+            length = int(args_info[arg][2][axis])
+        for args in repeated_args:
+            args[index].copyfrom(np.full(tuple(args[index].shape), length, dtype="int32"))
+    return repeated_args
+
+
+def _kv_lens_fill(spec: AttentionSpec) -> KvLensFill | None:
+    """How to fill kv_lens for any instance of ``spec`` (tasks share one runner)."""
+    if not spec.key_padding:
+        return None
+    shapes = list(spec.input_shapes().values())
+    index = list(spec.input_shapes()).index("kv_lens")
+    if isinstance(spec.n_kv, int):
+        return index, spec.n_kv
+    return index, next((i, axis) for i, shape in enumerate(shapes) for axis, d in enumerate(shape) if d == spec.n_kv)

@@ -1,0 +1,201 @@
+"""`tvmattn tune` end to end on tiny attentions: records written and then used by compile, Ctrl-C
+and resume, concurrent tuners, symbolic specs, the progress display and bad input."""
+
+from __future__ import annotations
+
+import io
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+from tvm.runtime.module import num_threads
+from tvm.s_tir import Schedule
+
+import tvmattn
+from tvmattn.compiler.cli import main
+from tvmattn.compiler.target import cpu_cores, resolve_target, target_key
+from tvmattn.compiler.verify import check, sizes_to_check
+from tvmattn.schedules import cpu
+from tvmattn.compiler.tuning import measure
+from tvmattn.compiler.tuning.progress import Progress
+from tvmattn.compiler.tuning.records import read_dirs, read_file
+from tvmattn.compiler.tuning.space import _sampled, workload
+from tvmattn.compiler.tuning.tuner import _StopRequest
+
+KEY = target_key(resolve_target("cpu"))
+TINY = ["--seq", "32", "--d-model", "32", "--heads", "2", "--causal", "--no-projections"]
+
+
+def tvmattn_cli(*argv: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tvmattn.compiler.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"tvmattn did not finish in {timeout} s:\n{out}\n{err}")
+    return proc.returncode, out, err
+
+
+def records_in(directory: Path) -> list:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a damaged line is a failure here
+        return read_dirs([directory], KEY)
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """A 4-trial tuning of a tiny causal core attention, as a user runs it."""
+    directory = tmp_path_factory.mktemp("logs")
+    start = time.monotonic()
+    code, out, err = finish(tvmattn_cli("tune", *TINY, "--trials", "4", "--log-dir", str(directory)))
+    assert code == 0, err
+    return directory, out, err, time.monotonic() - start
+
+
+def test_tune_writes_records_and_reports(tuned):
+    directory, out, err, _ = tuned
+    records = records_in(directory)
+    assert len(records) == 4 and all(r.ok and r.gflops for r in records)
+    assert len({r.ir_hash for r in records}) == 4  # four different kernels, none measured twice
+    assert {r.target for r in records} == {KEY} and all("local" in r.measured_on for r in records)
+    assert "4 trial(s) this run" in out and "best:" in out and "default:" in out  # the default is a trial
+    assert "tune: 4/4 trials" in err and "GFLOP/s" in err and "elapsed" in err  # plain progress lines
+
+
+def test_compile_uses_the_tuned_record_quickly_and_matches_the_oracle(tuned, capsys):
+    directory, _, _, tuning_seconds = tuned
+    best = min((r for r in records_in(directory)), key=lambda r: r.latency_us)
+    assert main(["verify", *TINY, "--log-dir", str(directory)]) == 0
+    out = capsys.readouterr().out
+    assert "schedule: tuned record" in out and f"{best.latency_us:.1f} µs" in out and "PASS" in out
+    spec = tvmattn.AttentionSpec(seq_len=32, d_model=32, num_heads=2, causal=True, projections=False)
+    kernel = tvmattn.compile(spec, log_dirs=[directory])
+    assert kernel.compile_seconds < tuning_seconds / 4
+    assert check(kernel).ok
+
+
+def test_a_rerun_with_the_same_budget_measures_nothing(tuned, capsys):
+    directory, _, _, _ = tuned
+    assert main(["tune", *TINY, "--trials", "4", "--log-dir", str(directory)]) == 0
+    assert "0 trial(s) this run" in capsys.readouterr().out
+    assert len(records_in(directory)) == 4
+
+
+def test_sigint_keeps_the_records_and_a_rerun_resumes(tmp_path):
+    argv = ["tune", "--seq", "48", "--d-model", "32", "--heads", "2", "--no-projections", "--trials", "16",
+            "--log-dir", str(tmp_path)]
+    proc = tvmattn_cli(*argv)
+    deadline = time.monotonic() + 240
+    while len(read_dirs([tmp_path], KEY)) < 8:  # the first round of 8 is on disk
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    code, out, err = finish(proc)
+    assert code == 130, err
+    assert "stopping after the round in flight" in err and "run the same command again" in err
+    kept = records_in(tmp_path)
+    assert 8 <= len(kept) <= 16 and all(r.ok for r in kept)
+
+    code, out, err = finish(tvmattn_cli(*argv))
+    assert code == 0, err
+    assert f"{16 - len(kept)} trial(s) this run" in out
+    final = records_in(tmp_path)
+    assert len(final) == 16
+    assert len({r.ir_hash for r in final}) == 16 and len({tuple(sorted(r.knobs.items())) for r in final}) == 16
+
+
+def test_a_second_ctrl_c_stops_at_once():
+    stop = _StopRequest()
+    with stop:
+        stop._on_interrupt(signal.SIGINT, None)
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):
+            stop._on_interrupt(signal.SIGINT, None)
+    assert signal.getsignal(signal.SIGINT) is not stop._on_interrupt
+
+
+def test_concurrent_tuners_on_one_log_keep_every_record(tmp_path, capsys):
+    """A symbolic spec at two points: two processes append to the same file at the same time."""
+    base = ["tune", "--seq", "n", "--d-model", "32", "--heads", "2", "--causal", "--no-projections",
+            "--trials", "3", "--log-dir", str(tmp_path)]
+    procs = [tvmattn_cli(*base, "--at", f"n={n}") for n in (16, 40)]
+    for proc in procs:
+        code, _, err = finish(proc)
+        assert code == 0, err
+    (log,) = (tmp_path / KEY).iterdir()
+    records = read_file(log)
+    assert len(records) == 6 and sorted({r.at["n"] for r in records}) == [16, 40]
+
+    # The symbolic kernel uses the largest point; lengths in between use the nearest point.
+    assert main(["verify", *base[1:9], "--log-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "tuned record" in out and "at n=40" in out and out.count("PASS") == len(sizes_to_check(
+        tvmattn.AttentionSpec(seq_len="n", d_model=32, num_heads=2, causal=True, projections=False)))
+    spec = tvmattn.AttentionSpec(seq_len=20, d_model=32, num_heads=2, causal=True, projections=False)
+    near = tvmattn.compile(spec, log_dirs=[tmp_path])
+    assert "at n=16" in near.schedule and check(near).ok
+    assert "no tuning record" in tvmattn.compile(spec.replace(seq_len=41), log_dirs=[tmp_path]).schedule
+
+
+@pytest.mark.parametrize("spec", [
+    tvmattn.AttentionSpec(seq_len=40, d_model=32, num_heads=2, causal=True, projections=False),
+    tvmattn.AttentionSpec(seq_len=24, d_model=64, num_heads=4, num_kv_heads=2),
+    tvmattn.AttentionSpec(seq_len=1, kv_seq_len=64, num_heads=4, head_dim=32, causal=True,
+                          causal_align="bottom_right", projections=False),
+])
+def test_metaschedule_design_space_samples_every_declared_knob(spec):
+    """The ScheduleFn space MetaSchedule generates: the schedule must accept sampled knobs."""
+    target = resolve_target("cpu")
+    for seed in (1, 2, 3):
+        sch = Schedule(workload(spec), seed=seed)
+        _sampled(spec, target, sch)
+        samples = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
+        assert len(samples) == len(cpu.KNOBS)
+
+
+def test_local_runner_measures_with_every_core(monkeypatch):
+    monkeypatch.setenv("TVM_NUM_THREADS", "1")  # what the tuning process itself was started with
+    runner = measure.local_runner(tvmattn.AttentionSpec(seq_len=8, d_model=8, num_heads=1))
+    try:
+        assert runner.pool.submit(num_threads).result() == cpu_cores()  # TVM's pool in the runner's worker
+    finally:
+        runner.pool.shutdown()
+
+
+def test_progress_bar_and_plain_lines():
+    live = io.StringIO()
+    bar = Progress(8, stream=live, live=True)
+    bar.advance(3, 312.0, 55.1)
+    bar.close()
+    text = live.getvalue()
+    assert "\r[" in text and "3/8 trials" in text and "best 312.0 µs (55.1 GFLOP/s)" in text
+    assert "elapsed" in text and "left" in text
+    plain = io.StringIO()
+    bar = Progress(8, stream=plain, live=False)
+    bar.advance(8, None, None)
+    bar.close()
+    assert plain.getvalue().startswith("tune: 8/8 trials, no measurement yet") and "\r" not in plain.getvalue()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seq", "n", "--d-model", "32", "--heads", "2"], "a symbolic spec is tuned at representative sizes"),
+    (["--d-model", "32", "--heads", "2", "--at", "n=64"], "--at is for symbolic sizes"),
+    (["--seq", "n", "--d-model", "32", "--heads", "2", "--at", "m=64"], "give a size for each of n"),
+    (["--d-model", "32", "--heads", "2", "--trials", "0"], "give a positive number"),
+    (["--d-model", "32", "--heads", "2", "--device-key", "x"], "--device-key is for --rpc"),
+    (["--d-model", "32", "--heads", "2", "--rpc", "nohost", "--device-key", "x"], "write the tracker's HOST:PORT"),
+    (["--d-model", "32", "--heads", "2", "--rpc", "127.0.0.1:9"], "--rpc needs --device-key"),
+])
+def test_tune_bad_input_is_one_line(capsys, tmp_path, argv, message):
+    assert main(["tune", *argv, "--log-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tvmattn: error: ") and message in err and err.count("\n") == 1
