@@ -215,15 +215,8 @@ def _scores(sch: Schedule, lanes: int, keys_factor: KnobValue) -> None:
     t_out, t_in = sch.split(t, [None, keys_factor])
     s_out, s_vec = sch.split(s, [None, lanes])
     sch.reorder(t_out, e, t_in, s_out, s_vec)
-    acc = sch.cache_write(scores, 0, "local")
-    sch.transform_layout(scores, ("write", 0), lambda b, i, st, t, s: (b, i, st, t // keys, t % keys, s),
-                         assume_injective_transform=True)
-    sch.reverse_compute_at(acc, t_out, preserve_unit_loops=True)
-    sch.unroll(t_in)
-    sch.unroll(s_out)
-    _vectorize(sch, s_vec, lanes, lanes)
-    _vectorize(sch, sch.get_loops(acc)[-1], None, lanes)
-    sch.decompose_reduction(scores, e)
+    _register_tile(sch, scores, t_out, lambda b, i, st, t, s: (b, i, st, t // keys, t % keys, s),
+                   (t_in, s_out), s_vec, lanes, e)
 
 
 def _split_head_dim(sch: Schedule, lanes: int):
@@ -263,15 +256,8 @@ def _weights_v(sch: Schedule, spec: AttentionSpec, lanes: int, rows_factor: Knob
     lanes_c = _lanes_for(spec.d_v, lanes)
     c_out, c_mid, c_vec = sch.split(c, [None, vecs if lanes_c == lanes else 1, lanes_c])
     sch.reorder(s_out, c_out, t, s_in, c_mid, c_vec)
-    acc = sch.cache_write(pv, 0, "local")
-    sch.transform_layout(pv, ("write", 0), lambda b, i, st, s, c: (b, i, st, s // rows, s % rows, c),
-                         assume_injective_transform=True)
-    sch.reverse_compute_at(acc, c_out, preserve_unit_loops=True)
-    sch.unroll(s_in)
-    sch.unroll(c_mid)
-    _vectorize(sch, c_vec, lanes_c, lanes_c)
-    _vectorize(sch, sch.get_loops(acc)[-1], None, lanes_c)
-    sch.decompose_reduction(pv, t)
+    _register_tile(sch, pv, c_out, lambda b, i, st, s, c: (b, i, st, s // rows, s % rows, c),
+                   (s_in, c_mid), c_vec, lanes_c, t)
 
 
 def _gemm(sch: Schedule, name: str, lanes: int, k: Mapping[str, KnobValue]) -> None:
@@ -288,22 +274,30 @@ def _gemm(sch: Schedule, name: str, lanes: int, k: Mapping[str, KnobValue]) -> N
         m, [None, k["gemm_block_cols"], k["gemm_vecs"] if lanes_m == lanes else 1, lanes_m])
     # a task owns a block of rows × columns, so its panels of x and w stay in L2 across register tiles
     sch.reorder(b, r_task, m_task, r_out, m_out, c, r_in, m_mid, m_vec)
-    acc = sch.cache_write(blk, 0, "local")
-    rows = _int(sch, k["gemm_rows"])
-    sch.transform_layout(blk, ("write", 0), lambda b_, s_, m_: (b_, s_ // rows, s_ % rows, m_),
-                         assume_injective_transform=True)  # a fixed-size accumulator, also for symbolic n
-    sch.reverse_compute_at(acc, m_out, preserve_unit_loops=True)
     sch.parallel(sch.fuse(b, r_task, m_task))
-    sch.unroll(r_in)
-    sch.unroll(m_mid)
-    _vectorize(sch, m_vec, lanes_m, lanes_m)
-    _vectorize(sch, sch.get_loops(acc)[-1], None, lanes_m)
-    sch.decompose_reduction(blk, c)
+    rows = _int(sch, k["gemm_rows"])
+    _register_tile(sch, blk, m_out, lambda b_, s_, m_: (b_, s_ // rows, s_ % rows, m_),
+                   (r_in, m_mid), m_vec, lanes_m, c)
     if acc_name != name:  # the cast to the storage dtype, per output element
         cast = sch.get_sblock(name)
         loops = sch.get_loops(cast)
         sch.parallel(sch.fuse(*loops[:2]))
         _vectorize(sch, loops[-1], width, lanes)
+
+
+def _register_tile(sch: Schedule, block, outer, layout, unrolled: tuple, vector, lanes: int, reduction) -> None:
+    """The register-tile idiom: ``block`` accumulates its tile under ``outer`` in a local buffer
+    (``cache_write``) that LLVM keeps in registers once its loops are unrolled and vectorised.
+    ``layout`` gives that buffer a fixed size even where a tail predicate cuts the tile. The init
+    is split off last: vectorising after ``decompose_reduction`` fails."""
+    acc = sch.cache_write(block, 0, "local")
+    sch.transform_layout(block, ("write", 0), layout, assume_injective_transform=True)
+    sch.reverse_compute_at(acc, outer, preserve_unit_loops=True)
+    for loop in unrolled:
+        sch.unroll(loop)
+    _vectorize(sch, vector, lanes, lanes)
+    _vectorize(sch, sch.get_loops(acc)[-1], None, lanes)
+    sch.decompose_reduction(block, reduction)
 
 
 def _vectorize(sch: Schedule, loop, extent: int | None, lanes: int) -> None:
