@@ -13,6 +13,7 @@ from tvmattn import schedules
 from tvmattn.compiler.tuning.lookup import tuned_schedule
 
 from . import passes
+from .cuda_pipeline import compile_cuda
 from .errors import TvmAttnError
 from .kernel import CompiledAttention
 from .spec import AttentionSpec
@@ -72,6 +73,8 @@ def lower(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
 def build_module(mod: tvm.IRModule, spec: AttentionSpec, target: Target) -> tvm.runtime.Executable:
     """TVM's lowering and code generation of a scheduled module."""
     try:
+        if target.kind.name == "cuda":
+            return compile_cuda(mod, target)
         return tvm.compile(mod, target)
     except Exception as err:  # a TVM failure here is our bug, but the user gets a sentence first
         raise TvmAttnError(f"TVM could not build this kernel for {target.kind.name} "

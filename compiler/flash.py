@@ -21,15 +21,21 @@ the pair (query s = r // g, query head kvh·g + r % g), so the g query heads of 
 each K/V tile. For every key tile j (keys j·kv_tile …) that the mask lets one of its queries see:
 
     k_load, v_load      K_j (kv_tile, d_k), V_j (kv_tile, d_v)
-    s_gemm              S = Q·K_jᵀ                          (q_rows, kv_tile), fp32
-    row_max             m_new = max(m, max_t x)              x = scale·log2(e)·S, −∞ where masked
-    rescale             alpha = exp2(m − m_new); m = m_new
-    probs               P = exp2(x − m), in the input dtype  (what a tensor core multiplies)
-    row_sum, l_update   l = alpha·l + Σ_t P
-    pv, o_update        O = alpha·O + P·V_j                  fp32
-and o_store writes O / l, or 0 for a row that sees no key. A fully masked row keeps m = −∞; exponents
-use m, or 0 while m is −∞, so no ∞ − ∞ ever forms. With kv_splits > 1 (decode: few queries, a long
-cache), kv_splits instances share a row block's key tiles and write partial (O, m, l); the
+    s_gemm, s_store     S = Q·K_jᵀ                          (q_rows, kv_tile), fp32
+    row_max             tile_max = max_t x                   x = scale·log2(e)·S, −∞ where masked
+    rescale             m_new = max(m, tile_max), alpha = exp2(m − m_new)
+    probs               P = exp2(x − m_new), input dtype     (what a tensor core multiplies)
+    row_sum, l_update   l_new = alpha·l + Σ_t P
+    pv, pv_store        PV = P·V_j                           fp32
+    o_update            O_new = alpha·O + PV
+    state_update, o_copy  m, l, O = m_new, l_new, O_new
+The shape is for schedules: no stage writes a buffer it reads (`bind` accepts only such blocks; the
+register copies cost nothing after nvcc); reductions start from their identity (cross-thread
+reductions need that); GEMMs accumulate apart from where their result is read (S_acc, PV_acc: tensor
+core fragments on a GPU); s_gemm … o_update sit in one block, key_tile, whose stages only read what
+earlier ones wrote, so `compute_at`-style primitives work inside it. Then o_store writes O / l, or 0 for a row that sees no key (l = 0). Masked x are −∞ and running maxima
+start at the lowest finite float, so an exponent is finite − finite or −∞ − finite: never ∞ − ∞.
+With kv_splits > 1 (decode: few queries, a long cache), kv_splits instances share a row block's key tiles and write partial (O, m, l); the
 split_max / split_sum / split_combine stages merge them (memory (B, h, n, kv_splits, d_v)).
 """
 
@@ -38,7 +44,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Mapping
 
 import tvm
 from tvm import tirx
@@ -53,10 +59,8 @@ from .te_attention import ACC
 
 LOG2E = math.log2(math.e)
 NEG_INF = -tirx.infinity(ACC)
+LOWEST = tirx.min_value(ACC)  # the identity of max, where a row's running maximum starts
 
-# Names of the stages, for schedules.
-PER_KEY_TILE = ("k_load", "v_load", "s_gemm", "row_max", "rescale", "probs", "row_sum", "l_update", "pv",
-                "o_update")
 
 
 @dataclass(frozen=True)
@@ -98,10 +102,14 @@ def operands(spec: AttentionSpec, packed: bool = False) -> dict[str, Operand]:
             "v": Operand(layout, spec.h_kv, spec.d_v), "o": Operand(layout, spec.h, spec.d_v)}
 
 
-def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False) -> tirx.PrimFunc:
+def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False,
+                    scopes: Mapping[str, str] | None = None) -> tirx.PrimFunc:
     """The online-softmax PrimFunc of the core of ``spec``: ``main(q, k, v[, kv_lens], o)``.
 
     ``packed`` takes q, k, v and writes o as (B, n, heads·width) (the full layer's projections).
+    ``scopes`` places the per-instance buffers (Q, K, V, S_acc, S, P,
+    tile_max, tile_sum, m, m_new, alpha, l, l_new, PV_acc, PV, O, O_new)
+    in memory ("shared", "local"…; "global" when not named): where a value lives, not what it is.
     """
     spec.validate()
     dims: dict[str, tirx.Var] = {}
@@ -117,15 +125,13 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
     c = tirx.const(spec.softmax_scale * LOG2E, ACC)
     zero, zero_in = tirx.const(0, ACC), tirx.const(0, dt)
     padded = spec.key_padding
+    at = lambda name: (scopes or {}).get(name, "global")  # noqa: E731
 
     def head(kvh, row):
         return kvh * g + row % g
 
     def seen(kv_len, row, t):
         return tirx.all(t < n_kv, mask.visible(spec, row // g, t, kv_len, _expr(n)))
-
-    def finite(m):  # the exponent base of a row that has seen no key yet
-        return tirx.Select(m == NEG_INF, zero, m)
 
     @T.prim_func(s_tir=True)
     def main(q_h: T.handle, k_h: T.handle, v_h: T.handle, lens_h: T.handle, o_h: T.handle):
@@ -143,18 +149,16 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                 vb, vkvh, vtile, vsplit = T.axis.remap("SSSS", [b, kvh, tile, split])
                 T.reads()
                 T.writes()
-                Q = T.alloc_buffer((R, d_k), dt)
-                K = T.alloc_buffer((Tk, d_k), dt)
-                V = T.alloc_buffer((Tk, d_v), dt)
-                S = T.alloc_buffer((R, Tk), ACC)
-                P = T.alloc_buffer((R, Tk), dt)
-                m = T.alloc_buffer((R,), ACC)
-                m_new = T.alloc_buffer((R,), ACC)
-                alpha = T.alloc_buffer((R,), ACC)
-                tile_sum = T.alloc_buffer((R,), ACC)
-                l = T.alloc_buffer((R,), ACC)
-                PV = T.alloc_buffer((R, d_v), ACC)
-                O = T.alloc_buffer((R, d_v), ACC)
+                Q = T.sblock_alloc_buffer((R, d_k), dt, scope=at("Q"))
+                m = T.sblock_alloc_buffer((R,), ACC, scope=at("m"))
+                l = T.sblock_alloc_buffer((R,), ACC, scope=at("l"))
+                O = T.sblock_alloc_buffer((R, d_v), ACC, scope=at("O"))
+                m_new = T.sblock_alloc_buffer((R,), ACC, scope=at("m_new"))
+                l_new = T.sblock_alloc_buffer((R,), ACC, scope=at("l_new"))
+                alpha = T.sblock_alloc_buffer((R,), ACC, scope=at("alpha"))
+                O_new = T.sblock_alloc_buffer((R, d_v), ACC, scope=at("O_new"))
+                P = T.sblock_alloc_buffer((R, Tk), dt, scope=at("P"))  # not with S: TVM's cache_read of a
+                # buffer allocated in the block that is its scope loses the buffer
                 row0 = T.meta_var(vtile * R)
                 kv_len = T.meta_var(kv_lens[vb] if padded else _expr(n_kv))
                 j_lo, j_hi = T.meta_var(_key_tiles(spec, tiles, row0, vsplit, kv_len, _expr(n), _expr(n_kv)))
@@ -167,65 +171,105 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                 for r in range(R):
                     with T.sblock("init_state"):
                         vr = T.axis.remap("S", [r])
-                        m[vr] = NEG_INF
+                        m[vr] = LOWEST
                         l[vr] = zero
                 for r, cc in T.grid(R, d_v):
                     with T.sblock("o_init"):
                         vr, vc = T.axis.remap("SS", [r, cc])
                         O[vr, vc] = zero
-                for j in T.serial(j_lo, T.max(j_hi - j_lo, 0) + j_lo):
-                    t0: T.let[T.int32] = j * Tk
-                    for t, e in T.grid(Tk, d_k):
-                        with T.sblock("k_load"):
-                            vt, ve = T.axis.remap("SS", [t, e])
-                            K[vt, ve] = T.if_then_else(t0 + vt < n_kv, k[*k_at(vb, vkvh, t0 + vt, ve)], zero_in)
-                    for t, cc in T.grid(Tk, d_v):
-                        with T.sblock("v_load"):
-                            vt, vc = T.axis.remap("SS", [t, cc])
-                            V[vt, vc] = T.if_then_else(t0 + vt < n_kv, v[*v_at(vb, vkvh, t0 + vt, vc)], zero_in)
-                    for r, t, e in T.grid(R, Tk, d_k):
-                        with T.sblock("s_gemm"):
-                            vr, vt, ve = T.axis.remap("SSR", [r, t, e])
-                            with T.init():
-                                S[vr, vt] = zero
-                            S[vr, vt] = S[vr, vt] + T.Cast(ACC, Q[vr, ve]) * T.Cast(ACC, K[vt, ve])
-                    for r, t in T.grid(R, Tk):
-                        with T.sblock("row_max"):
-                            vr, vt = T.axis.remap("SR", [r, t])
-                            with T.init():
-                                m_new[vr] = m[vr]
-                            m_new[vr] = T.max(m_new[vr], T.Select(seen(kv_len, row0 + vr, t0 + vt),
-                                                                  S[vr, vt] * c, NEG_INF))
-                    for r in range(R):
-                        with T.sblock("rescale"):
-                            vr = T.axis.remap("S", [r])
-                            alpha[vr] = T.exp2(m[vr] - finite(m_new[vr]))
-                            m[vr] = m_new[vr]
-                    for r, t in T.grid(R, Tk):
-                        with T.sblock("probs"):
-                            vr, vt = T.axis.remap("SS", [r, t])
-                            P[vr, vt] = T.Cast(dt, T.exp2(T.Select(seen(kv_len, row0 + vr, t0 + vt), S[vr, vt] * c,
-                                                                   NEG_INF) - finite(m[vr])))
-                    for r, t in T.grid(R, Tk):
-                        with T.sblock("row_sum"):
-                            vr, vt = T.axis.remap("SR", [r, t])
-                            with T.init():
-                                tile_sum[vr] = zero
-                            tile_sum[vr] = tile_sum[vr] + T.Cast(ACC, P[vr, vt])
-                    for r in range(R):
-                        with T.sblock("l_update"):
-                            vr = T.axis.remap("S", [r])
-                            l[vr] = l[vr] * alpha[vr] + tile_sum[vr]
-                    for r, cc, t in T.grid(R, d_v, Tk):
-                        with T.sblock("pv"):
-                            vr, vc, vt = T.axis.remap("SSR", [r, cc, t])
-                            with T.init():
-                                PV[vr, vc] = zero
-                            PV[vr, vc] = PV[vr, vc] + T.Cast(ACC, P[vr, vt]) * T.Cast(ACC, V[vt, vc])
-                    for r, cc in T.grid(R, d_v):
-                        with T.sblock("o_update"):
-                            vr, vc = T.axis.remap("SS", [r, cc])
-                            O[vr, vc] = O[vr, vc] * alpha[vr] + PV[vr, vc]
+                for step in T.serial(T.max(j_hi - j_lo, 0)):
+                    with T.sblock("kv_step"):  # the body of the loop over key tiles
+                        vj = T.axis.spatial(T.ceildiv(n_kv, Tk), j_lo + step)
+                        T.reads(Q[0:R, 0:d_k], m[0:R], l[0:R], O[0:R, 0:d_v])
+                        T.writes(m[0:R], l[0:R], O[0:R, 0:d_v], m_new[0:R], alpha[0:R], l_new[0:R],
+                                 O_new[0:R, 0:d_v], P[0:R, 0:Tk])
+                        K = T.sblock_alloc_buffer((Tk, d_k), dt, scope=at("K"))
+                        V = T.sblock_alloc_buffer((Tk, d_v), dt, scope=at("V"))
+                        for t, e in T.grid(Tk, d_k):
+                            with T.sblock("k_load"):
+                                vt, ve = T.axis.remap("SS", [t, e])
+                                K[vt, ve] = T.if_then_else(vj * Tk + vt < n_kv, k[*k_at(vb, vkvh, vj * Tk + vt, ve)],
+                                                           zero_in)
+                        for t, cc in T.grid(Tk, d_v):
+                            with T.sblock("v_load"):
+                                vt, vc = T.axis.remap("SS", [t, cc])
+                                V[vt, vc] = T.if_then_else(vj * Tk + vt < n_kv, v[*v_at(vb, vkvh, vj * Tk + vt, vc)],
+                                                           zero_in)
+                        # key_tile holds one block, so that TVM's software pipeliner keeps it one stage
+                        # (it splices a block whose body is a sequence into the pipeline).
+                        with T.sblock("key_tile"):
+                            T.reads(Q[0:R, 0:d_k], K[0:Tk, 0:d_k], V[0:Tk, 0:d_v], m[0:R], l[0:R], O[0:R, 0:d_v])
+                            T.writes(m_new[0:R], alpha[0:R], l_new[0:R], O_new[0:R, 0:d_v], P[0:R, 0:Tk])
+                            with T.sblock("key_tile_stages"):
+                                T.reads(Q[0:R, 0:d_k], K[0:Tk, 0:d_k], V[0:Tk, 0:d_v], m[0:R], l[0:R], O[0:R, 0:d_v])
+                                T.writes(m_new[0:R], alpha[0:R], l_new[0:R], O_new[0:R, 0:d_v], P[0:R, 0:Tk])
+                                S_acc = T.sblock_alloc_buffer((R, Tk), ACC, scope=at("S_acc"))
+                                S = T.sblock_alloc_buffer((R, Tk), ACC, scope=at("S"))
+                                tile_max = T.sblock_alloc_buffer((R,), ACC, scope=at("tile_max"))
+                                tile_sum = T.sblock_alloc_buffer((R,), ACC, scope=at("tile_sum"))
+                                PV_acc = T.sblock_alloc_buffer((R, d_v), ACC, scope=at("PV_acc"))
+                                PV = T.sblock_alloc_buffer((R, d_v), ACC, scope=at("PV"))
+                                t0 = T.meta_var(vj * Tk)
+                                for r, t, e in T.grid(R, Tk, d_k):
+                                    with T.sblock("s_gemm"):
+                                        vr, vt, ve = T.axis.remap("SSR", [r, t, e])
+                                        with T.init():
+                                            S_acc[vr, vt] = zero
+                                        S_acc[vr, vt] = S_acc[vr, vt] + T.Cast(ACC, Q[vr, ve]) * T.Cast(ACC, K[vt, ve])
+                                for r, t in T.grid(R, Tk):
+                                    with T.sblock("s_store"):
+                                        vr, vt = T.axis.remap("SS", [r, t])
+                                        S[vr, vt] = S_acc[vr, vt]
+                                for r, t in T.grid(R, Tk):
+                                    with T.sblock("row_max"):
+                                        vr, vt = T.axis.remap("SR", [r, t])
+                                        with T.init():
+                                            tile_max[vr] = LOWEST
+                                        tile_max[vr] = T.max(tile_max[vr], T.Select(seen(kv_len, row0 + vr, t0 + vt),
+                                                                                    S[vr, vt] * c, NEG_INF))
+                                for r in range(R):
+                                    with T.sblock("rescale"):
+                                        vr = T.axis.remap("S", [r])
+                                        m_new[vr] = T.max(m[vr], tile_max[vr])
+                                        alpha[vr] = T.exp2(m[vr] - T.max(m[vr], tile_max[vr]))
+                                for r, t in T.grid(R, Tk):
+                                    with T.sblock("probs"):
+                                        vr, vt = T.axis.remap("SS", [r, t])
+                                        P[vr, vt] = T.Cast(dt, T.exp2(T.Select(seen(kv_len, row0 + vr, t0 + vt),
+                                                                               S[vr, vt] * c, NEG_INF) - m_new[vr]))
+                                for r, t in T.grid(R, Tk):
+                                    with T.sblock("row_sum"):
+                                        vr, vt = T.axis.remap("SR", [r, t])
+                                        with T.init():
+                                            tile_sum[vr] = zero
+                                        tile_sum[vr] = tile_sum[vr] + T.Cast(ACC, P[vr, vt])
+                                for r in range(R):
+                                    with T.sblock("l_update"):
+                                        vr = T.axis.remap("S", [r])
+                                        l_new[vr] = l[vr] * alpha[vr] + tile_sum[vr]
+                                for r, cc, t in T.grid(R, d_v, Tk):
+                                    with T.sblock("pv"):
+                                        vr, vc, vt = T.axis.remap("SSR", [r, cc, t])
+                                        with T.init():
+                                            PV_acc[vr, vc] = zero
+                                        PV_acc[vr, vc] = PV_acc[vr, vc] + T.Cast(ACC, P[vr, vt]) * T.Cast(ACC, V[vt, vc])
+                                for r, cc in T.grid(R, d_v):
+                                    with T.sblock("pv_store"):
+                                        vr, vc = T.axis.remap("SS", [r, cc])
+                                        PV[vr, vc] = PV_acc[vr, vc]
+                                for r, cc in T.grid(R, d_v):
+                                    with T.sblock("o_update"):
+                                        vr, vc = T.axis.remap("SS", [r, cc])
+                                        O_new[vr, vc] = O[vr, vc] * alpha[vr] + PV[vr, vc]
+                        for r in range(R):
+                            with T.sblock("state_update"):
+                                vr = T.axis.remap("S", [r])
+                                m[vr] = m_new[vr]
+                                l[vr] = l_new[vr]
+                        for r, cc in T.grid(R, d_v):
+                            with T.sblock("o_copy"):
+                                vr, vc = T.axis.remap("SS", [r, cc])
+                                O[vr, vc] = O_new[vr, vc]
                 if splits > 1:
                     for r, cc in T.grid(R, d_v):
                         with T.sblock("o_partial"):
@@ -253,7 +297,7 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                 with T.sblock("split_max"):
                     vb, vi, vs, vsp = T.axis.remap("SSSR", [b, i, s, sp])
                     with T.init():
-                        m_all[vb, vi, vs] = NEG_INF
+                        m_all[vb, vi, vs] = LOWEST
                     m_all[vb, vi, vs] = T.max(m_all[vb, vi, vs], m_part[vb, vi, vs, vsp])
             for b, i, s, sp in T.grid(B, h, n, splits):
                 with T.sblock("split_sum"):
@@ -261,14 +305,14 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                     with T.init():
                         l_all[vb, vi, vs] = zero
                     l_all[vb, vi, vs] = l_all[vb, vi, vs] + l_part[vb, vi, vs, vsp] * T.exp2(
-                        m_part[vb, vi, vs, vsp] - finite(m_all[vb, vi, vs]))
+                        m_part[vb, vi, vs, vsp] - m_all[vb, vi, vs])
             for b, i, s, cc, sp in T.grid(B, h, n, d_v, splits):
                 with T.sblock("split_combine"):
                     vb, vi, vs, vc, vsp = T.axis.remap("SSSSR", [b, i, s, cc, sp])
                     with T.init():
                         o_all[vb, vi, vs, vc] = zero
                     o_all[vb, vi, vs, vc] = o_all[vb, vi, vs, vc] + o_part[vb, vi, vs, vsp, vc] * T.exp2(
-                        m_part[vb, vi, vs, vsp] - finite(m_all[vb, vi, vs]))
+                        m_part[vb, vi, vs, vsp] - m_all[vb, vi, vs])
             for b, i, s, cc in T.grid(B, h, n, d_v):
                 with T.sblock("split_store"):
                     vb, vi, vs, vc = T.axis.remap("SSSS", [b, i, s, cc])
