@@ -44,7 +44,7 @@ def compile_cubin(source: str, arch: str) -> tuple[bytes, list[KernelResources]]
         proc = subprocess.run([nvcc, "-cubin", f"-arch={arch}", "-O3", "-Xptxas", "-v", "-o", str(cubin), str(src)],
                               capture_output=True, text=True)
         if proc.returncode != 0:
-            raise TvmAttnError(f"nvcc failed for {arch}: {proc.stderr.strip().splitlines()[-1]}")
+            raise TvmAttnError(f"nvcc failed for {arch}: {_first_error(proc.stderr)}")
         return cubin.read_bytes(), parse_ptxas(proc.stderr)
 
 
@@ -59,8 +59,14 @@ def compile_ptx(source: str, arch: str) -> str:
         proc = subprocess.run([nvcc, "-ptx", f"-arch={arch}", "-O3", "-o", str(ptx), str(src)],
                               capture_output=True, text=True)
         if proc.returncode != 0:
-            raise TvmAttnError(f"nvcc failed for {arch}: {proc.stderr.strip().splitlines()[-1]}")
+            raise TvmAttnError(f"nvcc failed for {arch}: {_first_error(proc.stderr)}")
         return ptx.read_text()
+
+
+def _first_error(log: str) -> str:
+    """The line that says what failed (ptxas prints its info lines around it)."""
+    lines = log.strip().splitlines() or ["(no output)"]
+    return next((line for line in lines if "error" in line.lower()), lines[-1])
 
 
 def parse_ptxas(log: str) -> list[KernelResources]:

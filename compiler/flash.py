@@ -55,7 +55,8 @@ from . import mask
 from .kernel import CompiledAttention
 from .spec import AttentionSpec, Dim
 from .target import host_target
-from .te_attention import ACC
+from .layer import layer_around
+from .te_attention import ACC, attention_te
 
 LOG2E = math.log2(math.e)
 NEG_INF = -tirx.infinity(ACC)
@@ -103,16 +104,18 @@ def operands(spec: AttentionSpec, packed: bool = False) -> dict[str, Operand]:
 
 
 def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False,
-                    scopes: Mapping[str, str] | None = None) -> tirx.PrimFunc:
+                    scopes: Mapping[str, str] | None = None,
+                    dims: Mapping[str, tirx.Var] | None = None) -> tirx.PrimFunc:
     """The online-softmax PrimFunc of the core of ``spec``: ``main(q, k, v[, kv_lens], o)``.
 
     ``packed`` takes q, k, v and writes o as (B, n, heads·width) (the full layer's projections).
     ``scopes`` places the per-instance buffers (Q, K, V, S_acc, S, P,
     tile_max, tile_sum, m, m_new, alpha, l, l_new, PV_acc, PV, O, O_new)
     in memory ("shared", "local"…; "global" when not named): where a value lives, not what it is.
+    ``dims``: the variables of symbolic sizes by name (to share them with another function).
     """
     spec.validate()
-    dims: dict[str, tirx.Var] = {}
+    dims = dict(dims or {})
     dim = lambda x: dims.setdefault(x, tirx.Var(x, "int32")) if isinstance(x, str) else x  # noqa: E731
     B, n, n_kv = dim(spec.batch), dim(spec.n_q), dim(spec.n_kv)
     ops = operands(spec, packed)
@@ -130,8 +133,8 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
     def head(kvh, row):
         return kvh * g + row % g
 
-    def seen(kv_len, row, t):
-        return tirx.all(t < n_kv, mask.visible(spec, row // g, t, kv_len, _expr(n)))
+    def seen(kv_len, row, t, past_last_tile):
+        return tirx.all(tirx.Not(past_last_tile), t < n_kv, mask.visible(spec, row // g, t, kv_len, _expr(n)))
 
     @T.prim_func(s_tir=True)
     def main(q_h: T.handle, k_h: T.handle, v_h: T.handle, lens_h: T.handle, o_h: T.handle):
@@ -177,7 +180,10 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                     with T.sblock("o_init"):
                         vr, vc = T.axis.remap("SS", [r, cc])
                         O[vr, vc] = zero
-                for step in T.serial(T.max(j_hi - j_lo, 0)):
+                # At least one step, even for a row block that sees no key (that step's tile, at or past
+                # j_hi, is all masked and changes nothing): a pipelined loop that may run zero times
+                # needs barriers under a branch, which CUDA code generation cannot place.
+                for step in T.serial(T.max(j_hi - j_lo, 1)):
                     with T.sblock("kv_step"):  # the body of the loop over key tiles
                         vj = T.axis.spatial(T.ceildiv(n_kv, Tk), j_lo + step)
                         T.reads(Q[0:R, 0:d_k], m[0:R], l[0:R], O[0:R, 0:d_v])
@@ -225,7 +231,7 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                                         vr, vt = T.axis.remap("SR", [r, t])
                                         with T.init():
                                             tile_max[vr] = LOWEST
-                                        tile_max[vr] = T.max(tile_max[vr], T.Select(seen(kv_len, row0 + vr, t0 + vt),
+                                        tile_max[vr] = T.max(tile_max[vr], T.Select(seen(kv_len, row0 + vr, t0 + vt, vj >= j_hi),
                                                                                     S[vr, vt] * c, NEG_INF))
                                 for r in range(R):
                                     with T.sblock("rescale"):
@@ -235,7 +241,7 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                                 for r, t in T.grid(R, Tk):
                                     with T.sblock("probs"):
                                         vr, vt = T.axis.remap("SS", [r, t])
-                                        P[vr, vt] = T.Cast(dt, T.exp2(T.Select(seen(kv_len, row0 + vr, t0 + vt),
+                                        P[vr, vt] = T.Cast(dt, T.exp2(T.Select(seen(kv_len, row0 + vr, t0 + vt, vj >= j_hi),
                                                                                S[vr, vt] * c, NEG_INF) - m_new[vr]))
                                 for r, t in T.grid(R, Tk):
                                     with T.sblock("row_sum"):
@@ -346,9 +352,15 @@ def _expr(x) -> PrimExpr:
 
 
 def build_serial(spec: AttentionSpec, tiles: FlashTiles) -> CompiledAttention:
-    """The template compiled unscheduled for this CPU: the CUDA kernel's numerics, runnable here."""
+    """The template compiled unscheduled for this CPU: the CUDA kernel's numerics, runnable here (a
+    full layer: inside the tensor expression's projections, as on CUDA)."""
     start = time.perf_counter()
     target = host_target()
-    executable = tvm.compile(tvm.IRModule({"main": flash_attention(spec, tiles)}), target)
+    if spec.projections:
+        expr = attention_te(spec)
+        func = layer_around(spec, expr, flash_attention(spec, tiles, packed=True, dims=expr.dims))
+    else:
+        func = flash_attention(spec, tiles)
+    executable = tvm.compile(tvm.IRModule({"main": func}), target)
     return CompiledAttention(spec, target, executable, f"flash template, serial ({tiles})",
                              time.perf_counter() - start)

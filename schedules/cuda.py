@@ -19,16 +19,20 @@ branch (one lane per row) or read S while writing P therefore use static shared 
 
 from __future__ import annotations
 
+import functools
 from typing import Mapping
 
+import tvm
 from tvm import tirx
-from tvm.s_tir import Schedule, TensorIntrin
+from tvm.s_tir import Schedule, TensorIntrin, dlight
 from tvm.s_tir.tensor_intrin import cuda as intrin
 from tvm.target import Target
 
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.flash import FlashTiles, flash_attention
+from tvmattn.compiler.layer import layer_around
 from tvmattn.compiler.spec import AttentionSpec
+from tvmattn.compiler.te_attention import AttentionTE, attention_te
 
 from .knobs import Knob, KnobValue
 
@@ -44,29 +48,48 @@ KNOBS = (
 )
 
 WARP = 32
+DECODE_ROWS = 16  # at most this many (query, head) rows: the split-K decode variant
 ROW_STATS = ("m", "l", "m_new", "l_new", "alpha", "tile_max", "tile_sum")
 _SHARED_DYN = ("Q", "K", "V", "S", "PV")
 
 
-def tensor_cores(spec: AttentionSpec) -> bool:
-    return spec.dtype in ("float16", "bfloat16")
+def defaults(spec: AttentionSpec, target: Target) -> dict[str, int]:
+    """Knobs by arch, dtype and head width. Shared memory per block: sm_80 163 KiB, sm_89 99 KiB,
+    sm_90 227 KiB; the K/V tiles are double-buffered, S and PV are fp32."""
+    sm, width = _sm(target), max(spec.d_k, spec.d_v)
+    knobs = {"q_rows": 64, "kv_tile": 64, "kv_splits": 1, "warps": 4, "stages": 1 if spec.key_padding else 2}
+    if isinstance(spec.n_q, int) and spec.n_q * spec.group <= DECODE_ROWS:
+        n_kv = spec.n_kv if isinstance(spec.n_kv, int) else 4096
+        knobs.update(q_rows=DECODE_ROWS, kv_splits=max(1, min(32, n_kv // (4 * knobs["kv_tile"]))))
+    elif spec.dtype == "float32":
+        knobs.update(kv_tile=32, warps=8 if width > 64 else 4)
+    elif width > 64 and sm in (86, 87, 89):
+        knobs.update(kv_tile=32)
+    return knobs
 
 
-def scopes(spec: AttentionSpec) -> dict[str, str]:
+def tensor_cores(spec: AttentionSpec, knobs: Mapping[str, KnobValue]) -> bool:
+    """fp16/bf16 GEMMs on wmma tensor cores, which need 16-row tiles per warp (not for decode)."""
+    return spec.dtype in ("float16", "bfloat16") and int(knobs["q_rows"]) > DECODE_ROWS
+
+
+def scopes(spec: AttentionSpec, knobs: Mapping[str, KnobValue]) -> dict[str, str]:
     """Where each template buffer lives (see the module docstring)."""
     out = {name: "shared.dyn" for name in _SHARED_DYN}
     out.update({name: "shared" for name in ROW_STATS + ("P",)})
-    acc = "wmma.accumulator" if tensor_cores(spec) else "local"
+    acc = "wmma.accumulator" if tensor_cores(spec, knobs) else "local"
     out.update(S_acc=acc, PV_acc=acc, O="local", O_new="local")
-    if not tensor_cores(spec):
+    if not tensor_cores(spec, knobs):
         out["PV"] = "local"
     return out
 
 
-def workload(spec: AttentionSpec, knobs: Mapping[str, KnobValue], packed: bool = False) -> tirx.PrimFunc:
-    """The template these knobs shape, with this schedule's buffer placement."""
+def workload(spec: AttentionSpec, knobs: Mapping[str, KnobValue]) -> tirx.PrimFunc:
+    """The core template these knobs shape, with this schedule's buffer placement; for a full layer
+    it reads and writes packed heads, with the layer's symbolic sizes."""
     tiles = FlashTiles(int(knobs["q_rows"]), int(knobs["kv_tile"]), int(knobs["kv_splits"]))
-    return flash_attention(spec, tiles, packed=packed, scopes=scopes(spec))
+    dims = _layer_te(spec).dims if spec.projections else None
+    return flash_attention(spec, tiles, packed=spec.projections, scopes=scopes(spec, knobs), dims=dims)
 
 
 def describe(spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> str:
@@ -74,12 +97,16 @@ def describe(spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]
 
 
 def apply(sch: Schedule, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> Schedule:
-    """Schedule the template of ``spec`` (made by `workload` with the same knobs), in place."""
+    """Schedule the template made by `workload` with the same knobs (in place); for a full layer,
+    return the layer built around it (`cuda_layer`)."""
+    if int(knobs["stages"]) > 1 and spec.key_padding:
+        raise TvmAttnError("stages=2 needs a key-tile count TVM's software pipeliner can analyse; key "
+                           "padding makes it depend on kv_lens: use stages=1")
     k = _Kernel(sch, spec, knobs)
     k.thread_blocks()
     k.loads()
     k.row_stages()
-    if tensor_cores(spec):
+    if tensor_cores(spec, knobs):
         k.tensor_core_gemm("s_gemm", "s_store", ("Q", "K"), transposed_b=True)
         k.tensor_core_gemm("pv", "pv_store", ("P", "V"), transposed_b=False)
     else:
@@ -90,7 +117,24 @@ def apply(sch: Schedule, spec: AttentionSpec, target: Target, knobs: Mapping[str
         k.pipeline(async_copy=_sm(target) >= 80)
     if int(knobs["kv_splits"]) > 1:
         k.combine_stages()
+    if spec.projections:
+        return Schedule(layer_around(spec, _layer_te(spec), sch.mod["main"], gemm=lambda f: _matmul(f, target)))
     return sch
+
+
+def _matmul(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc:
+    """dlight's Matmul rule, on CUDA cores: its tensor-core variant fails on the fp32→fp16 cast
+    epilogue of a projection in TVM 0.27."""
+    with target:
+        rules = dlight.ApplyDefaultSchedule(dlight.gpu.Matmul(), dlight.gpu.Fallback())
+        return rules(tvm.IRModule({"main": func.with_attr("dlight.do_not_tensorize", True)}))["main"]
+
+
+@functools.lru_cache(maxsize=16)
+def _layer_te(spec: AttentionSpec) -> AttentionTE:
+    """The layer's tensor expression, once per spec: its projections and the core template then share
+    one set of symbolic size variables."""
+    return attention_te(spec)
 
 
 class _Kernel:
@@ -98,10 +142,10 @@ class _Kernel:
 
     def __init__(self, sch: Schedule, spec: AttentionSpec, knobs: Mapping[str, KnobValue]) -> None:
         self.sch, self.spec, self.knobs = sch, spec, knobs
-        self.warps = knobs["warps"]
-        self.threads = WARP * int(self.warps)
+        self.warps = knobs["warps"]  # a plain int, or a sampled variable: it goes into splits only
+        self.threads = WARP * (self.warps if isinstance(self.warps, int) else int(sch.get(self.warps)))
         self.rows, self.kv_tile = int(knobs["q_rows"]), int(knobs["kv_tile"])
-        self.vec = 8 if tensor_cores(spec) else 4  # 16-byte loads
+        self.vec = _vector_lanes(spec)
 
     def loops(self, block: str, inner: int) -> list:
         return self.sch.get_loops(self.sch.get_sblock(block))[-inner:]
@@ -173,7 +217,7 @@ class _Kernel:
         tile = sch.blockize(i1)
         warp, i0 = sch.split(i0, [self.warps, None])
         sch.bind(warp, "threadIdx.y")
-        place = scopes(self.spec)
+        place = scopes(self.spec, self.knobs)
         group = wmma_intrinsics(self.spec.dtype, place[operands[0]], place[operands[1]], place[_written(sch, store)],
                                 transposed_b=transposed_b)
         a, b = (_read_index(sch, tile, name) for name in operands)
@@ -250,6 +294,14 @@ def _read_index(sch: Schedule, block, buffer: str) -> int:
 
 def _flat(scope: str) -> str:
     return scope.replace(".", "_")
+
+
+def _vector_lanes(spec: AttentionSpec) -> int:
+    """Elements per load: 16 bytes, or fewer where the head widths are not a multiple of that."""
+    lanes = 128 // tvm.DataType(spec.dtype).bits
+    while spec.d_k % lanes or spec.d_v % lanes:
+        lanes //= 2
+    return lanes
 
 
 def _thread_tile(rows: int, width: int, threads: int) -> tuple[int, int]:
