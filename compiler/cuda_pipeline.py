@@ -62,11 +62,20 @@ def _pipeline_factory():
     return tvm.transform.Sequential([lower, constant_async_waits()]), finalize_host, finalize_device
 
 
+_CONFIG = {"tirx.use_async_copy": True, "tirx.disable_storage_rewrite": True}
+
+
 def compile_cuda(mod: tvm.IRModule, target: Target) -> tvm.runtime.Executable:
     """`tvm.compile` with the pipeline above."""
-    config = {"tirx.use_async_copy": True, "tirx.disable_storage_rewrite": True}
-    with tvm.transform.PassContext(config=config):
+    with tvm.transform.PassContext(config=_CONFIG):
         return tvm.compile(mod, target, tir_pipeline=PIPELINE)
+
+
+def lower_cuda(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
+    """The lowered TIR that `compile_cuda` generates code from: host and device functions."""
+    lower, _, _ = tvm.tirx.get_tir_pipeline(PIPELINE)
+    with tvm.transform.PassContext(config=_CONFIG):
+        return lower(tvm.tirx.transform.BindTarget(target)(mod))
 
 
 tvm.tirx.compilation_pipeline.register_tir_pipeline(PIPELINE, _pipeline_factory)

@@ -56,15 +56,16 @@ _SHARED_DYN = ("Q", "K", "V", "S", "PV")
 def defaults(spec: AttentionSpec, target: Target) -> dict[str, int]:
     """Knobs by arch, dtype and head width. Shared memory per block: sm_80 163 KiB, sm_89 99 KiB,
     sm_90 227 KiB; the K/V tiles are double-buffered, S and PV are fp32."""
-    sm, width = _sm(target), max(spec.d_k, spec.d_v)
-    knobs = {"q_rows": 64, "kv_tile": 64, "kv_splits": 1, "warps": 4, "stages": 1 if spec.key_padding else 2}
+    sm, width, half = _sm(target), max(spec.d_k, spec.d_v), spec.dtype != "float32"
+    knobs = {"q_rows": 64, "kv_tile": 64 if half else 32, "kv_splits": 1, "warps": 4,
+             "stages": 1 if spec.key_padding else 2}
     if isinstance(spec.n_q, int) and spec.n_q * spec.group <= DECODE_ROWS:
         n_kv = spec.n_kv if isinstance(spec.n_kv, int) else 4096
         knobs.update(q_rows=DECODE_ROWS, kv_splits=max(1, min(32, n_kv // (4 * knobs["kv_tile"]))))
-    elif spec.dtype == "float32":
-        knobs.update(kv_tile=32, warps=8 if width > 64 else 4)
-    elif width > 64 and sm in (86, 87, 89):
-        knobs.update(kv_tile=32)
+    elif width > 64:
+        knobs.update(warps=4 if half else 8)
+        if sm in (86, 87, 89):  # 99 KiB of shared memory: smaller K/V tiles
+            knobs.update(kv_tile=32 if half else 16)
     return knobs
 
 
