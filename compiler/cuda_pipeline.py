@@ -74,8 +74,9 @@ def compile_cuda(mod: tvm.IRModule, target: Target) -> tvm.runtime.Executable:
 def lower_cuda(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
     """The lowered TIR that `compile_cuda` generates code from: host and device functions."""
     lower, _, _ = tvm.tirx.get_tir_pipeline(PIPELINE)
+    bound = target if target.host is not None else target.with_host({"kind": "llvm"})
     with tvm.transform.PassContext(config=_CONFIG):
-        return lower(tvm.tirx.transform.BindTarget(target)(mod))
+        return lower(tvm.tirx.transform.BindTarget(bound)(mod))
 
 
 tvm.tirx.compilation_pipeline.register_tir_pipeline(PIPELINE, _pipeline_factory)

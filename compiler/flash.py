@@ -53,7 +53,7 @@ from tvm.script import tirx as T
 
 from . import mask
 from .kernel import CompiledAttention
-from .spec import AttentionSpec, Dim
+from .spec import MASK_AXES, AttentionSpec, Dim
 from .target import host_target
 from .layer import layer_around
 from .te_attention import ACC, attention_te
@@ -121,6 +121,7 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
     ops = operands(spec, packed)
     q_shape, k_shape, v_shape, o_shape = (ops[x].shape(B, n_kv if x in "kv" else n) for x in "qkvo")
     q_at, k_at, v_at, o_at = (ops[x].index for x in "qkvo")
+    mask_shape = tuple(dim(x) for x in spec.attn_mask_shape())
     dt, g, h, h_kv, d_k, d_v = spec.dtype, spec.group, spec.h, spec.h_kv, spec.d_k, spec.d_v
     R, Tk, splits = tiles.q_rows, tiles.kv_tile, tiles.kv_splits
     rows = n * g
@@ -133,15 +134,33 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
     def head(kvh, row):
         return kvh * g + row % g
 
-    def seen(kv_len, row, t, past_last_tile):
-        return tirx.all(tirx.Not(past_last_tile), t < n_kv, mask.visible(spec, row // g, t, kv_len, _expr(n)))
+    def logit(score, b, kvh, row, t, kv_len, past_last_tile, attn_mask):
+        """x = log2(e)·(cap(scale·score) + bias) of query row and key t, or −∞ where it is hidden (by
+        the mask rules, an attn_mask, past the keys or past this instance's last tile): as the TE's logits."""
+        seen = [tirx.Not(past_last_tile), t < n_kv, mask.visible(spec, row // g, t, kv_len, _expr(n))]
+        mask_at = tirx.BufferLoad(attn_mask, _mask_index(spec, b, head(kvh, row), row // g, t)) \
+            if spec.attn_mask else None
+        if spec.softcap is None and spec.attn_mask != "additive":
+            x = score * c  # scale·log2(e) as one constant
+        else:
+            x = score * tirx.const(spec.softmax_scale, ACC)
+            if spec.softcap is not None:
+                x = tirx.const(spec.softcap, ACC) * tirx.tanh(x * tirx.const(1 / spec.softcap, ACC))
+            if spec.attn_mask == "additive":
+                x = x + mask_at
+                seen.append(mask_at > NEG_INF)
+            x = x * tirx.const(LOG2E, ACC)
+        if spec.attn_mask == "bool":
+            seen.append(mask_at)
+        return tirx.Select(tirx.all(*seen), x, NEG_INF)
 
     @T.prim_func(s_tir=True)
-    def main(q_h: T.handle, k_h: T.handle, v_h: T.handle, lens_h: T.handle, o_h: T.handle):
+    def main(q_h: T.handle, k_h: T.handle, v_h: T.handle, lens_h: T.handle, mask_h: T.handle, o_h: T.handle):
         q = T.match_buffer(q_h, q_shape, dt)
         k = T.match_buffer(k_h, k_shape, dt)
         v = T.match_buffer(v_h, v_shape, dt)
         kv_lens = T.match_buffer(lens_h, (B,), "int32")
+        attn_mask = T.match_buffer(mask_h, mask_shape, spec.input_dtype("attn_mask"))
         o = T.match_buffer(o_h, o_shape, dt)
         if splits > 1:
             o_part = T.alloc_buffer((B, h, n, splits, d_v), ACC)
@@ -231,8 +250,8 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                                         vr, vt = T.axis.remap("SR", [r, t])
                                         with T.init():
                                             tile_max[vr] = LOWEST
-                                        tile_max[vr] = T.max(tile_max[vr], T.Select(seen(kv_len, row0 + vr, t0 + vt, vj >= j_hi),
-                                                                                    S[vr, vt] * c, NEG_INF))
+                                        tile_max[vr] = T.max(tile_max[vr], logit(
+                                            S[vr, vt], vb, vkvh, row0 + vr, t0 + vt, kv_len, vj >= j_hi, attn_mask))
                                 for r in range(R):
                                     with T.sblock("rescale"):
                                         vr = T.axis.remap("S", [r])
@@ -241,8 +260,8 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                                 for r, t in T.grid(R, Tk):
                                     with T.sblock("probs"):
                                         vr, vt = T.axis.remap("SS", [r, t])
-                                        P[vr, vt] = T.Cast(dt, T.exp2(T.Select(seen(kv_len, row0 + vr, t0 + vt, vj >= j_hi),
-                                                                               S[vr, vt] * c, NEG_INF) - m_new[vr]))
+                                        P[vr, vt] = T.Cast(dt, T.exp2(logit(
+                                            S[vr, vt], vb, vkvh, row0 + vr, t0 + vt, kv_len, vj >= j_hi, attn_mask) - m_new[vr]))
                                 for r, t in T.grid(R, Tk):
                                     with T.sblock("row_sum"):
                                         vr, vt = T.axis.remap("SR", [r, t])
@@ -325,10 +344,16 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                     o[*o_at(vb, vi, vs, vc)] = T.Cast(dt, T.Select(l_all[vb, vi, vs] > zero,
                                                                    o_all[vb, vi, vs, vc] / l_all[vb, vi, vs], zero))
 
-    if not padded:  # the calling convention has kv_lens only when the spec pads keys
-        main = tirx.PrimFunc([p for p in main.params if p.name != "kv_lens"], main.body, main.ret_type,
-                             main.attrs)
+    # The calling convention has kv_lens and attn_mask only when the spec has them.
+    absent = {"kv_lens": not padded, "attn_mask": spec.attn_mask is None}
+    main = tirx.PrimFunc([p for p in main.params if not absent.get(p.name)], main.body, main.ret_type, main.attrs)
     return main.with_attr("global_symbol", "main")
+
+
+def _mask_index(spec: AttentionSpec, b, head, s, t) -> list:
+    """Where attn_mask holds the entry of (b, head, s, t): index 0 on the axes it broadcasts along."""
+    zero = tirx.const(0, "int32")
+    return [ix if axis in spec.attn_mask_dims else zero for axis, ix in zip(MASK_AXES, (b, head, s, t))]
 
 
 def _key_tiles(spec: AttentionSpec, tiles: FlashTiles, row0, split, kv_len, n, n_kv) -> tuple[PrimExpr, PrimExpr]:

@@ -94,7 +94,11 @@ def workload(spec: AttentionSpec, knobs: Mapping[str, KnobValue]) -> tirx.PrimFu
 
 
 def describe(spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> str:
-    return "dlight fallback rules"
+    """Which kernel ``apply`` builds for ``spec``, with its knobs."""
+    gemms = "wmma tensor cores" if tensor_cores(spec, knobs) else "CUDA cores"
+    kind = "split-K decode" if int(knobs["kv_splits"]) > 1 else "online softmax"
+    layer = " + dlight projections" if spec.projections else ""
+    return f"flash {kind} on {gemms}{layer}: " + " ".join(f"{k.name}={knobs[k.name]}" for k in KNOBS)
 
 
 def apply(sch: Schedule, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> Schedule:
