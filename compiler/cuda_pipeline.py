@@ -72,10 +72,11 @@ def compile_cuda(mod: tvm.IRModule, target: Target) -> tvm.runtime.Executable:
 
 
 def lower_cuda(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
-    """The lowered TIR that `compile_cuda` generates code from: host and device functions."""
+    """The lowered TIR that `compile_cuda` generates code from: host and device functions (without
+    common-subexpression elimination, so that sizes read as expressions of the symbolic lengths)."""
     lower, _, _ = tvm.tirx.get_tir_pipeline(PIPELINE)
     bound = target if target.host is not None else target.with_host({"kind": "llvm"})
-    with tvm.transform.PassContext(config=_CONFIG):
+    with tvm.transform.PassContext(config={**_CONFIG, "tirx.disable_cse_tir": True}):
         return lower(tvm.tirx.transform.BindTarget(bound)(mod))
 
 

@@ -71,6 +71,7 @@ class FlashTiles:
     q_rows: int = 64  # rows (query, query head) per program instance
     kv_tile: int = 64  # keys per online-softmax step
     kv_splits: int = 1  # instances sharing one row block's keys (split-K); 1 = one pass
+    min_steps: int = 1  # key-tile steps every instance takes, past its last visible tile if need be
 
 
 @dataclass(frozen=True)
@@ -199,10 +200,11 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                     with T.sblock("o_init"):
                         vr, vc = T.axis.remap("SS", [r, cc])
                         O[vr, vc] = zero
-                # At least one step, even for a row block that sees no key (that step's tile, at or past
-                # j_hi, is all masked and changes nothing): a pipelined loop that may run zero times
-                # needs barriers under a branch, which CUDA code generation cannot place.
-                for step in T.serial(T.max(j_hi - j_lo, 1)):
+                # At least min_steps steps, even for a row block that sees fewer tiles (a step at or past
+                # j_hi is all masked and changes nothing): TVM's software pipeliner guards the steps of a
+                # loop it cannot prove to run its stage count with branches, and a branch around the
+                # barriers of a pipelined step is something CUDA code generation cannot place.
+                for step in T.serial(T.max(j_hi - j_lo, tiles.min_steps)):
                     with T.sblock("kv_step"):  # the body of the loop over key tiles
                         vj = T.axis.spatial(T.ceildiv(n_kv, Tk), j_lo + step)
                         T.reads(Q[0:R, 0:d_k], m[0:R], l[0:R], O[0:R, 0:d_v])

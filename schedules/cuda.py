@@ -20,12 +20,14 @@ branch (one lane per row) or read S while writing P therefore use static shared 
 from __future__ import annotations
 
 import functools
+import importlib.util
+import sys
+from types import ModuleType
 from typing import Mapping
 
 import tvm
 from tvm import tirx
 from tvm.s_tir import Schedule, TensorIntrin, dlight
-from tvm.s_tir.tensor_intrin import cuda as intrin
 from tvm.target import Target
 
 from tvmattn.compiler.errors import TvmAttnError
@@ -61,7 +63,8 @@ def defaults(spec: AttentionSpec, target: Target) -> dict[str, int]:
              "stages": 1 if spec.key_padding else 2}
     if isinstance(spec.n_q, int) and spec.n_q * spec.group <= DECODE_ROWS:
         n_kv = spec.n_kv if isinstance(spec.n_kv, int) else 4096
-        knobs.update(q_rows=DECODE_ROWS, kv_splits=max(1, min(32, n_kv // (4 * knobs["kv_tile"]))))
+        splits = max(1, min(32, n_kv // (4 * knobs["kv_tile"])))  # ≥ 4 key tiles per split
+        knobs.update(q_rows=DECODE_ROWS, kv_splits=1 << (splits.bit_length() - 1))  # a knob choice
     elif width > 64:
         knobs.update(warps=4 if half else 8)
         if sm in (86, 87, 89):  # 99 KiB of shared memory: smaller K/V tiles
@@ -88,7 +91,7 @@ def scopes(spec: AttentionSpec, knobs: Mapping[str, KnobValue]) -> dict[str, str
 def workload(spec: AttentionSpec, knobs: Mapping[str, KnobValue]) -> tirx.PrimFunc:
     """The core template these knobs shape, with this schedule's buffer placement; for a full layer
     it reads and writes packed heads, with the layer's symbolic sizes."""
-    tiles = FlashTiles(int(knobs["q_rows"]), int(knobs["kv_tile"]), int(knobs["kv_splits"]))
+    tiles = FlashTiles(int(knobs["q_rows"]), int(knobs["kv_tile"]), int(knobs["kv_splits"]), int(knobs["stages"]))
     dims = _layer_te(spec).dims if spec.projections else None
     return flash_attention(spec, tiles, packed=spec.projections, scopes=scopes(spec, knobs), dims=dims)
 
@@ -108,6 +111,9 @@ def apply(sch: Schedule, spec: AttentionSpec, target: Target, knobs: Mapping[str
         raise TvmAttnError("stages=2 needs a key-tile count TVM's software pipeliner can analyse; key "
                            "padding makes it depend on kv_lens: use stages=1")
     k = _Kernel(sch, spec, knobs)
+    if tensor_cores(spec, knobs) and k.rows % (16 * k.threads // WARP):
+        raise TvmAttnError(f"tensor cores give each warp 16-row tiles: q_rows={k.rows} cannot be shared by "
+                           f"{k.threads // WARP} warps; use q_rows a multiple of {16 * k.threads // WARP} or fewer warps")
     k.thread_blocks()
     k.loads()
     k.row_stages()
@@ -271,6 +277,7 @@ class _Kernel:
 def wmma_intrinsics(dtype: str, a_scope: str, b_scope: str, c_scope: str, transposed_b: bool) -> dict[str, str]:
     """Names of the 16×16×16 wmma intrinsics for A (a_scope) · B or Bᵀ (b_scope) → C (c_scope), fp32
     accumulation. TVM registers the fp16 ones; the bf16 ones (sm_80+) are made here from its generators."""
+    intrin = _cuda_intrinsics()
     short = {"float16": "f16", "bfloat16": "bf16"}[dtype]
     trans = "_trans" if transposed_b else ""
     names = {
@@ -287,6 +294,22 @@ def wmma_intrinsics(dtype: str, a_scope: str, b_scope: str, c_scope: str, transp
         if make is not None and TensorIntrin.get(name, allow_missing=True) is None:
             TensorIntrin.register(name, *make())
     return {role: name for role, (name, _) in names.items()}
+
+
+@functools.cache
+def _cuda_intrinsics() -> ModuleType:
+    """TVM's CUDA tensor intrinsics (``tvm.s_tir.tensor_intrin.cuda``), loaded on first use and
+    without its package: the package imports every target's intrinsics, about a minute here, and
+    ``import tvmattn`` must not pay even the CUDA module's few seconds."""
+    name = "tvm.s_tir.tensor_intrin.cuda"
+    if name not in sys.modules:  # registered under its own name: a later package import reuses it
+        import tvm.s_tir
+        path = importlib.util.find_spec("tvm.s_tir").submodule_search_locations[0] + "/tensor_intrin/cuda.py"
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        module_spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def _written(sch: Schedule, block: str) -> str:
