@@ -13,6 +13,7 @@ from tvmattn import schedules
 from tvmattn.compiler.tuning.lookup import tuned_schedule
 
 from . import passes
+from .cuda_pipeline import compile_cuda, lower_cuda
 from .errors import TvmAttnError
 from .kernel import CompiledAttention
 from .spec import AttentionSpec
@@ -64,15 +65,22 @@ def lowering_passes(spec: AttentionSpec, target: Target) -> tvm.transform.Pass:
 
 def lower(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
     """The TIR that code generation would see (flat loops and allocations): for inspection."""
+    if target.kind.name == "cuda":
+        return lower_cuda(mod, target)
     bound = target if target.host is not None else target.with_host(target)
     mod = tvm.tirx.transform.BindTarget(bound)(mod)
     return tvm.tirx.get_default_tir_pipeline(target)[0](mod)
 
 
+def tvm_compile(mod: tvm.IRModule, target: Target) -> tvm.runtime.Executable:
+    """`tvm.compile`, with tvmattn's TIR pipeline for CUDA (`cuda_pipeline`): for kernels and models."""
+    return compile_cuda(mod, target) if target.kind.name == "cuda" else tvm.compile(mod, target)
+
+
 def build_module(mod: tvm.IRModule, spec: AttentionSpec, target: Target) -> tvm.runtime.Executable:
     """TVM's lowering and code generation of a scheduled module."""
     try:
-        return tvm.compile(mod, target)
+        return tvm_compile(mod, target)
     except Exception as err:  # a TVM failure here is our bug, but the user gets a sentence first
         raise TvmAttnError(f"TVM could not build this kernel for {target.kind.name} "
                            f"({spec.describe()}): {str(err).strip().splitlines()[-1]}") from err

@@ -1,4 +1,5 @@
-"""nvcc and ptxas for CUDA kernels built on a machine without a GPU: PTX, cubin, resource usage."""
+"""CUDA kernels checked on a machine without a GPU: nvcc and ptxas (PTX, cubin, registers, spills),
+and the lowered TIR (dynamic shared memory, global allocations, TVM's GPU code verifier)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import tvm
+import tvm_ffi
+from tvm import tirx
+from tvm.ir.expr import Expr as PrimExpr
+from tvm.s_tir.analysis import calculate_allocated_bytes, verify_gpu_code
+from tvm.target import Target
+
+from .cuda_pipeline import compile_cuda, lower_cuda
 from .errors import TvmAttnError
 
 _PTXAS_FUNC = re.compile(r"Compiling entry function '(\w+)'")
@@ -17,15 +26,25 @@ _PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
 _PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
+# Shared memory one thread block may use (static + dynamic, with the opt-in attribute TVM sets).
+SHARED_MEMORY_PER_BLOCK = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024}
+
+
 @dataclass
 class KernelResources:
     name: str
     registers: int
-    shared_bytes: int
+    shared_bytes: int  # static, as ptxas reports it
     spill_bytes: int
+    dynamic_shared_bytes: int = 0  # allocated at launch (shared.dyn); ptxas does not see it
+
+    @property
+    def total_shared_bytes(self) -> int:
+        return self.shared_bytes + self.dynamic_shared_bytes
 
     def line(self) -> str:
-        return (f"{self.name}: {self.registers} registers, {self.shared_bytes} B shared memory, "
+        dynamic = f" + {self.dynamic_shared_bytes} B dynamic" if self.dynamic_shared_bytes else ""
+        return (f"{self.name}: {self.registers} registers, {self.shared_bytes} B shared memory{dynamic}, "
                 f"{self.spill_bytes} B spilled")
 
 
@@ -44,7 +63,7 @@ def compile_cubin(source: str, arch: str) -> tuple[bytes, list[KernelResources]]
         proc = subprocess.run([nvcc, "-cubin", f"-arch={arch}", "-O3", "-Xptxas", "-v", "-o", str(cubin), str(src)],
                               capture_output=True, text=True)
         if proc.returncode != 0:
-            raise TvmAttnError(f"nvcc failed for {arch}: {proc.stderr.strip().splitlines()[-1]}")
+            raise TvmAttnError(f"nvcc failed for {arch}: {_first_error(proc.stderr)}")
         return cubin.read_bytes(), parse_ptxas(proc.stderr)
 
 
@@ -59,8 +78,68 @@ def compile_ptx(source: str, arch: str) -> str:
         proc = subprocess.run([nvcc, "-ptx", f"-arch={arch}", "-O3", "-o", str(ptx), str(src)],
                               capture_output=True, text=True)
         if proc.returncode != 0:
-            raise TvmAttnError(f"nvcc failed for {arch}: {proc.stderr.strip().splitlines()[-1]}")
+            raise TvmAttnError(f"nvcc failed for {arch}: {_first_error(proc.stderr)}")
         return ptx.read_text()
+
+
+def kernel_resources(mod: tvm.IRModule, target: Target) -> list[KernelResources]:
+    """Every kernel of a scheduled module: ptxas's registers, static shared memory and spills for the
+    target's arch, with the dynamic shared memory TVM launches it with."""
+    arch = str(target.attrs.get("arch", "sm_90"))
+    source = next(m.inspect_source() for m in compile_cuda(mod, target).mod.imports if m.kind == "cuda")
+    resources = compile_cubin(source, arch)[1]
+    dynamic = {name: scopes.get("shared.dyn", 0) for name, scopes in calculate_allocated_bytes(
+        device_functions(lower_cuda(mod, target))).items()}
+    for r in resources:
+        r.dynamic_shared_bytes = int(dynamic.get(r.name, 0))
+    return resources
+
+
+def device_functions(lowered: tvm.IRModule) -> tvm.IRModule:
+    """The kernels of a lowered module (the functions that run on the GPU)."""
+    return tvm.IRModule({gv: f for gv, f in lowered.functions.items()
+                         if str(f.attrs.get("target", "")).startswith("cuda") or
+                         f.attrs.get("calling_conv") == 2})
+
+
+def verify_kernels(lowered: tvm.IRModule, arch: str) -> list[str]:
+    """Kernels that fail TVM's GPU code verifier (threads, shared memory, vector width) for ``arch``."""
+    limits = {"max_shared_memory_per_block": SHARED_MEMORY_PER_BLOCK.get(arch, 48 * 1024),
+              "max_threads_per_block": 1024, "max_thread_x": 1024, "max_thread_y": 1024, "max_thread_z": 64,
+              "max_vector_bytes": 16}
+    return [gv.name_hint for gv, f in device_functions(lowered).functions.items()
+            if not verify_gpu_code(_with_sizes(f, 4096), limits)]
+
+
+def _with_sizes(kernel: tirx.PrimFunc, size: int) -> tirx.PrimFunc:
+    """``kernel`` with its integer parameters (symbolic sizes) fixed: the verifier wants constant
+    launch extents, and no limit it checks depends on them."""
+    return kernel.specialize({p: tirx.const(size, p.ty.dtype) for p in kernel.params
+                               if isinstance(p.ty, tvm.ir.PrimType) and "int" in str(p.ty.dtype)})
+
+
+def global_allocations(lowered: tvm.IRModule) -> list[tuple[str, PrimExpr]]:
+    """(name, elements) of every buffer a lowered module allocates in global memory."""
+    found: list[tuple[str, PrimExpr]] = []
+
+    def on_alloc(node: tirx.AllocBuffer, visitor) -> None:
+        buf = node.buffer.ty
+        if buf.storage_scope in ("", "global"):
+            elements = tirx.const(1, "int64")
+            for extent in buf.shape:
+                elements = elements * extent
+            found.append((node.buffer.name, tvm.sym.Analyzer().simplify(elements)))
+        visitor.default_visit(node)
+
+    for func in lowered.functions.values():
+        tvm_ffi.structural_visit(func.body, [(tirx.AllocBuffer, on_alloc)])
+    return found
+
+
+def _first_error(log: str) -> str:
+    """The line that says what failed (ptxas prints its info lines around it)."""
+    lines = log.strip().splitlines() or ["(no output)"]
+    return next((line for line in lines if "error" in line.lower()), lines[-1])
 
 
 def parse_ptxas(log: str) -> list[KernelResources]:

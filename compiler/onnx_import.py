@@ -25,6 +25,7 @@ from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.target import Target
 
 from . import onnx_graph, relax_patterns
+from .build import tvm_compile
 from .errors import TvmAttnError
 from .kernel import numpy_dtype
 from .onnx_converters import Node, find
@@ -130,7 +131,7 @@ def import_onnx(model: Any, target: Any = "cpu", *, arch: str | None = None) -> 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            executable = tvm.compile(mod, tgt)
+            executable = tvm_compile(mod, tgt)
         except Exception as err:
             raise TvmAttnError(f"TVM could not compile the imported model for {tgt.kind.name}: "
                                f"{str(err).strip().splitlines()[-1]}") from err

@@ -2,7 +2,10 @@
 
 Each module declares its knob space once (``KNOBS``) and has
 ``apply(sch, spec, target, knobs) -> Schedule``, which the default build and MetaSchedule's
-design space both call.
+design space both call. Optionally also:
+  ``defaults(spec, target) -> dict``   knob defaults that depend on the spec and the target (arch);
+  ``workload(spec, knobs) -> PrimFunc`` the function to schedule, when it is not the tensor
+                                        expression's (CUDA schedules an online-softmax template).
 """
 
 from __future__ import annotations
@@ -38,5 +41,16 @@ def default_schedule(func: PrimFunc, spec: AttentionSpec, target: Target,
                      knobs: Mapping[str, KnobValue] | None = None) -> tuple[Schedule, str]:
     """The target's schedule of ``func`` with default knobs (overridden by ``knobs``), and what it is."""
     rules = for_target(target, spec)
-    values = resolve(rules.KNOBS, knobs)
+    values = resolve(rules.KNOBS, {**default_knobs(spec, target), **(knobs or {})})
+    if hasattr(rules, "workload"):
+        func = rules.workload(spec, values)
     return rules.apply(Schedule(func), spec, target, values), rules.describe(spec, target, values)
+
+
+def default_knobs(spec: AttentionSpec, target: Target) -> dict[str, KnobValue]:
+    """The knob values the default build uses for ``spec`` on ``target``."""
+    rules = for_target(target, spec)
+    values = {k.name: k.default for k in rules.KNOBS}
+    if hasattr(rules, "defaults"):
+        values.update(rules.defaults(spec, target))
+    return values

@@ -3,6 +3,10 @@
 A schedule function takes ``knobs``: a mapping from knob name to a value, which is either a plain int
 (the default schedule, a user override) or a MetaSchedule random variable made by `sample` (tuning).
 Knobs are split factors only, so both kinds of value go straight into ``sch.split``.
+
+A knob with ``shapes_workload`` changes the PrimFunc that is scheduled, not only its schedule (the
+tile shapes of the CUDA online-softmax template): it is always a plain int, `sample` leaves it out,
+and a tuner enumerates its choices as separate workloads.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ class Knob:
     choices: tuple[int, ...]
     default: int
     doc: str
+    shapes_workload: bool = False
 
 
 def resolve(space: tuple[Knob, ...], given: Mapping[str, KnobValue] | None) -> dict[str, KnobValue]:
@@ -40,6 +45,7 @@ def resolve(space: tuple[Knob, ...], given: Mapping[str, KnobValue] | None) -> d
 
 
 def sample(sch: Schedule, space: tuple[Knob, ...]) -> dict[str, KnobValue]:
-    """One random variable per knob, uniform over its choices (MetaSchedule's design space)."""
+    """One random variable per knob, uniform over its choices (MetaSchedule's design space); knobs that
+    shape the workload are not sampled."""
     return {k.name: sch.sample_categorical(list(k.choices), [1.0 / len(k.choices)] * len(k.choices))
-            for k in space}
+            for k in space if not k.shapes_workload}

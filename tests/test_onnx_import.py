@@ -296,7 +296,7 @@ def test_run_with_missing_wrong_or_unknown_inputs():
 def test_cuda_build_uses_the_kernel():
     imported = tvmattn.import_onnx(BUILDERS["gpt2"](), "cuda")
     assert imported.target.kind.name == "cuda"
-    assert kernels_used(imported) == 1 and "dlight" in imported.report.replacements[0].schedule
+    assert kernels_used(imported) == 1 and "flash" in imported.report.replacements[0].schedule
 
 
 @pytest.mark.gpu

@@ -137,11 +137,11 @@ def rpc_runner(spec: AttentionSpec, remote: RemoteDevices) -> RPCRunner:
 # ---- functions that run in MetaSchedule's worker processes (pickled by reference) -----------------
 def build_candidate(mod: tvm.IRModule, target: Target, _params) -> tvm.runtime.Executable:
     """`tvmattn.compile`'s steps after scheduling, for the spec the workload carries."""
-    from tvmattn.compiler.build import lowering_passes
+    from tvmattn.compiler.build import lowering_passes, tvm_compile
 
     from .space import spec_of
 
-    return tvm.compile(lowering_passes(spec_of(mod), target)(mod), target)
+    return tvm_compile(lowering_passes(spec_of(mod), target)(mod), target)
 
 
 def export_shared_library(executable: tvm.runtime.Executable) -> str:

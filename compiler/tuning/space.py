@@ -96,8 +96,13 @@ def spec_of(mod: tvm.IRModule) -> AttentionSpec:
 
 
 def candidate(func: PrimFunc, spec: AttentionSpec, target: Target, values: Mapping[str, int]) -> Schedule:
-    """The schedule `tvmattn.compile` builds for these knob values."""
-    return schedules.default_schedule(func, spec, target, values)[0]
+    """The schedule `tvmattn.compile` builds for these knob values (carrying ``func``'s spec attribute
+    also where the schedule replaced the function: the CUDA template, a full layer)."""
+    sch = schedules.default_schedule(func, spec, target, values)[0]
+    main = sch.mod["main"]
+    if SPEC_ATTR in func.attrs and SPEC_ATTR not in main.attrs:
+        sch = Schedule(main.with_attr(SPEC_ATTR, func.attrs[SPEC_ATTR]))
+    return sch
 
 
 def design_space(spec: AttentionSpec, target: Target) -> ScheduleFn:
@@ -107,5 +112,11 @@ def design_space(spec: AttentionSpec, target: Target) -> ScheduleFn:
 
 
 def _sampled(spec: AttentionSpec, target: Target, sch: Schedule) -> Schedule:
+    """A sampled schedule; a schedule whose workload is its own template (CUDA) gets that template at
+    its default shape (the knobs that shape it are enumerated by the search, not sampled)."""
     rules = schedules.for_target(target)
+    if hasattr(rules, "workload"):
+        shaped = schedules.default_knobs(spec, target)
+        sch = Schedule(rules.workload(spec, shaped))
+        return rules.apply(sch, spec, target, {**shaped, **sample(sch, rules.KNOBS)})
     return rules.apply(sch, spec, target, sample(sch, rules.KNOBS))

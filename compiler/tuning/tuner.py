@@ -9,6 +9,7 @@ command again measures only what is missing (``trials`` is the total per point, 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import socket
@@ -120,7 +121,11 @@ def tune(spec: AttentionSpec, target: Any = "cpu", *, trials: int = 64, at: Sequ
     if not rules.KNOBS:
         raise TvmAttnError(f"the {schedule_name(tgt)} schedule declares no knobs: there is nothing to tune "
                            f"for {target_key(tgt)} yet")
-    space = KnobSpace(tuple(rules.KNOBS))
+    if tgt.kind.name == "cuda" and remote is None and not tvm.cuda(0).exist:
+        raise TvmAttnError("tuning for CUDA measures on a GPU, and this machine has none: run `tvmattn tune` "
+                           "where one is, or measure there over RPC (--rpc HOST:PORT --device-key KEY)")
+    defaults = schedules.default_knobs(spec, tgt)  # per arch and spec where the schedule says so
+    space = KnobSpace(tuple(dataclasses.replace(k, default=defaults[k.name]) for k in rules.KNOBS))
     points = representative_points(spec, at)
     out_dir = Path(log_dir).expanduser() if log_dir else user_dir()
     path = log_file(out_dir, target_key(tgt), spec)

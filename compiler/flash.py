@@ -1,0 +1,393 @@
+"""Attention as FlashAttention computes it: one pass over key tiles with an online softmax, as TIR.
+
+Why this is a TIR template and not a schedule of the tensor expression: the TE states the softmax
+as whole-row reductions (row_max, then probs/row_sum, then pv), so any schedule of it either keeps a
+q_tile × n_kv score row per program instance (on a GPU, more than shared memory holds) or
+recomputes QKᵀ once per pass. FlashAttention's running max/sum is state carried from one key tile
+to the next, which a TE reduction cannot express. The alternatives weighed:
+  * a split-key TE with a combine stage: partial (max, sum, P·V) per key tile is (n, n_kv/T, d_v)
+    of memory, more than the score matrix when d_v > T: right for split-K decode only;
+  * a tuple `comm_reducer` (max, sum, acc) over keys (log-sum-exp is a monoid): exact, but the
+    reduction is per output element, so every exp is computed d_v times and P is never a matrix a
+    tensor core can take;
+  * this template (what TVM's own prefill kernels in ``relax/frontend/nn/llm`` do): the online
+    softmax written once as sblocks over tiles, target-neutral, then scheduled per target.
+The TE stays the statement of *what* attention is (the CPU build schedules it); this template is one
+*algorithm* for it. Its numerics are checked on the CPU: `build_serial` compiles it unscheduled for
+LLVM and the tests compare that with the float64 oracle over the spec sweep.
+
+One program instance computes rows [row0, row0 + q_rows) of one (batch, KV head) pair; row r is
+the pair (query s = r // g, query head kvh·g + r % g), so the g query heads of a GQA group share
+each K/V tile. For every key tile j (keys j·kv_tile …) that the mask lets one of its queries see:
+
+    k_load, v_load      K_j (kv_tile, d_k), V_j (kv_tile, d_v)
+    s_gemm, s_store     S = Q·K_jᵀ                          (q_rows, kv_tile), fp32
+    row_max             tile_max = max_t x                   x = scale·log2(e)·S, −∞ where masked
+    rescale             m_new = max(m, tile_max), alpha = exp2(m − m_new)
+    probs               P = exp2(x − m_new), input dtype     (what a tensor core multiplies)
+    row_sum, l_update   l_new = alpha·l + Σ_t P
+    pv, pv_store        PV = P·V_j                           fp32
+    o_update            O_new = alpha·O + PV
+    state_update, o_copy  m, l, O = m_new, l_new, O_new
+The shape is for schedules: no stage writes a buffer it reads (`bind` accepts only such blocks; the
+register copies cost nothing after nvcc); reductions start from their identity (cross-thread
+reductions need that); GEMMs accumulate apart from where their result is read (S_acc, PV_acc: tensor
+core fragments on a GPU); s_gemm … o_update sit in one block, key_tile, whose stages only read what
+earlier ones wrote, so `compute_at`-style primitives work inside it. Then o_store writes O / l, or 0 for a row that sees no key (l = 0). Masked x are −∞ and running maxima
+start at the lowest finite float, so an exponent is finite − finite or −∞ − finite: never ∞ − ∞.
+With kv_splits > 1 (decode: few queries, a long cache), kv_splits instances share a row block's key tiles and write partial (O, m, l); the
+split_max / split_sum / split_combine stages merge them (memory (B, h, n, kv_splits, d_v)).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+import tvm
+from tvm import tirx
+from tvm.ir.expr import Expr as PrimExpr
+from tvm.script import tirx as T
+
+from . import mask
+from .kernel import CompiledAttention
+from .spec import MASK_AXES, AttentionSpec, Dim
+from .target import host_target
+from .layer import layer_around
+from .te_attention import ACC, attention_te
+
+LOG2E = math.log2(math.e)
+NEG_INF = -tirx.infinity(ACC)
+LOWEST = tirx.min_value(ACC)  # the identity of max, where a row's running maximum starts
+
+
+
+@dataclass(frozen=True)
+class FlashTiles:
+    """The template's shape: these change what is computed per instance, not only its schedule."""
+
+    q_rows: int = 64  # rows (query, query head) per program instance
+    kv_tile: int = 64  # keys per online-softmax step
+    kv_splits: int = 1  # instances sharing one row block's keys (split-K); 1 = one pass
+    min_steps: int = 1  # key-tile steps every instance takes, past its last visible tile if need be
+
+
+@dataclass(frozen=True)
+class Operand:
+    """How a (B, heads, n, width) operand is stored: BHSD, BSHD, or heads packed as (B, n, heads·width)."""
+
+    layout: str
+    heads: int
+    width: int
+
+    def shape(self, B: Dim, n: Dim) -> tuple:
+        if self.layout == "BHSD":
+            return (B, self.heads, n, self.width)
+        if self.layout == "BSHD":
+            return (B, n, self.heads, self.width)
+        return (B, n, self.heads * self.width)
+
+    def index(self, b, head, s, c) -> list:
+        if self.layout == "BHSD":
+            return [b, head, s, c]
+        if self.layout == "BSHD":
+            return [b, s, head, c]
+        return [b, s, head * self.width + c]
+
+
+def operands(spec: AttentionSpec, packed: bool = False) -> dict[str, Operand]:
+    """q, k, v, o of the core; ``packed``: as the full layer's projections store them (B, n, h·d_k)."""
+    layout = "packed" if packed else spec.layout
+    return {"q": Operand(layout, spec.h, spec.d_k), "k": Operand(layout, spec.h_kv, spec.d_k),
+            "v": Operand(layout, spec.h_kv, spec.d_v), "o": Operand(layout, spec.h, spec.d_v)}
+
+
+def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False,
+                    scopes: Mapping[str, str] | None = None,
+                    dims: Mapping[str, tirx.Var] | None = None) -> tirx.PrimFunc:
+    """The online-softmax PrimFunc of the core of ``spec``: ``main(q, k, v[, kv_lens], o)``.
+
+    ``packed`` takes q, k, v and writes o as (B, n, heads·width) (the full layer's projections).
+    ``scopes`` places the per-instance buffers (Q, K, V, S_acc, S, P,
+    tile_max, tile_sum, m, m_new, alpha, l, l_new, PV_acc, PV, O, O_new)
+    in memory ("shared", "local"…; "global" when not named): where a value lives, not what it is.
+    ``dims``: the variables of symbolic sizes by name (to share them with another function).
+    """
+    spec.validate()
+    dims = dict(dims or {})
+    dim = lambda x: dims.setdefault(x, tirx.Var(x, "int32")) if isinstance(x, str) else x  # noqa: E731
+    B, n, n_kv = dim(spec.batch), dim(spec.n_q), dim(spec.n_kv)
+    ops = operands(spec, packed)
+    q_shape, k_shape, v_shape, o_shape = (ops[x].shape(B, n_kv if x in "kv" else n) for x in "qkvo")
+    q_at, k_at, v_at, o_at = (ops[x].index for x in "qkvo")
+    mask_shape = tuple(dim(x) for x in spec.attn_mask_shape())
+    dt, g, h, h_kv, d_k, d_v = spec.dtype, spec.group, spec.h, spec.h_kv, spec.d_k, spec.d_v
+    R, Tk, splits = tiles.q_rows, tiles.kv_tile, tiles.kv_splits
+    rows = n * g
+    row_tiles = tirx.ceildiv(rows, R) if isinstance(rows, PrimExpr) else -(-rows // R)
+    c = tirx.const(spec.softmax_scale * LOG2E, ACC)
+    zero, zero_in = tirx.const(0, ACC), tirx.const(0, dt)
+    padded = spec.key_padding
+    at = lambda name: (scopes or {}).get(name, "global")  # noqa: E731
+
+    def head(kvh, row):
+        return kvh * g + row % g
+
+    def logit(score, b, kvh, row, t, kv_len, past_last_tile, attn_mask):
+        """x = log2(e)·(cap(scale·score) + bias) of query row and key t, or −∞ where it is hidden (by
+        the mask rules, an attn_mask, past the keys or past this instance's last tile): as the TE's logits."""
+        seen = [tirx.Not(past_last_tile), t < n_kv, mask.visible(spec, row // g, t, kv_len, _expr(n))]
+        mask_at = tirx.BufferLoad(attn_mask, _mask_index(spec, b, head(kvh, row), row // g, t)) \
+            if spec.attn_mask else None
+        if spec.softcap is None and spec.attn_mask != "additive":
+            x = score * c  # scale·log2(e) as one constant
+        else:
+            x = score * tirx.const(spec.softmax_scale, ACC)
+            if spec.softcap is not None:
+                x = tirx.const(spec.softcap, ACC) * tirx.tanh(x * tirx.const(1 / spec.softcap, ACC))
+            if spec.attn_mask == "additive":
+                x = x + mask_at
+                seen.append(mask_at > NEG_INF)
+            x = x * tirx.const(LOG2E, ACC)
+        if spec.attn_mask == "bool":
+            seen.append(mask_at)
+        return tirx.Select(tirx.all(*seen), x, NEG_INF)
+
+    @T.prim_func(s_tir=True)
+    def main(q_h: T.handle, k_h: T.handle, v_h: T.handle, lens_h: T.handle, mask_h: T.handle, o_h: T.handle):
+        q = T.match_buffer(q_h, q_shape, dt)
+        k = T.match_buffer(k_h, k_shape, dt)
+        v = T.match_buffer(v_h, v_shape, dt)
+        kv_lens = T.match_buffer(lens_h, (B,), "int32")
+        attn_mask = T.match_buffer(mask_h, mask_shape, spec.input_dtype("attn_mask"))
+        o = T.match_buffer(o_h, o_shape, dt)
+        if splits > 1:
+            o_part = T.alloc_buffer((B, h, n, splits, d_v), ACC)
+            m_part = T.alloc_buffer((B, h, n, splits), ACC)
+            l_part = T.alloc_buffer((B, h, n, splits), ACC)
+        for b, kvh, tile, split in T.grid(B, h_kv, row_tiles, splits):
+            with T.sblock("flash"):
+                vb, vkvh, vtile, vsplit = T.axis.remap("SSSS", [b, kvh, tile, split])
+                T.reads()
+                T.writes()
+                Q = T.sblock_alloc_buffer((R, d_k), dt, scope=at("Q"))
+                m = T.sblock_alloc_buffer((R,), ACC, scope=at("m"))
+                l = T.sblock_alloc_buffer((R,), ACC, scope=at("l"))
+                O = T.sblock_alloc_buffer((R, d_v), ACC, scope=at("O"))
+                m_new = T.sblock_alloc_buffer((R,), ACC, scope=at("m_new"))
+                l_new = T.sblock_alloc_buffer((R,), ACC, scope=at("l_new"))
+                alpha = T.sblock_alloc_buffer((R,), ACC, scope=at("alpha"))
+                O_new = T.sblock_alloc_buffer((R, d_v), ACC, scope=at("O_new"))
+                P = T.sblock_alloc_buffer((R, Tk), dt, scope=at("P"))  # not with S: TVM's cache_read of a
+                # buffer allocated in the block that is its scope loses the buffer
+                row0 = T.meta_var(vtile * R)
+                kv_len = T.meta_var(kv_lens[vb] if padded else _expr(n_kv))
+                j_lo, j_hi = T.meta_var(_key_tiles(spec, tiles, row0, vsplit, kv_len, _expr(n), _expr(n_kv)))
+                for r, e in T.grid(R, d_k):
+                    with T.sblock("q_load"):
+                        vr, ve = T.axis.remap("SS", [r, e])
+                        Q[vr, ve] = T.if_then_else(row0 + vr < rows,
+                                                   q[*q_at(vb, head(vkvh, row0 + vr), (row0 + vr) // g, ve)],
+                                                   zero_in)
+                for r in range(R):
+                    with T.sblock("init_state"):
+                        vr = T.axis.remap("S", [r])
+                        m[vr] = LOWEST
+                        l[vr] = zero
+                for r, cc in T.grid(R, d_v):
+                    with T.sblock("o_init"):
+                        vr, vc = T.axis.remap("SS", [r, cc])
+                        O[vr, vc] = zero
+                # At least min_steps steps, even for a row block that sees fewer tiles (a step at or past
+                # j_hi is all masked and changes nothing): TVM's software pipeliner guards the steps of a
+                # loop it cannot prove to run its stage count with branches, and a branch around the
+                # barriers of a pipelined step is something CUDA code generation cannot place.
+                for step in T.serial(T.max(j_hi - j_lo, tiles.min_steps)):
+                    with T.sblock("kv_step"):  # the body of the loop over key tiles
+                        vj = T.axis.spatial(T.ceildiv(n_kv, Tk), j_lo + step)
+                        T.reads(Q[0:R, 0:d_k], m[0:R], l[0:R], O[0:R, 0:d_v])
+                        T.writes(m[0:R], l[0:R], O[0:R, 0:d_v], m_new[0:R], alpha[0:R], l_new[0:R],
+                                 O_new[0:R, 0:d_v], P[0:R, 0:Tk])
+                        K = T.sblock_alloc_buffer((Tk, d_k), dt, scope=at("K"))
+                        V = T.sblock_alloc_buffer((Tk, d_v), dt, scope=at("V"))
+                        for t, e in T.grid(Tk, d_k):
+                            with T.sblock("k_load"):
+                                vt, ve = T.axis.remap("SS", [t, e])
+                                K[vt, ve] = T.if_then_else(vj * Tk + vt < n_kv, k[*k_at(vb, vkvh, vj * Tk + vt, ve)],
+                                                           zero_in)
+                        for t, cc in T.grid(Tk, d_v):
+                            with T.sblock("v_load"):
+                                vt, vc = T.axis.remap("SS", [t, cc])
+                                V[vt, vc] = T.if_then_else(vj * Tk + vt < n_kv, v[*v_at(vb, vkvh, vj * Tk + vt, vc)],
+                                                           zero_in)
+                        # key_tile holds one block, so that TVM's software pipeliner keeps it one stage
+                        # (it splices a block whose body is a sequence into the pipeline).
+                        with T.sblock("key_tile"):
+                            T.reads(Q[0:R, 0:d_k], K[0:Tk, 0:d_k], V[0:Tk, 0:d_v], m[0:R], l[0:R], O[0:R, 0:d_v])
+                            T.writes(m_new[0:R], alpha[0:R], l_new[0:R], O_new[0:R, 0:d_v], P[0:R, 0:Tk])
+                            with T.sblock("key_tile_stages"):
+                                T.reads(Q[0:R, 0:d_k], K[0:Tk, 0:d_k], V[0:Tk, 0:d_v], m[0:R], l[0:R], O[0:R, 0:d_v])
+                                T.writes(m_new[0:R], alpha[0:R], l_new[0:R], O_new[0:R, 0:d_v], P[0:R, 0:Tk])
+                                S_acc = T.sblock_alloc_buffer((R, Tk), ACC, scope=at("S_acc"))
+                                S = T.sblock_alloc_buffer((R, Tk), ACC, scope=at("S"))
+                                tile_max = T.sblock_alloc_buffer((R,), ACC, scope=at("tile_max"))
+                                tile_sum = T.sblock_alloc_buffer((R,), ACC, scope=at("tile_sum"))
+                                PV_acc = T.sblock_alloc_buffer((R, d_v), ACC, scope=at("PV_acc"))
+                                PV = T.sblock_alloc_buffer((R, d_v), ACC, scope=at("PV"))
+                                t0 = T.meta_var(vj * Tk)
+                                for r, t, e in T.grid(R, Tk, d_k):
+                                    with T.sblock("s_gemm"):
+                                        vr, vt, ve = T.axis.remap("SSR", [r, t, e])
+                                        with T.init():
+                                            S_acc[vr, vt] = zero
+                                        S_acc[vr, vt] = S_acc[vr, vt] + T.Cast(ACC, Q[vr, ve]) * T.Cast(ACC, K[vt, ve])
+                                for r, t in T.grid(R, Tk):
+                                    with T.sblock("s_store"):
+                                        vr, vt = T.axis.remap("SS", [r, t])
+                                        S[vr, vt] = S_acc[vr, vt]
+                                for r, t in T.grid(R, Tk):
+                                    with T.sblock("row_max"):
+                                        vr, vt = T.axis.remap("SR", [r, t])
+                                        with T.init():
+                                            tile_max[vr] = LOWEST
+                                        tile_max[vr] = T.max(tile_max[vr], logit(
+                                            S[vr, vt], vb, vkvh, row0 + vr, t0 + vt, kv_len, vj >= j_hi, attn_mask))
+                                for r in range(R):
+                                    with T.sblock("rescale"):
+                                        vr = T.axis.remap("S", [r])
+                                        m_new[vr] = T.max(m[vr], tile_max[vr])
+                                        alpha[vr] = T.exp2(m[vr] - T.max(m[vr], tile_max[vr]))
+                                for r, t in T.grid(R, Tk):
+                                    with T.sblock("probs"):
+                                        vr, vt = T.axis.remap("SS", [r, t])
+                                        P[vr, vt] = T.Cast(dt, T.exp2(logit(
+                                            S[vr, vt], vb, vkvh, row0 + vr, t0 + vt, kv_len, vj >= j_hi, attn_mask) - m_new[vr]))
+                                for r, t in T.grid(R, Tk):
+                                    with T.sblock("row_sum"):
+                                        vr, vt = T.axis.remap("SR", [r, t])
+                                        with T.init():
+                                            tile_sum[vr] = zero
+                                        tile_sum[vr] = tile_sum[vr] + T.Cast(ACC, P[vr, vt])
+                                for r in range(R):
+                                    with T.sblock("l_update"):
+                                        vr = T.axis.remap("S", [r])
+                                        l_new[vr] = l[vr] * alpha[vr] + tile_sum[vr]
+                                for r, cc, t in T.grid(R, d_v, Tk):
+                                    with T.sblock("pv"):
+                                        vr, vc, vt = T.axis.remap("SSR", [r, cc, t])
+                                        with T.init():
+                                            PV_acc[vr, vc] = zero
+                                        PV_acc[vr, vc] = PV_acc[vr, vc] + T.Cast(ACC, P[vr, vt]) * T.Cast(ACC, V[vt, vc])
+                                for r, cc in T.grid(R, d_v):
+                                    with T.sblock("pv_store"):
+                                        vr, vc = T.axis.remap("SS", [r, cc])
+                                        PV[vr, vc] = PV_acc[vr, vc]
+                                for r, cc in T.grid(R, d_v):
+                                    with T.sblock("o_update"):
+                                        vr, vc = T.axis.remap("SS", [r, cc])
+                                        O_new[vr, vc] = O[vr, vc] * alpha[vr] + PV[vr, vc]
+                        for r in range(R):
+                            with T.sblock("state_update"):
+                                vr = T.axis.remap("S", [r])
+                                m[vr] = m_new[vr]
+                                l[vr] = l_new[vr]
+                        for r, cc in T.grid(R, d_v):
+                            with T.sblock("o_copy"):
+                                vr, vc = T.axis.remap("SS", [r, cc])
+                                O[vr, vc] = O_new[vr, vc]
+                if splits > 1:
+                    for r, cc in T.grid(R, d_v):
+                        with T.sblock("o_partial"):
+                            vr, vc = T.axis.remap("SS", [r, cc])
+                            T.where(row0 + r < rows)
+                            o_part[vb, head(vkvh, row0 + vr), (row0 + vr) // g, vsplit, vc] = O[vr, vc]
+                    for r in range(R):
+                        with T.sblock("ml_partial"):
+                            vr = T.axis.remap("S", [r])
+                            T.where(row0 + r < rows)
+                            m_part[vb, head(vkvh, row0 + vr), (row0 + vr) // g, vsplit] = m[vr]
+                            l_part[vb, head(vkvh, row0 + vr), (row0 + vr) // g, vsplit] = l[vr]
+                else:
+                    for r, cc in T.grid(R, d_v):
+                        with T.sblock("o_store"):
+                            vr, vc = T.axis.remap("SS", [r, cc])
+                            T.where(row0 + r < rows)
+                            o[*o_at(vb, head(vkvh, row0 + vr), (row0 + vr) // g, vc)] = T.Cast(
+                                dt, T.Select(l[vr] > zero, O[vr, vc] / l[vr], zero))
+        if splits > 1:
+            m_all = T.alloc_buffer((B, h, n), ACC)
+            l_all = T.alloc_buffer((B, h, n), ACC)
+            o_all = T.alloc_buffer((B, h, n, d_v), ACC)
+            for b, i, s, sp in T.grid(B, h, n, splits):
+                with T.sblock("split_max"):
+                    vb, vi, vs, vsp = T.axis.remap("SSSR", [b, i, s, sp])
+                    with T.init():
+                        m_all[vb, vi, vs] = LOWEST
+                    m_all[vb, vi, vs] = T.max(m_all[vb, vi, vs], m_part[vb, vi, vs, vsp])
+            for b, i, s, sp in T.grid(B, h, n, splits):
+                with T.sblock("split_sum"):
+                    vb, vi, vs, vsp = T.axis.remap("SSSR", [b, i, s, sp])
+                    with T.init():
+                        l_all[vb, vi, vs] = zero
+                    l_all[vb, vi, vs] = l_all[vb, vi, vs] + l_part[vb, vi, vs, vsp] * T.exp2(
+                        m_part[vb, vi, vs, vsp] - m_all[vb, vi, vs])
+            for b, i, s, cc, sp in T.grid(B, h, n, d_v, splits):
+                with T.sblock("split_combine"):
+                    vb, vi, vs, vc, vsp = T.axis.remap("SSSSR", [b, i, s, cc, sp])
+                    with T.init():
+                        o_all[vb, vi, vs, vc] = zero
+                    o_all[vb, vi, vs, vc] = o_all[vb, vi, vs, vc] + o_part[vb, vi, vs, vsp, vc] * T.exp2(
+                        m_part[vb, vi, vs, vsp] - m_all[vb, vi, vs])
+            for b, i, s, cc in T.grid(B, h, n, d_v):
+                with T.sblock("split_store"):
+                    vb, vi, vs, vc = T.axis.remap("SSSS", [b, i, s, cc])
+                    o[*o_at(vb, vi, vs, vc)] = T.Cast(dt, T.Select(l_all[vb, vi, vs] > zero,
+                                                                   o_all[vb, vi, vs, vc] / l_all[vb, vi, vs], zero))
+
+    # The calling convention has kv_lens and attn_mask only when the spec has them.
+    absent = {"kv_lens": not padded, "attn_mask": spec.attn_mask is None}
+    main = tirx.PrimFunc([p for p in main.params if not absent.get(p.name)], main.body, main.ret_type, main.attrs)
+    return main.with_attr("global_symbol", "main")
+
+
+def _mask_index(spec: AttentionSpec, b, head, s, t) -> list:
+    """Where attn_mask holds the entry of (b, head, s, t): index 0 on the axes it broadcasts along."""
+    zero = tirx.const(0, "int32")
+    return [ix if axis in spec.attn_mask_dims else zero for axis, ix in zip(MASK_AXES, (b, head, s, t))]
+
+
+def _key_tiles(spec: AttentionSpec, tiles: FlashTiles, row0, split, kv_len, n, n_kv) -> tuple[PrimExpr, PrimExpr]:
+    """Key tiles [j_lo, j_hi) that instance (row0, split) visits: its share of the keys, cut to those
+    the mask lets its queries see (`mask.key_range`): causal/window/padding tile skipping."""
+    g, Tk = spec.group, tiles.kv_tile
+    kv_tiles = tirx.ceildiv(n_kv, Tk)
+    share = tirx.ceildiv(kv_tiles, tiles.kv_splits)
+    lo, hi = split * share, tirx.min(kv_tiles, split * share + share)
+    s_lo, s_hi = row0 // g, tirx.min(n - 1, (row0 + tiles.q_rows - 1) // g)
+    t_lo, t_hi = mask.key_range(spec, s_lo, s_hi, kv_len, n)
+    if t_lo is not None:
+        lo = tirx.max(lo, tirx.floordiv(t_lo, Tk))
+    if t_hi is not None:
+        hi = tirx.min(hi, tirx.floordiv(t_hi + Tk - 1, Tk))
+    return lo, hi
+
+
+def _expr(x) -> PrimExpr:
+    return tirx.const(x, "int32") if isinstance(x, int) else x
+
+
+def build_serial(spec: AttentionSpec, tiles: FlashTiles) -> CompiledAttention:
+    """The template compiled unscheduled for this CPU: the CUDA kernel's numerics, runnable here (a
+    full layer: inside the tensor expression's projections, as on CUDA)."""
+    start = time.perf_counter()
+    target = host_target()
+    if spec.projections:
+        expr = attention_te(spec)
+        func = layer_around(spec, expr, flash_attention(spec, tiles, packed=True, dims=expr.dims))
+    else:
+        func = flash_attention(spec, tiles)
+    executable = tvm.compile(tvm.IRModule({"main": func}), target)
+    return CompiledAttention(spec, target, executable, f"flash template, serial ({tiles})",
+                             time.perf_counter() - start)

@@ -1,0 +1,242 @@
+"""CUDA kernels without a GPU: the online-softmax template's numerics on the CPU (against the float64
+oracle, over the foundation's sweep), and the scheduled CUDA kernels compiled for sm_80/sm_89/sm_90:
+nvcc and ptxas accept them, no register spills, shared memory within the per-block limit, TVM's GPU
+code verifier passes, and no n × n_kv buffer in global memory. Tests that launch kernels need a GPU.
+"""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import specs
+
+import tvm
+import tvmattn
+from tvmattn import AttentionSpec, TvmAttnError
+from tvmattn.compiler import build, cuda_tools
+from tvmattn.compiler.tuning import measure, space
+from tvmattn.compiler.tuning.tuner import tune
+from tvmattn.compiler.flash import FlashTiles, build_serial
+from tvmattn.compiler.target import resolve_target
+from tvmattn.compiler.verify import check
+from tvmattn.models.presets import PRESETS
+from tvmattn.compiler.te_attention import attention_te
+from tvmattn.schedules import cuda, default_knobs, generic
+from tvm.s_tir import Schedule
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+needs_gpu = pytest.mark.skipif(not tvm.cuda(0).exist, reason="no CUDA device")
+
+
+def core(**fields) -> AttentionSpec:
+    return AttentionSpec(**{"batch": 1, "projections": False, **fields})
+
+
+# ---- the template's numerics, run serially on the CPU ------------------------------------------------
+
+tiles = st.builds(FlashTiles, q_rows=st.sampled_from([1, 16, 32]), kv_tile=st.sampled_from([8, 16, 64]),
+                  kv_splits=st.sampled_from([1, 2, 3]))
+
+
+@given(specs(), tiles)
+def test_template_matches_oracle(spec, tiles):
+    kernel = build_serial(spec, tiles)
+    result = check(kernel)
+    assert result.ok, f"{result.line()} for {spec.describe()} with {tiles}"
+
+
+@settings(max_examples=8)
+@given(specs(dtype="float16"), tiles)
+def test_template_matches_oracle_fp16(spec, tiles):
+    result = check(build_serial(spec, tiles))
+    assert result.ok, f"{result.line()} for {spec.describe()} with {tiles}"
+
+
+@settings(max_examples=4)
+@given(specs(symbolic=True), tiles)
+def test_template_serves_every_length(spec, tiles):
+    kernel = build_serial(spec, tiles)
+    for n in (1, 33, 100):
+        sizes = {name: n + 5 * i for i, name in enumerate(spec.symbolic_dims)}
+        assert check(kernel, sizes).ok, f"{spec.describe()} at {sizes} with {tiles}"
+
+
+@pytest.mark.parametrize("fields", [
+    {"attn_mask": "bool", "attn_mask_dims": "bhst"},
+    {"attn_mask": "additive", "attn_mask_dims": "st", "softcap": 5.0},
+    {"softcap": 2.0, "causal": True},
+], ids=["bool-mask", "additive-mask-softcap", "softcap-causal"])
+def test_template_with_onnx_masks(fields):
+    spec = core(seq_len=45, kv_seq_len=70, num_heads=4, num_kv_heads=2, head_dim=16, **fields)
+    assert check(build_serial(spec, FlashTiles(16, 32, 2))).ok
+
+
+def test_template_rows_that_see_no_key_are_zero():
+    spec = core(seq_len=20, kv_seq_len=30, num_heads=2, head_dim=8, key_padding=True)
+    kernel = build_serial(spec, FlashTiles(16, 16, 2))
+    q, k, v = (np.ones(shape, np.float32) for shape in list(spec.input_shapes().values())[:3])
+    out = kernel(q, k, v, kv_lens=np.zeros(1, np.int32))
+    assert np.all(out == 0)
+
+
+# ---- CUDA kernels, compiled with nvcc -----------------------------------------------------------------
+
+# (name, spec): every schedule kind — tensor cores (fp16/bf16), CUDA cores (fp32), split-K decode,
+# GQA, cross-attention, both layouts, symbolic lengths, padding, windows and the full layer.
+CONFIGS = {
+    "gpt2-core-fp16-causal": core(seq_len=1024, num_heads=12, head_dim=64, causal=True, dtype="float16"),
+    "d128-bf16-bshd": core(seq_len=2048, num_heads=8, head_dim=128, layout="BSHD", dtype="bfloat16"),
+    "fp32-d64": core(seq_len=512, num_heads=8, head_dim=64),
+    "gqa-fp16-window": core(seq_len=1024, num_heads=32, num_kv_heads=8, head_dim=128, causal=True,
+                            window=256, dtype="float16"),
+    "cross-symbolic-fp16": core(seq_len="n", kv_seq_len="n_kv", num_heads=8, head_dim=64, dtype="float16"),
+    "padded-fp16": core(seq_len=300, num_heads=4, head_dim=64, key_padding=True, dtype="float16"),
+    "decode-4k": PRESETS["decode-4k"],
+    "gpt2-small-layer": PRESETS["gpt2-small"],
+}
+ARCHS = ("sm_80", "sm_90")
+
+
+def scheduled(spec: AttentionSpec, arch: str) -> tuple[tvm.IRModule, tvm.target.Target]:
+    target = resolve_target("cuda", arch)
+    return build.schedule_attention(spec, target, tuned=False)[0], target
+
+
+def quadratic_buffers(spec: AttentionSpec, fallback: bool = False) -> list[str]:
+    """Global buffers whose size grows with n·n_kv: ``spec`` with symbolic lengths, lowered for sm_90
+    (``fallback``: the tensor expression under dlight's fallback rules instead of tvmattn's schedule),
+    each allocation sized at lengths 1024 and 2048 (4× the elements: quadratic)."""
+    symbolic = spec.replace(seq_len="n" if spec.n_q != 1 else 1, kv_seq_len="n_kv")
+    mod, target = scheduled(symbolic, "sm_90")
+    if fallback:
+        naive = Schedule(attention_te(symbolic).prim_func())
+        mod = generic.apply(naive, symbolic, target, {}).mod
+
+    def elements(expr, length: int) -> int:
+        analyzer = tvm.sym.Analyzer()
+        for var in tvm.tirx.analysis.undefined_vars(expr):
+            analyzer.bind(var, tvm.tirx.const(length, var.ty.dtype))
+        return int(analyzer.simplify(expr))
+
+    return [name for name, size in cuda_tools.global_allocations(build.lower(mod, target))
+            if elements(size, 2048) > 2 * elements(size, 1024)]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", CONFIGS)
+def test_default_kernels_compile_without_spills_within_shared_memory(name, arch):
+    spec = CONFIGS[name]
+    mod, target = scheduled(spec, arch)
+    resources = cuda_tools.kernel_resources(mod, target)
+    assert resources, "ptxas reported no kernel"
+    limit = cuda_tools.SHARED_MEMORY_PER_BLOCK[arch]
+    for r in resources:
+        assert r.spill_bytes == 0, r.line()
+        assert r.total_shared_bytes <= limit, f"{r.line()}: over {limit} B"
+    assert cuda_tools.verify_kernels(build.lower(mod, target), arch) == []
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_no_score_matrix_in_global_memory(name):
+    assert quadratic_buffers(CONFIGS[name]) == []
+
+
+@needs_nvcc
+@pytest.mark.parametrize("spec", [CONFIGS["d128-bf16-bshd"], CONFIGS["gqa-fp16-window"]], ids=["bf16", "gqa"])
+def test_sm89_defaults_fit_its_smaller_shared_memory(spec):
+    mod, target = scheduled(spec, "sm_89")
+    for r in cuda_tools.kernel_resources(mod, target):
+        assert r.spill_bytes == 0 and r.total_shared_bytes <= cuda_tools.SHARED_MEMORY_PER_BLOCK["sm_89"], r.line()
+
+
+def test_fallback_materialises_the_scores_and_the_check_sees_it():
+    """The check above can fail: TVM's default GPU rules keep the score matrix in global memory."""
+    assert quadratic_buffers(core(seq_len=256, num_heads=2, head_dim=64), fallback=True)
+
+
+def test_schedule_kinds_follow_the_spec():
+    target = resolve_target("cuda", "sm_90")
+    kinds = {name: cuda.describe(spec, target, default_knobs(spec, target)) for name, spec in CONFIGS.items()}
+    assert "tensor cores" in kinds["gpt2-core-fp16-causal"] and "tensor cores" in kinds["d128-bf16-bshd"]
+    assert "CUDA cores" in kinds["fp32-d64"]
+    assert "split-K decode" in kinds["decode-4k"]
+    assert "dlight projections" in kinds["gpt2-small-layer"]
+
+
+def test_wmma_uses_async_copies_and_tensor_core_instructions():
+    mod, target = scheduled(CONFIGS["gpt2-core-fp16-causal"], "sm_80")
+    source = next(m.inspect_source() for m in build.tvm_compile(mod, target).mod.imports if m.kind == "cuda")
+    assert "wmma::mma_sync" in source and "cp.async" in source
+    assert "exp2" in source  # log2(e) folded into the scale
+
+
+@pytest.mark.parametrize("knobs, message", [
+    ({"q_rows": 16, "warps": 8, "kv_splits": 1}, "cannot be shared"),
+    ({"stages": 2}, "stages=1"),
+])
+def test_bad_knobs_say_what_to_change(knobs, message):
+    spec = core(seq_len=64, num_heads=2, head_dim=8, key_padding=bool("stages" in knobs))
+    with pytest.raises(TvmAttnError, match=message):
+        tvmattn.compile(spec, "cuda", knobs=knobs)
+
+
+@needs_nvcc
+def test_cli_writes_source_ptx_cubin_and_the_ptxas_report(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "tvmattn.compiler.cli", "compile", "--preset", "gpt2-small",
+                          "--seq", "256", "--no-projections", "--dtype", "float16", "--target", "cuda",
+                          "--arch", "sm_80", "-o", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "wmma tensor cores" in out.stdout and "0 B spilled" in out.stdout
+    for suffix in ("cu", "ptx", "cubin"):
+        assert (tmp_path / f"attention.{suffix}").stat().st_size > 0
+
+
+def test_tuning_candidates_build_for_cuda():
+    """What `tvmattn tune --target cuda` measures on a GPU: knob points, including those that shape the
+    template, scheduled as the search does and built by the tuner's build function."""
+    spec = core(seq_len=200, num_heads=4, head_dim=64, causal=True, dtype="float16")
+    target = resolve_target("cuda", "sm_80")
+    func = space.workload(spec)
+    for q_rows, kv_tile, kv_splits, warps, stages in ((32, 32, 1, 2, 2), (64, 64, 1, 4, 1), (16, 16, 4, 1, 2)):
+        values = dict(q_rows=q_rows, kv_tile=kv_tile, kv_splits=kv_splits, warps=warps, stages=stages)
+        mod = space.candidate(func, spec, target, values).mod
+        source = next(m.inspect_source() for m in measure.build_candidate(mod, target, None).mod.imports
+                      if m.kind == "cuda")
+        assert ("wmma::mma_sync" in source) == cuda.tensor_cores(spec, values)
+    (sampled,) = space.design_space(spec, target).generate_design_space(tvm.IRModule({"main": func}))
+    assert sampled.get_sblock("flash") is not None  # MetaSchedule's design space schedules the template
+
+
+def test_tuning_for_cuda_without_a_gpu_says_where_to_run(tmp_path):
+    if tvm.cuda(0).exist:
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(TvmAttnError, match="measures on a GPU"):
+        tune(core(seq_len=64, num_heads=2, head_dim=16), "cuda", trials=2, log_dir=tmp_path)
+
+
+# ---- on a GPU --------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("name", CONFIGS)
+def test_kernels_on_the_gpu_match_the_oracle(name):
+    spec = CONFIGS[name]
+    kernel = tvmattn.compile(spec, "cuda", arch=f"sm_{tvm.cuda(0).compute_version.replace('.', '')}")
+    sizes = {dim: 300 for dim in spec.symbolic_dims}
+    result = check(kernel, sizes or None)
+    assert result.ok, result.line()
+
+
+def test_gpu_check_script_dry_run():
+    """The prepared GPU check runs end to end on the CPU (LLVM kernels, tiny shapes)."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "TFLOP/s" in out.stdout and "PASS" in out.stdout and "FAIL" not in out.stdout
