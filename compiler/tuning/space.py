@@ -112,11 +112,10 @@ def design_space(spec: AttentionSpec, target: Target) -> ScheduleFn:
 
 
 def _sampled(spec: AttentionSpec, target: Target, sch: Schedule) -> Schedule:
-    """A sampled schedule; a schedule whose workload is its own template (CUDA) gets that template at
-    its default shape (the knobs that shape it are enumerated by the search, not sampled)."""
+    """A sampled schedule. A schedule of its own template (CUDA) is its default instead: some knobs
+    shape the template and others must fit them (warps and q_rows), so `KnobSearch` enumerates that
+    grid itself and MetaSchedule only needs one valid design space."""
     rules = schedules.for_target(target)
     if hasattr(rules, "workload"):
-        shaped = schedules.default_knobs(spec, target)
-        sch = Schedule(rules.workload(spec, shaped))
-        return rules.apply(sch, spec, target, {**shaped, **sample(sch, rules.KNOBS)})
+        return schedules.default_schedule(sch.mod["main"], spec, target)[0]
     return rules.apply(sch, spec, target, sample(sch, rules.KNOBS))
