@@ -33,7 +33,7 @@ def compile(spec: AttentionSpec, target: Any = "cpu", *, arch: str | None = None
     start = time.perf_counter()
     mod, how = schedule_attention(spec, tgt, knobs, log_dirs=log_dirs, tuned=tuned)
     executable = build_module(mod, spec, tgt)
-    return CompiledAttention(spec, tgt, executable, how, time.perf_counter() - start)
+    return CompiledAttention(spec, tgt, executable, how, time.perf_counter() - start, mod)
 
 
 def schedule_attention(spec: AttentionSpec, target: Target, knobs: Mapping[str, int] | None = None, *,

@@ -107,12 +107,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
     print(f"schedule: {kernel.schedule}")
     print(f"compiled in {kernel.compile_seconds:.2f} s → {lib}")
     if kernel.target.kind.name == "cuda":
-        from .cuda_tools import compile_cubin, compile_ptx
+        from .cuda_tools import compile_cubin, compile_ptx, with_dynamic_shared
         arch = str(kernel.target.attrs.get("arch", "sm_90"))
         source = kernel.source()
         (out / "attention.cu").write_text(source)
         (out / "attention.ptx").write_text(compile_ptx(source, arch))
         cubin, resources = compile_cubin(source, arch)
+        resources = with_dynamic_shared(resources, kernel.module, kernel.target)
         (out / "attention.cubin").write_bytes(cubin)
         print(f"CUDA source, PTX and cubin ({arch}) → {out}/attention.{{cu,ptx,cubin}}; ptxas:")
         for r in resources:

@@ -87,7 +87,11 @@ def kernel_resources(mod: tvm.IRModule, target: Target) -> list[KernelResources]
     target's arch, with the dynamic shared memory TVM launches it with."""
     arch = str(target.attrs.get("arch", "sm_90"))
     source = next(m.inspect_source() for m in compile_cuda(mod, target).mod.imports if m.kind == "cuda")
-    resources = compile_cubin(source, arch)[1]
+    return with_dynamic_shared(compile_cubin(source, arch)[1], mod, target)
+
+
+def with_dynamic_shared(resources: list[KernelResources], mod: tvm.IRModule, target: Target) -> list[KernelResources]:
+    """``resources`` (ptxas's, of ``mod``'s kernels) with the dynamic shared memory each is launched with."""
     dynamic = {name: scopes.get("shared.dyn", 0) for name, scopes in calculate_allocated_bytes(
         device_functions(lower_cuda(mod, target))).items()}
     for r in resources:

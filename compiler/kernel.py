@@ -33,6 +33,7 @@ class CompiledAttention:
     executable: Executable
     schedule: str  # what the build used, in words ("default schedule (q_tile=16 …)", "tuned record …")
     compile_seconds: float
+    module: tvm.IRModule | None = None  # the scheduled module that was built (for inspection)
 
     # ---- calling ----------------------------------------------------------------------------------
     def __call__(self, *arrays: Any, x_kv: Any = None, kv_lens: Any = None, attn_mask: Any = None) -> np.ndarray:
