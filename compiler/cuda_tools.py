@@ -54,32 +54,28 @@ def nvcc_path() -> str | None:
 
 def compile_cubin(source: str, arch: str) -> tuple[bytes, list[KernelResources]]:
     """nvcc -cubin with ``ptxas -v``: the cubin and what each kernel uses."""
-    nvcc = nvcc_path()
-    if nvcc is None:
-        raise TvmAttnError("nvcc not found: install the CUDA toolkit to compile CUDA kernels to PTX/cubin")
-    with tempfile.TemporaryDirectory() as tmp:
-        src, cubin = Path(tmp) / "kernel.cu", Path(tmp) / "kernel.cubin"
-        src.write_text(source)
-        proc = subprocess.run([nvcc, "-cubin", f"-arch={arch}", "-O3", "-Xptxas", "-v", "-o", str(cubin), str(src)],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise TvmAttnError(f"nvcc failed for {arch}: {_first_error(proc.stderr)}")
-        return cubin.read_bytes(), parse_ptxas(proc.stderr)
+    cubin, log = _nvcc(source, arch, "cubin", "-Xptxas", "-v")
+    return cubin, parse_ptxas(log)
 
 
 def compile_ptx(source: str, arch: str) -> str:
     """nvcc -ptx: the PTX text."""
+    return _nvcc(source, arch, "ptx")[0].decode()
+
+
+def _nvcc(source: str, arch: str, output: str, *flags: str) -> tuple[bytes, str]:
+    """nvcc -``output`` (cubin or ptx) of ``source`` for ``arch``: the file's bytes and nvcc's log."""
     nvcc = nvcc_path()
     if nvcc is None:
         raise TvmAttnError("nvcc not found: install the CUDA toolkit to compile CUDA kernels to PTX/cubin")
     with tempfile.TemporaryDirectory() as tmp:
-        src, ptx = Path(tmp) / "kernel.cu", Path(tmp) / "kernel.ptx"
+        src, out = Path(tmp) / "kernel.cu", Path(tmp) / f"kernel.{output}"
         src.write_text(source)
-        proc = subprocess.run([nvcc, "-ptx", f"-arch={arch}", "-O3", "-o", str(ptx), str(src)],
+        proc = subprocess.run([nvcc, f"-{output}", f"-arch={arch}", "-O3", *flags, "-o", str(out), str(src)],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise TvmAttnError(f"nvcc failed for {arch}: {_first_error(proc.stderr)}")
-        return ptx.read_text()
+        return out.read_bytes(), proc.stderr
 
 
 def kernel_resources(mod: tvm.IRModule, target: Target) -> list[KernelResources]:
