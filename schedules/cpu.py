@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+import tvm
 from tvm.s_tir import Schedule
 from tvm.target import Target
 
@@ -47,8 +48,24 @@ KNOBS = (
     Knob("gemm_block_cols", (1, 2, 4, 8), 4, "register tiles of columns per projection task"),
 )
 
+PANEL_BYTES = 384 * 1024  # a projection task's panel of W (d_in × its columns), to stay in L2
+
 INLINED = ("q_heads", "k_heads", "v_heads", "logits", "merged")
 PER_TILE = ("pv", "row_sum", "probs", "row_max", "scores")  # consumers first, for compute_at
+
+
+def defaults(spec: AttentionSpec, target: Target) -> dict[str, int]:
+    """Projection tiles by vector width and model width: 4 rows × 4 vectors of accumulators with
+    AVX-512's 32 registers (4 × 2 with AVX2's 16), and as many column tiles per task as keep the
+    task's W panel within `PANEL_BYTES` (wide models: fewer columns, or W streams from memory)."""
+    if not spec.projections:
+        return {}
+    lanes = vector_lanes(target)
+    vecs = 4 if lanes >= 16 else 2
+    d_in = max(spec.d_model, spec.h * spec.d_v)  # W_O's rows are the merged heads
+    tile_bytes = d_in * vecs * lanes * tvm.DataType(spec.dtype).bits // 8
+    cols = next((c for c in (8, 4, 2) if c * tile_bytes <= PANEL_BYTES), 1)
+    return {"gemm_vecs": vecs, "gemm_block_cols": cols}
 
 
 def describe(spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> str:
