@@ -309,11 +309,51 @@ class _Match:
                 return (*_keep(keep, self._scores_shape()), keep)
             bias = np.where(keep, 0.0, fill).astype(np.float32)
             return Mask(relax.const(bias), "additive"), {}, np.ones_like(keep)
+        causal = self._sliced_causal(cond, negate, fill)
+        if causal:
+            return None, causal, None
         keep = self.bb.emit(relax.op.logical_not(cond)) if negate else cond
         if fill == -np.inf:
             return Mask(keep, "bool"), {}, None
         zero, hidden = relax.const(0.0, "float32"), relax.const(fill, "float32")
         return Mask(self.bb.emit(relax.op.where(keep, zero, hidden)), "additive"), {}, None
+
+    def _sliced_causal(self, cond: relax.Expr, negate: bool, fill: float) -> dict:
+        """The spec's causal rule when ``cond`` is a window of a constant lower-triangular matrix C
+        whose offset is provably causal's at every length (Hugging Face GPT-2 slices its tril buffer
+        as ``C[n_kv - n : n_kv, :n_kv]``): the window keeps key j for query i iff
+        begin_c + j ≤ begin_r + i, i.e. j ≤ i + (begin_r − begin_c). Empty otherwise."""
+        begin: dict[int, tirx.PrimExpr] = {}
+        expr = self.r.var2val.get(cond, cond)
+        while isinstance(expr, relax.Call) and getattr(expr.op, "name", "") == "relax.strided_slice":
+            data, axes, begins, _, strides = expr.args
+            if any(not (isinstance(st, tirx.IntImm) and st.value == 1) for st in strides):
+                return {}
+            rank = len(shape_of(data, "a mask"))
+            for axis, b in zip(axes, begins):
+                axis = int(axis) % rank
+                begin[axis] = begin.get(axis, 0) + b  # a window of a window: offsets add up
+            expr = self.r.var2val.get(data, data)
+        if not begin or not isinstance(expr, tvm.ir.GenericConst):
+            return {}
+        keep = expr.value.numpy() != negate
+        if keep.ndim < 2 or keep.shape[-1] != keep.shape[-2] or not (keep == keep.reshape(-1, *keep.shape[-2:])[0]).all():
+            return {}
+        size = keep.shape[-1]
+        if not np.array_equal(keep.reshape(-1, size, size)[0], np.tri(size, dtype=bool)):
+            return {}
+        *_, n, n_kv = shape_of(self.m[self.p.scores], "the scores")
+        *_, rows, cols = shape_of(cond, "a mask")
+        analyzer = tvm.sym.Analyzer()
+        if not (analyzer.can_prove_equal(rows, n) and analyzer.can_prove_equal(cols, n_kv)):
+            return {}  # broadcast along the queries or keys: not a per-(query, key) rule
+        offset = begin.get(keep.ndim - 2, 0) - begin.get(keep.ndim - 1, 0)
+        if analyzer.can_prove_equal(offset, 0):
+            return {"causal": True, "causal_align": "top_left"}  # every query sees key 0
+        # bottom-right: a finite fill gives a row that sees no key uniform weights, the kernel zeros
+        if analyzer.can_prove_equal(offset, n_kv - n) and (fill == -np.inf or analyzer.can_prove(n_kv >= n)):
+            return {"causal": True, "causal_align": "bottom_right"}
+        return {}
 
     def _scores_shape(self) -> tuple[int | None, ...]:
         return tuple(int(d.value) if isinstance(d, tirx.IntImm) else None

@@ -44,6 +44,19 @@ def test_models_match_onnx_runtime(name):
         assert (spec.h, spec.h_kv) == (4, 2)  # GQA found under repeat_kv
     if name == "cross":
         assert spec.kv_seq_len == "mem_seq"
+    if name == "gpt2":  # its sliced tril buffer is proven causal: tile skipping, no mask to read
+        assert spec.causal and spec.attn_mask is None
+
+
+def test_buffer_one_diagonal_off_tril_stays_a_mask():
+    """GPT-2's slicing of a buffer that keeps keys j ≤ i + 1 is not causal: it stays a mask."""
+    model = BUILDERS["gpt2"]()
+    bias = next(t for t in model.graph.initializer if t.name == "bias")
+    size = bias.dims[-1]
+    bias.CopyFrom(onnx.numpy_helper.from_array(np.tri(size, size, 1, dtype=bool)[None, None], "bias"))
+    imported = assert_matches_ort(model, _feeds("gpt2", np.random.default_rng(1)), 1)
+    spec = imported.report.replacements[0].spec
+    assert not spec.causal and spec.attn_mask is not None
 
 
 # ---- op-level models, one per converter ------------------------------------------------------------------
