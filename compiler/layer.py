@@ -19,7 +19,7 @@ from tvm import te, tirx
 from tvm.s_tir import SBlock, SBlockRealize
 
 from .spec import AttentionSpec
-from .te_attention import AttentionTE, _linear
+from .te_attention import AttentionTE, linear
 
 
 def layer_around(spec: AttentionSpec, expr: AttentionTE, core: tirx.PrimFunc,
@@ -32,7 +32,7 @@ def layer_around(spec: AttentionSpec, expr: AttentionTE, core: tirx.PrimFunc,
     merged = te.placeholder(stages["merged"].shape, spec.dtype, "merged")
     gemms = [([inputs["x"], inputs["w_q"]], stages["q_proj"]), ([x_kv, inputs["w_k"]], stages["k_proj"]),
              ([x_kv, inputs["w_v"]], stages["v_proj"])]
-    gemms.append(([merged, inputs["w_o"]], _linear(merged, inputs["w_o"], "out")))
+    gemms.append(([merged, inputs["w_o"]], linear(merged, inputs["w_o"], "out")))
 
     buffers = {t.op.name: tirx.decl_buffer(t.shape, t.dtype, t.op.name) for t in expr.inputs}
     for name in ("q_proj", "k_proj", "v_proj", "merged"):

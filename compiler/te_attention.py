@@ -75,9 +75,9 @@ def attention_te(spec: AttentionSpec) -> AttentionTE:
         w_v = te.placeholder((d, h_kv * d_v), dt, "w_v")
         w_o = te.placeholder((h * d_v, d), dt, "w_o")
         inputs += [x] + ([x_kv] if spec.is_cross else []) + [w_q, w_k, w_v, w_o]
-        stages["q_proj"] = _linear(x, w_q, "q_proj")
-        stages["k_proj"] = _linear(x_kv, w_k, "k_proj")
-        stages["v_proj"] = _linear(x_kv, w_v, "v_proj")
+        stages["q_proj"] = linear(x, w_q, "q_proj")
+        stages["k_proj"] = linear(x_kv, w_k, "k_proj")
+        stages["v_proj"] = linear(x_kv, w_v, "v_proj")
         stages["q_heads"] = _split_heads(stages["q_proj"], h, d_k, "q_heads")
         stages["k_heads"] = _split_heads(stages["k_proj"], h_kv, d_k, "k_heads")
         stages["v_heads"] = _split_heads(stages["v_proj"], h_kv, d_v, "v_heads")
@@ -158,7 +158,7 @@ def attention_te(spec: AttentionSpec) -> AttentionTE:
     elif spec.projections:
         attn = te.compute((B, h, n, d_v), normalise, name="attn")
         merged = te.compute((B, n, h * d_v), lambda b, s, m: attn[b, m // d_v, s, m % d_v], name="merged")
-        out = _linear(merged, w_o, "out")
+        out = linear(merged, w_o, "out")
         stages.update(attn=attn, merged=merged, out=out)
     elif spec.layout == "BHSD":
         out = te.compute((B, h, n, d_v), normalise, name="attn")
@@ -182,7 +182,7 @@ def _as_expr(x) -> PrimExpr:
     return tirx.const(x, "int32") if isinstance(x, int) else x
 
 
-def _linear(x: te.Tensor, w: te.Tensor, name: str) -> te.Tensor:
+def linear(x: te.Tensor, w: te.Tensor, name: str) -> te.Tensor:
     """y[b, s, m] = Σ_c x[b, s, c]·w[c, m], accumulated in fp32, stored in x's dtype."""
     c = te.reduce_axis((0, w.shape[0]), "c")
     acc = te.compute((x.shape[0], x.shape[1], w.shape[1]),
