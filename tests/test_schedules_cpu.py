@@ -6,9 +6,10 @@ from helpers import compiled
 
 import tvmattn
 from tvmattn import AttentionSpec
-from tvmattn.compiler.target import resolve_target
+from tvmattn.compiler.target import resolve_target, vector_lanes
 from tvmattn.compiler.verify import check
-from tvmattn.schedules import cpu
+from tvmattn.models.presets import PRESETS
+from tvmattn.schedules import cpu, default_knobs
 
 EXTREMES = [
     dict(q_tile=8, qk_keys=1, pv_rows=1, pv_vecs=1),
@@ -70,11 +71,25 @@ def _host_has(flag: str) -> bool:
 
 
 @pytest.mark.skipif(not _host_has("avx2"), reason="this CPU cannot run AVX2 code")
-@pytest.mark.parametrize("spec", SHAPES[:2] + DECODE[1:2], ids=["gqa-causal-tail", "cross-window-padding-bshd",
-                                                                 "split-k"])
+@pytest.mark.parametrize("spec", SHAPES + DECODE[1:2], ids=["gqa-causal-tail", "cross-window-padding-bshd",
+                                                             "layer-symbolic", "split-k"])
 def test_eight_lane_vectors(spec):
     """An AVX2 target (8 fp32 lanes) whatever this machine has: CI and users may have either."""
     kernel = tvmattn.compile(spec, AVX2)
     assert kernel.schedule.count("8-lane") or "split-K" in kernel.schedule
-    result = check(kernel)
+    result = check(kernel, {name: 65 for name in spec.symbolic_dims} or None)
     assert result.ok, result.line()
+
+
+@pytest.mark.parametrize("target", [AVX2, {"kind": "llvm", "mcpu": "znver4", "num-cores": 2}], ids=["avx2", "avx512"])
+@pytest.mark.parametrize("preset", ["gpt2-small", "llama-gqa", "t5-cross"])
+def test_projection_defaults_fit_registers_and_l2(target, preset):
+    """The default projection tile: its accumulators, W vectors and the broadcast x fit the vector
+    registers (16 with AVX2, 32 with AVX-512), and a task's W panel fits PANEL_BYTES where it can."""
+    spec, tgt = PRESETS[preset], resolve_target(target)
+    lanes = vector_lanes(tgt)
+    knobs = default_knobs(spec, tgt)
+    registers = 32 if lanes == 16 else 16
+    assert knobs["gemm_rows"] * knobs["gemm_vecs"] + knobs["gemm_vecs"] + 1 <= registers
+    panel = spec.d_model * knobs["gemm_block_cols"] * knobs["gemm_vecs"] * lanes * 4
+    assert panel <= cpu.PANEL_BYTES or knobs["gemm_block_cols"] == 1
