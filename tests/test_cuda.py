@@ -16,18 +16,19 @@ from hypothesis import strategies as st
 from strategies import specs
 
 import tvm
+from tvm.s_tir import Schedule
+
 import tvmattn
 from tvmattn import AttentionSpec, TvmAttnError
 from tvmattn.compiler import build, cuda_tools
-from tvmattn.compiler.tuning import measure, space
-from tvmattn.compiler.tuning.tuner import tune
 from tvmattn.compiler.flash import FlashTiles, build_serial
 from tvmattn.compiler.target import resolve_target
+from tvmattn.compiler.te_attention import attention_te
+from tvmattn.compiler.tuning import measure, space
+from tvmattn.compiler.tuning.tuner import tune
 from tvmattn.compiler.verify import check
 from tvmattn.models.presets import PRESETS
-from tvmattn.compiler.te_attention import attention_te
 from tvmattn.schedules import cuda, default_knobs, generic
-from tvm.s_tir import Schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
@@ -113,10 +114,11 @@ def quadratic_buffers(spec: AttentionSpec, fallback: bool = False) -> list[str]:
     (``fallback``: the tensor expression under dlight's fallback rules instead of tvmattn's schedule),
     each allocation sized at lengths 1024 and 2048 (4× the elements: quadratic)."""
     symbolic = spec.replace(seq_len="n" if spec.n_q != 1 else 1, kv_seq_len="n_kv")
-    mod, target = scheduled(symbolic, "sm_90")
     if fallback:
-        naive = Schedule(attention_te(symbolic).prim_func())
-        mod = generic.apply(naive, symbolic, target, {}).mod
+        target = resolve_target("cuda", "sm_90")
+        mod = generic.apply(Schedule(attention_te(symbolic).prim_func()), symbolic, target, {}).mod
+    else:
+        mod, target = scheduled(symbolic, "sm_90")
 
     def elements(expr, length: int) -> int:
         analyzer = tvm.sym.Analyzer()
