@@ -20,7 +20,7 @@ _os.environ.setdefault("TVM_NUM_THREADS", str(len(_os.sched_getaffinity(0)) if h
 from tvmattn.compiler.build import compile  # noqa: E402,A004
 from tvmattn.compiler.errors import TvmAttnError  # noqa: E402
 from tvmattn.compiler.kernel import CompiledAttention  # noqa: E402
-from tvmattn.compiler.onnx_import import ImportedModel, import_onnx  # noqa: E402
+from tvmattn.compiler.onnx.importer import ImportedModel, import_onnx  # noqa: E402
 from tvmattn.compiler.oracle import reference  # noqa: E402
 from tvmattn.compiler.spec import AttentionSpec  # noqa: E402
 

@@ -26,14 +26,14 @@ from dataclasses import asdict, dataclass  # noqa: E402
 from typing import Callable, Sequence  # noqa: E402
 
 import numpy as np  # noqa: E402
-
-from .errors import TvmAttnError  # noqa: E402
-from .explain import trace  # noqa: E402
-from .kernel import numpy_dtype  # noqa: E402
-from .oracle import allowed_keys, reference  # noqa: E402
-from .spec import AttentionSpec  # noqa: E402
-from .target import cpu_cores  # noqa: E402
-from .verify import random_inputs  # noqa: E402
+from tvmattn.compiler import variant  # noqa: E402
+from tvmattn.compiler.errors import TvmAttnError  # noqa: E402
+from tvmattn.compiler.explain import trace  # noqa: E402
+from tvmattn.compiler.kernel import numpy_dtype  # noqa: E402
+from tvmattn.compiler.oracle import allowed_keys, reference  # noqa: E402
+from tvmattn.compiler.spec import AttentionSpec  # noqa: E402
+from tvmattn.compiler.target import cpu_cores  # noqa: E402
+from tvmattn.compiler.verify import random_inputs  # noqa: E402
 
 DEFAULT_SUITE = [(1, 8, 128, 64), (1, 8, 512, 64), (4, 12, 512, 64), (1, 16, 2048, 64), (8, 8, 256, 32)]
 NUMPY_LIMIT_BYTES = 2 << 30  # NumPy materialises the scores; skip it above this
@@ -103,8 +103,7 @@ def _status_kib(field: str) -> int:
 def tvmattn_impl(spec: AttentionSpec, args: dict[str, np.ndarray], target: str = "cpu",
                  log_dirs: Sequence[str] = (), tuned: bool = True) -> tuple[Callable[[], np.ndarray], str]:
     import tvm
-
-    from .build import compile as build
+    from tvmattn.compiler.build import compile as build
 
     kernel = build(spec, target, log_dirs=log_dirs, tuned=tuned)
     dev = kernel.device
@@ -202,8 +201,7 @@ def _causal(spec: AttentionSpec) -> np.ndarray:
 
 def _mask(spec: AttentionSpec, args: dict[str, np.ndarray]) -> np.ndarray | None:
     """A boolean (B, 1, n, n_kv) mask where the peer has no built-in for the spec's masking."""
-    plain_causal = spec.causal and spec.causal_align == "top_left" and spec.window is None
-    if not spec.is_masked or (plain_causal and not spec.key_padding):
+    if variant.plain_causal(spec) or not (variant.has_position_rules(spec) or spec.attn_mask):
         return None
     return allowed_keys(spec, spec.batch, spec.n_q, spec.n_kv, args.get("kv_lens"))
 

@@ -8,17 +8,17 @@ from typing import Any, Mapping, Sequence
 
 import tvm
 from tvm.target import Target
-
 from tvmattn import schedules
+from tvmattn.compiler import passes
+from tvmattn.compiler.cuda.pipeline import compile_cuda, lower_cuda
+from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.flash import FlashTiles, flash_attention
+from tvmattn.compiler.kernel import CompiledAttention
+from tvmattn.compiler.layer import layer_around
+from tvmattn.compiler.spec import AttentionSpec
+from tvmattn.compiler.target import host_target, is_cpu, resolve_target
+from tvmattn.compiler.te_attention import attention_te
 from tvmattn.compiler.tuning.lookup import tuned_schedule
-
-from . import passes
-from .cuda_pipeline import compile_cuda, lower_cuda
-from .errors import TvmAttnError
-from .kernel import CompiledAttention
-from .spec import AttentionSpec
-from .target import is_cpu, resolve_target
-from .te_attention import attention_te
 
 
 def compile(spec: AttentionSpec, target: Any = "cpu", *, arch: str | None = None,
@@ -44,13 +44,12 @@ def schedule_attention(spec: AttentionSpec, target: Target, knobs: Mapping[str, 
     ``knobs`` win; otherwise a tuning record (`tvmattn.compiler.tuning.lookup`), else the default schedule.
     """
     spec.validate()
-    func = attention_te(spec).prim_func()
     why = ""
     if knobs is None and tuned:
-        sch, why = tuned_schedule(func, spec, target, log_dirs)
+        sch, why = tuned_schedule(spec, target, log_dirs)
         if sch is not None:
             return lowering_passes(spec, target)(sch.mod), why
-    sch, how = schedules.default_schedule(func, spec, target, knobs)
+    sch, how = schedules.schedule(spec, target, knobs)
     how = f"default schedule ({how})"
     return lowering_passes(spec, target)(sch.mod), f"{how}: {why}" if why else how
 
@@ -73,7 +72,7 @@ def lower(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
 
 
 def tvm_compile(mod: tvm.IRModule, target: Target) -> tvm.runtime.Executable:
-    """`tvm.compile`, with tvmattn's TIR pipeline for CUDA (`cuda_pipeline`): for kernels and models."""
+    """`tvm.compile`, with tvmattn's TIR pipeline for CUDA (`compiler.cuda.pipeline`): for kernels and models."""
     return compile_cuda(mod, target) if target.kind.name == "cuda" else tvm.compile(mod, target)
 
 
@@ -84,3 +83,18 @@ def build_module(mod: tvm.IRModule, spec: AttentionSpec, target: Target) -> tvm.
     except Exception as err:  # a TVM failure here is our bug, but the user gets a sentence first
         raise TvmAttnError(f"TVM could not build this kernel for {target.kind.name} "
                            f"({spec.describe()}): {str(err).strip().splitlines()[-1]}") from err
+
+
+def build_serial(spec: AttentionSpec, tiles: FlashTiles) -> CompiledAttention:
+    """The online-softmax template compiled unscheduled for this CPU: the CUDA kernel's numerics,
+    runnable here (a full layer: inside the tensor expression's projections, as on CUDA)."""
+    start = time.perf_counter()
+    target = host_target()
+    if spec.projections:
+        expr = attention_te(spec)
+        func = layer_around(spec, expr, flash_attention(spec, tiles, packed=True, dims=expr.dims))
+    else:
+        func = flash_attention(spec, tiles)
+    executable = tvm.compile(tvm.IRModule({"main": func}), target)
+    return CompiledAttention(spec, target, executable, f"flash template, serial ({tiles})",
+                             time.perf_counter() - start)

@@ -11,10 +11,9 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Callable
 
-from .errors import TvmAttnError
-from .spec import AttentionSpec
+from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.spec import AttentionSpec
 
 # spec flag → AttentionSpec field; `None` defaults mean "not given" so a preset's value stands.
 SPEC_FLAGS = {
@@ -77,7 +76,7 @@ def add_log_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_from_args(args: argparse.Namespace, spec: AttentionSpec):
-    from .build import compile as build
+    from tvmattn.compiler.build import compile as build
 
     return build(spec, args.target, arch=args.arch, log_dirs=args.log_dir, tuned=not args.default_schedule)
 
@@ -107,7 +106,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
     print(f"schedule: {kernel.schedule}")
     print(f"compiled in {kernel.compile_seconds:.2f} s → {lib}")
     if kernel.target.kind.name == "cuda":
-        from .cuda_tools import compile_cubin, compile_ptx, with_dynamic_shared
+        from tvmattn.compiler.cuda.tools import (
+            compile_cubin,
+            compile_ptx,
+            with_dynamic_shared,
+        )
         arch = str(kernel.target.attrs.get("arch", "sm_90"))
         source = kernel.source()
         (out / "attention.cu").write_text(source)
@@ -122,7 +125,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .verify import check, sizes_to_check
+    from tvmattn.compiler.verify import check, sizes_to_check
 
     spec = spec_from_args(args)
     start = time.perf_counter()
@@ -139,7 +142,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from .explain import report
+    from tvmattn.compiler.explain import report
 
     spec = spec_from_args(args)
     print(spec.describe())
@@ -148,9 +151,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from .onnx_check import compare_with_ort, random_feed
-    from .onnx_graph import load
-    from .onnx_import import import_onnx
+    from tvmattn.compiler.onnx.check import compare_with_ort, random_feed
+    from tvmattn.compiler.onnx.graph import load
+    from tvmattn.compiler.onnx.importer import import_onnx
 
     model = load(args.model)
     imported = import_onnx(model, args.target, arch=args.arch)
@@ -172,8 +175,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_export_onnx(args: argparse.Namespace) -> int:
     import onnx
-
-    from .onnx_export import export_onnx
+    from tvmattn.compiler.onnx.export import export_onnx
 
     spec = spec_from_args(args)
     model, _ = export_onnx(spec, args.opset, args.seed)
@@ -241,7 +243,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from . import bench
+    from tvmattn.compiler import bench
 
     specs = bench.suite(args.suite) if args.suite else [spec_from_args(args)]
     peers = tuple(p for p in args.peers.split(",") if p) if args.peers is not None else tuple(bench.PEERS)

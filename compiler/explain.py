@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .spec import AttentionSpec
+from tvmattn.compiler.spec import AttentionSpec
 
 
 @dataclass

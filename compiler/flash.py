@@ -13,7 +13,7 @@ to the next, which a TE reduction cannot express. The alternatives weighed:
   * this template (what TVM's own prefill kernels in ``relax/frontend/nn/llm`` do): the online
     softmax written once as sblocks over tiles, target-neutral, then scheduled per target.
 The TE stays the statement of *what* attention is (the CPU build schedules it); this template is one
-*algorithm* for it. Its numerics are checked on the CPU: `build_serial` compiles it unscheduled for
+*algorithm* for it. Its numerics are checked on the CPU: `build.build_serial` compiles it unscheduled for
 LLVM and the tests compare that with the float64 oracle over the spec sweep.
 
 One program instance computes rows [row0, row0 + q_rows) of one (batch, KV head) pair; row r is
@@ -42,21 +42,15 @@ split_max / split_sum / split_combine stages merge them (memory (B, h, n, kv_spl
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Mapping
 
-import tvm
 from tvm import tirx
 from tvm.ir.expr import Expr as PrimExpr
 from tvm.script import tirx as T
-
-from . import mask
-from .kernel import CompiledAttention
-from .spec import MASK_AXES, AttentionSpec, Dim
-from .target import host_target
-from .layer import layer_around
-from .te_attention import ACC, attention_te
+from tvmattn.compiler import variant
+from tvmattn.compiler.spec import AttentionSpec
+from tvmattn.compiler.variant import ACC, Operand
 
 LOG2E = math.log2(math.e)
 NEG_INF = -tirx.infinity(ACC)
@@ -72,29 +66,6 @@ class FlashTiles:
     kv_tile: int = 64  # keys per online-softmax step
     kv_splits: int = 1  # instances sharing one row block's keys (split-K); 1 = one pass
     min_steps: int = 1  # key-tile steps every instance takes, past its last visible tile if need be
-
-
-@dataclass(frozen=True)
-class Operand:
-    """How a (B, heads, n, width) operand is stored: BHSD, BSHD, or heads packed as (B, n, heads·width)."""
-
-    layout: str
-    heads: int
-    width: int
-
-    def shape(self, B: Dim, n: Dim) -> tuple:
-        if self.layout == "BHSD":
-            return (B, self.heads, n, self.width)
-        if self.layout == "BSHD":
-            return (B, n, self.heads, self.width)
-        return (B, n, self.heads * self.width)
-
-    def index(self, b, head, s, c) -> list:
-        if self.layout == "BHSD":
-            return [b, head, s, c]
-        if self.layout == "BSHD":
-            return [b, s, head, c]
-        return [b, s, head * self.width + c]
 
 
 def operands(spec: AttentionSpec, packed: bool = False) -> dict[str, Operand]:
@@ -127,7 +98,6 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
     R, Tk, splits = tiles.q_rows, tiles.kv_tile, tiles.kv_splits
     rows = n * g
     row_tiles = tirx.ceildiv(rows, R) if isinstance(rows, PrimExpr) else -(-rows // R)
-    c = tirx.const(spec.softmax_scale * LOG2E, ACC)
     zero, zero_in = tirx.const(0, ACC), tirx.const(0, dt)
     padded = spec.key_padding
     at = lambda name: (scopes or {}).get(name, "global")  # noqa: E731
@@ -136,24 +106,12 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
         return kvh * g + row % g
 
     def logit(score, b, kvh, row, t, kv_len, past_last_tile, attn_mask):
-        """x = log2(e)·(cap(scale·score) + bias) of query row and key t, or −∞ where it is hidden (by
-        the mask rules, an attn_mask, past the keys or past this instance's last tile): as the TE's logits."""
-        seen = [tirx.Not(past_last_tile), t < n_kv, mask.visible(spec, row // g, t, kv_len, _expr(n))]
-        mask_at = tirx.BufferLoad(attn_mask, _mask_index(spec, b, head(kvh, row), row // g, t)) \
+        """x = log2(e)·logit of query row and key t (`variant.logit`), or −∞ where it is hidden (by the
+        variant, past the keys or past this instance's last tile): as the TE's logits, in base 2."""
+        mask_value = tirx.BufferLoad(attn_mask, variant.mask_index(spec, b, head(kvh, row), row // g, t)) \
             if spec.attn_mask else None
-        if spec.softcap is None and spec.attn_mask != "additive":
-            x = score * c  # scale·log2(e) as one constant
-        else:
-            x = score * tirx.const(spec.softmax_scale, ACC)
-            if spec.softcap is not None:
-                x = tirx.const(spec.softcap, ACC) * tirx.tanh(x * tirx.const(1 / spec.softcap, ACC))
-            if spec.attn_mask == "additive":
-                x = x + mask_at
-                seen.append(mask_at > NEG_INF)
-            x = x * tirx.const(LOG2E, ACC)
-        if spec.attn_mask == "bool":
-            seen.append(mask_at)
-        return tirx.Select(tirx.all(*seen), x, NEG_INF)
+        seen = variant.sees(spec, row // g, t, kv_len, _expr(n), mask_value, tirx.Not(past_last_tile), t < n_kv)
+        return tirx.Select(seen, variant.logit(spec, score, mask_value, factor=LOG2E), NEG_INF)
 
     @T.prim_func(s_tir=True)
     def main(q_h: T.handle, k_h: T.handle, v_h: T.handle, lens_h: T.handle, mask_h: T.handle, o_h: T.handle):
@@ -352,21 +310,15 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
     return main.with_attr("global_symbol", "main")
 
 
-def _mask_index(spec: AttentionSpec, b, head, s, t) -> list:
-    """Where attn_mask holds the entry of (b, head, s, t): index 0 on the axes it broadcasts along."""
-    zero = tirx.const(0, "int32")
-    return [ix if axis in spec.attn_mask_dims else zero for axis, ix in zip(MASK_AXES, (b, head, s, t))]
-
-
 def _key_tiles(spec: AttentionSpec, tiles: FlashTiles, row0, split, kv_len, n, n_kv) -> tuple[PrimExpr, PrimExpr]:
     """Key tiles [j_lo, j_hi) that instance (row0, split) visits: its share of the keys, cut to those
-    the mask lets its queries see (`mask.key_range`): causal/window/padding tile skipping."""
+    the mask lets its queries see (`variant.key_range`): causal/window/padding tile skipping."""
     g, Tk = spec.group, tiles.kv_tile
     kv_tiles = tirx.ceildiv(n_kv, Tk)
     share = tirx.ceildiv(kv_tiles, tiles.kv_splits)
     lo, hi = split * share, tirx.min(kv_tiles, split * share + share)
     s_lo, s_hi = row0 // g, tirx.min(n - 1, (row0 + tiles.q_rows - 1) // g)
-    t_lo, t_hi = mask.key_range(spec, s_lo, s_hi, kv_len, n)
+    t_lo, t_hi = variant.key_range(spec, s_lo, s_hi, kv_len, n)
     if t_lo is not None:
         lo = tirx.max(lo, tirx.floordiv(t_lo, Tk))
     if t_hi is not None:
@@ -376,18 +328,3 @@ def _key_tiles(spec: AttentionSpec, tiles: FlashTiles, row0, split, kv_len, n, n
 
 def _expr(x) -> PrimExpr:
     return tirx.const(x, "int32") if isinstance(x, int) else x
-
-
-def build_serial(spec: AttentionSpec, tiles: FlashTiles) -> CompiledAttention:
-    """The template compiled unscheduled for this CPU: the CUDA kernel's numerics, runnable here (a
-    full layer: inside the tensor expression's projections, as on CUDA)."""
-    start = time.perf_counter()
-    target = host_target()
-    if spec.projections:
-        expr = attention_te(spec)
-        func = layer_around(spec, expr, flash_attention(spec, tiles, packed=True, dims=expr.dims))
-    else:
-        func = flash_attention(spec, tiles)
-    executable = tvm.compile(tvm.IRModule({"main": func}), target)
-    return CompiledAttention(spec, target, executable, f"flash template, serial ({tiles})",
-                             time.perf_counter() - start)

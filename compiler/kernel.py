@@ -17,9 +17,8 @@ import numpy as np
 import tvm
 from tvm.runtime import Executable
 from tvm.target import Target
-
-from .errors import TvmAttnError
-from .spec import AttentionSpec
+from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.spec import AttentionSpec
 
 
 def numpy_dtype(dtype: str) -> np.dtype:

@@ -17,9 +17,8 @@ from typing import Callable
 import tvm_ffi
 from tvm import te, tirx
 from tvm.s_tir import SBlock, SBlockRealize
-
-from .spec import AttentionSpec
-from .te_attention import AttentionTE, linear
+from tvmattn.compiler.spec import AttentionSpec
+from tvmattn.compiler.te_attention import AttentionTE, linear
 
 
 def layer_around(spec: AttentionSpec, expr: AttentionTE, core: tirx.PrimFunc,

@@ -6,8 +6,7 @@ Written from the seeds, independently of the tensor expression: plain array oper
 from __future__ import annotations
 
 import numpy as np
-
-from .spec import AttentionSpec
+from tvmattn.compiler.spec import AttentionSpec
 
 
 def reference(spec: AttentionSpec, *arrays: np.ndarray, kv_lens: np.ndarray | None = None,

@@ -15,16 +15,15 @@ from dataclasses import dataclass, field
 import tvm
 import tvm_ffi
 from tvm import tirx
+from tvm.ir.expr import Call
+from tvm.ir.expr import Expr as PrimExpr
 from tvm.s_tir import SBlockRealize
 from tvm.sym import Analyzer, IntervalSet
 from tvm.sym.pattern import detect_linear_equation
-from tvm.ir.expr import Call
-from tvm.ir.expr import Expr as PrimExpr
 from tvm.tirx import For, ForKind, PrimFunc
-
-from . import mask
-from .spec import AttentionSpec
-from .te_attention import KEY_STAGE
+from tvmattn.compiler import variant
+from tvmattn.compiler.spec import AttentionSpec
+from tvmattn.compiler.te_attention import KEY_STAGE
 
 
 # ---- block skipping ------------------------------------------------------------------------------
@@ -34,7 +33,7 @@ def skip_masked_key_tiles(spec: AttentionSpec) -> tvm.transform.Pass:
     For every key stage (blocks marked ``tvmattn.key_stage``; their iterators v_b, v_s, v_t are the
     batch, query and key), with key index ``t = c·L + r`` where L is the outermost loop t depends on:
       1. the queries the block meets inside L: [s_lo, s_hi] (loops inside L relaxed),
-      2. the keys those queries see: [t_lo, t_hi) = `mask.key_range`,
+      2. the keys those queries see: [t_lo, t_hi) = `variant.key_range`,
       3. L's iterations that reach them: ceil((t_lo - r_max)/c) <= L < ceil((t_hi - r_min)/c).
     A loop shared by several blocks keeps the union of their ranges. Each stage reads only keys its
     producer computed, because a consumer's queries are a subset of its producer's. If any key stage
@@ -44,8 +43,7 @@ def skip_masked_key_tiles(spec: AttentionSpec) -> tvm.transform.Pass:
 
     @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.SkipMaskedKeyTiles")
     def transform(func: PrimFunc, _mod, _ctx) -> PrimFunc:
-        # A kernel returning scores or weights writes every key, hidden ones included.
-        if not (spec.causal or spec.window is not None or spec.key_padding) or spec.output != "attn":
+        if not variant.skips_keys(spec):
             return func
         kv_lens = next((p for p in func.params if p.name == "kv_lens"), None)
         ranges = _KeyLoopRanges(spec, kv_lens)
@@ -110,7 +108,7 @@ class _KeyLoopRanges:
         s_set = self.analyzer.int_set(s, relax)
         r_set = self.analyzer.int_set(rest, relax)
         kv_len = tirx.BufferLoad(self.kv_lens, [b]) if self.spec.key_padding else t_iter.dom.extent
-        t_lo, t_hi = mask.key_range(self.spec, s_set.min_value, s_set.max_value, kv_len, s_iter.dom.extent)
+        t_lo, t_hi = variant.key_range(self.spec, s_set.min_value, s_set.max_value, kv_len, s_iter.dom.extent)
         lo, hi = key_loop.min, key_loop.min + key_loop.extent
         if t_lo is not None:
             lo = tirx.max(lo, tirx.floordiv(t_lo - r_set.max_value + (c - 1), c))

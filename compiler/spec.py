@@ -18,7 +18,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Union
 
-from .errors import TvmAttnError
+from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.variant import MASK_AXES, Operand
 
 Dim = Union[int, str]  # a size, or the name of a symbolic size bound at run time
 
@@ -27,7 +28,6 @@ DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16":
 LAYOUTS = ("BHSD", "BSHD")
 CAUSAL_ALIGNS = ("top_left", "bottom_right")
 MASK_KINDS = ("bool", "additive")
-MASK_AXES = "bhst"  # batch, head, query, key: the axes of the scores an attn_mask may vary along
 OUTPUTS = ("attn", "scaled_scores", "logits", "weights")
 
 
@@ -135,15 +135,9 @@ class AttentionSpec:
         names = [x for x in (self.batch, self.seq_len, self.kv_seq_len) if isinstance(x, str)]
         return tuple(dict.fromkeys(names))
 
-    @property
-    def is_masked(self) -> bool:
-        return self.causal or self.window is not None or self.key_padding or self.attn_mask is not None
-
     # ---- the calling convention ----------------------------------------------------------------
     def _bhsd(self, heads: int, seq: Dim, width: int) -> tuple[Dim, ...]:
-        if self.layout == "BHSD":
-            return (self.batch, heads, seq, width)
-        return (self.batch, seq, heads, width)
+        return Operand(self.layout, heads, width).shape(self.batch, seq)
 
     def input_shapes(self) -> dict[str, tuple[Dim, ...]]:
         """Kernel arguments in call order, with their shapes (symbolic sizes as names)."""

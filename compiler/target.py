@@ -10,8 +10,7 @@ from typing import Any
 
 import tvm
 from tvm.target import Target, codegen
-
-from .errors import TvmAttnError
+from tvmattn.compiler.errors import TvmAttnError
 
 DEFAULT_CUDA_ARCH = "sm_90"
 CPU_NAMES = ("cpu", "llvm")

@@ -27,15 +27,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import tvm
 from tvm import te, tirx
 from tvm.ir.expr import Expr as PrimExpr
+from tvmattn.compiler import variant
+from tvmattn.compiler.spec import AttentionSpec, Dim
+from tvmattn.compiler.variant import ACC, Operand
 
-from . import mask
-from .spec import MASK_AXES, AttentionSpec, Dim
-
-ACC = "float32"  # accumulation dtype, whatever the input dtype
 KEY_STAGE = "tvmattn.key_stage"
+
+Reader = Callable[..., PrimExpr]  # (b, head, pos, c) -> element
 
 
 @dataclass
@@ -57,74 +57,69 @@ def attention_te(spec: AttentionSpec) -> AttentionTE:
     dims: dict[str, tirx.Var] = {}
 
     def dim(x: Dim):
-        if isinstance(x, str):
-            return dims.setdefault(x, te.var(x))
-        return x
+        return dims.setdefault(x, te.var(x)) if isinstance(x, str) else x
 
-    B, n, n_kv = dim(spec.batch), dim(spec.n_q), dim(spec.n_kv)
-    h, h_kv, d_k, d_v, d, g = spec.h, spec.h_kv, spec.d_k, spec.d_v, spec.d, spec.group
-    dt = spec.dtype
     stages: dict[str, te.Tensor] = {}
     inputs: list[te.Tensor] = []
+    q_at, k_at, v_at = (_projections if spec.projections else _core_inputs)(spec, dim, inputs, stages)
+    _core(spec, dim, inputs, stages, q_at, k_at, v_at)
+    out = _epilogue(spec, stages, {t.op.name: t for t in inputs})
+    return AttentionTE(spec, inputs, out, stages, dims)
 
-    if spec.projections:
-        x = te.placeholder((B, n, d), dt, "x")
-        x_kv = te.placeholder((B, n_kv, d), dt, "x_kv") if spec.is_cross else x
-        w_q = te.placeholder((d, h * d_k), dt, "w_q")
-        w_k = te.placeholder((d, h_kv * d_k), dt, "w_k")
-        w_v = te.placeholder((d, h_kv * d_v), dt, "w_v")
-        w_o = te.placeholder((h * d_v, d), dt, "w_o")
-        inputs += [x] + ([x_kv] if spec.is_cross else []) + [w_q, w_k, w_v, w_o]
-        stages["q_proj"] = linear(x, w_q, "q_proj")
-        stages["k_proj"] = linear(x_kv, w_k, "k_proj")
-        stages["v_proj"] = linear(x_kv, w_v, "v_proj")
-        stages["q_heads"] = _split_heads(stages["q_proj"], h, d_k, "q_heads")
-        stages["k_heads"] = _split_heads(stages["k_proj"], h_kv, d_k, "k_heads")
-        stages["v_heads"] = _split_heads(stages["v_proj"], h_kv, d_v, "v_heads")
-        q_at, k_at, v_at = (_bhsd_reader(stages[f"{c}_heads"], "BHSD") for c in "qkv")
-    else:
-        shapes = spec.input_shapes()
-        q, k, v = (te.placeholder(tuple(dim(x) for x in shapes[name]), dt, name) for name in "qkv")
-        inputs += [q, k, v]
-        q_at, k_at, v_at = (_bhsd_reader(t, spec.layout) for t in (q, k, v))
 
+# ---- prologue: q, k, v as (b, head, pos, c) readers ---------------------------------------------
+def _projections(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor],
+                 stages: dict[str, te.Tensor]) -> tuple[Reader, Reader, Reader]:
+    """X → W_Q, W_K, W_V → head split; W_O joins the inputs here for the call order."""
+    B, n, n_kv, d, dt = dim(spec.batch), dim(spec.n_q), dim(spec.n_kv), spec.d, spec.dtype
+    x = te.placeholder((B, n, d), dt, "x")
+    x_kv = te.placeholder((B, n_kv, d), dt, "x_kv") if spec.is_cross else x
+    w_q = te.placeholder((d, spec.h * spec.d_k), dt, "w_q")
+    w_k = te.placeholder((d, spec.h_kv * spec.d_k), dt, "w_k")
+    w_v = te.placeholder((d, spec.h_kv * spec.d_v), dt, "w_v")
+    w_o = te.placeholder((spec.h * spec.d_v, d), dt, "w_o")
+    inputs += [x] + ([x_kv] if spec.is_cross else []) + [w_q, w_k, w_v, w_o]
+    for c, src, w, heads, width in (("q", x, w_q, spec.h, spec.d_k), ("k", x_kv, w_k, spec.h_kv, spec.d_k),
+                                    ("v", x_kv, w_v, spec.h_kv, spec.d_v)):
+        stages[f"{c}_proj"] = linear(src, w, f"{c}_proj")  # (B, n, heads·width)
+        stages[f"{c}_heads"] = _split_heads(stages[f"{c}_proj"], heads, width, f"{c}_heads")  # (B, heads, n, width)
+    return tuple(_reader(stages[f"{c}_heads"], Operand("BHSD", 0, 0)) for c in "qkv")
+
+
+def _core_inputs(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor],
+                 stages: dict[str, te.Tensor]) -> tuple[Reader, Reader, Reader]:
+    """q, k, v in the spec's layout."""
+    shapes = spec.input_shapes()
+    q, k, v = (te.placeholder(tuple(dim(x) for x in shapes[name]), spec.dtype, name) for name in "qkv")
+    inputs += [q, k, v]
+    return tuple(_reader(t, Operand(spec.layout, 0, 0)) for t in (q, k, v))
+
+
+# ---- the core: scores → logits → softmax → P·V ---------------------------------------------------
+def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: dict[str, te.Tensor],
+          q_at: Reader, k_at: Reader, v_at: Reader) -> None:
+    B, n, n_kv, h, g = dim(spec.batch), dim(spec.n_q), dim(spec.n_kv), spec.h, spec.group
     if spec.key_padding:
         kv_lens = te.placeholder((B,), "int32", "kv_lens")
         inputs.append(kv_lens)
         kv_len = lambda b: kv_lens[b]  # noqa: E731
     else:
-        kv_len = lambda b: tirx.const(n_kv, "int32") if isinstance(n_kv, int) else n_kv  # noqa: E731
-
+        kv_len = lambda b: _as_expr(n_kv)  # noqa: E731
     mask_at = _attn_mask(spec, dim, inputs)
 
     def visible(b, i, s, t):
-        seen = mask.visible(spec, s, t, kv_len(b), _as_expr(n))
-        if spec.attn_mask == "bool":
-            return tirx.all(seen, mask_at(b, i, s, t))
-        if spec.attn_mask == "additive":  # a -inf bias hides the key like a False would
-            return tirx.all(seen, mask_at(b, i, s, t) > -tirx.infinity(ACC))
-        return seen
+        return variant.sees(spec, s, t, kv_len(b), _as_expr(n), mask_at(b, i, s, t))
 
-    e = te.reduce_axis((0, d_k), "e")
-    scores = te.compute(
+    e = te.reduce_axis((0, spec.d_k), "e")
+    scores = te.compute(  # (B, h, n, n_kv)
         (B, h, n, n_kv),
         lambda b, i, s, t: te.sum(q_at(b, i, s, e).astype(ACC) * k_at(b, i // g, t, e).astype(ACC), axis=e),
         name="scores", attrs={KEY_STAGE: 1})
-    scale = tirx.const(spec.softmax_scale, ACC)
-
-    def scaled(b, i, s, t):
-        x = scores[b, i, s, t] * scale
-        if spec.softcap is None:
-            return x
-        return tirx.const(spec.softcap, ACC) * tirx.tanh(x * tirx.const(1.0 / spec.softcap, ACC))
-
-    def logit(b, i, s, t):
-        x = scaled(b, i, s, t)
-        if spec.attn_mask == "additive":
-            x = x + mask_at(b, i, s, t)
-        return tirx.Select(visible(b, i, s, t), x, -tirx.infinity(ACC))
-
-    logits = te.compute((B, h, n, n_kv), logit, name="logits", attrs={KEY_STAGE: 1})
+    logits = te.compute(
+        (B, h, n, n_kv),
+        lambda b, i, s, t: tirx.Select(visible(b, i, s, t), variant.logit(spec, scores[b, i, s, t], mask_at(b, i, s, t)),
+                                       -tirx.infinity(ACC)),
+        name="logits", attrs={KEY_STAGE: 1})
     t = te.reduce_axis((0, n_kv), "t")
     row_max = te.compute((B, h, n), lambda b, i, s: te.max(logits[b, i, s, t], axis=t),
                          name="row_max", attrs={KEY_STAGE: 1})
@@ -137,45 +132,53 @@ def attention_te(spec: AttentionSpec) -> AttentionTE:
     row_sum = te.compute((B, h, n), lambda b, i, s: te.sum(probs[b, i, s, t], axis=t),
                          name="row_sum", attrs={KEY_STAGE: 1})
     t = te.reduce_axis((0, n_kv), "t")
-    pv = te.compute((B, h, n, d_v),
+    pv = te.compute((B, h, n, spec.d_v),
                     lambda b, i, s, c: te.sum(probs[b, i, s, t] * v_at(b, i // g, t, c).astype(ACC), axis=t),
                     name="pv", attrs={KEY_STAGE: 1})
-
-    def normalise(b, i, s, c):
-        total = row_sum[b, i, s]
-        return tirx.Select(total > 0, pv[b, i, s, c] / total, tirx.const(0, ACC)).astype(dt)
-
     stages.update(scores=scores, logits=logits, row_max=row_max, probs=probs, row_sum=row_sum, pv=pv)
-    if spec.output != "attn":
-        def weight(b, i, s, t):
-            total = row_sum[b, i, s]
-            return tirx.Select(total > 0, probs[b, i, s, t] / total, tirx.const(0, ACC))
 
-        stage = {"scaled_scores": scaled, "logits": logits, "weights": weight}[spec.output]
+
+# ---- epilogue: normalise, and the requested output ----------------------------------------------
+def _epilogue(spec: AttentionSpec, stages: dict[str, te.Tensor], inputs: dict[str, te.Tensor]) -> te.Tensor:
+    B, h, n, n_kv = stages["scores"].shape
+    scores, probs, row_sum, pv = (stages[name] for name in ("scores", "probs", "row_sum", "pv"))
+    dt, d_v = spec.dtype, spec.d_v
+
+    def normalised(x, b, i, s):  # 0 for a row that sees no key
+        total = row_sum[b, i, s]
+        return tirx.Select(total > 0, x / total, tirx.const(0, ACC))
+
+    if spec.output != "attn":
+        stage = {"scaled_scores": lambda b, i, s, t: variant.scaled_score(spec, scores[b, i, s, t]),
+                 "logits": stages["logits"],
+                 "weights": lambda b, i, s, t: normalised(probs[b, i, s, t], b, i, s)}[spec.output]
         # Not a key stage: key-tile skipping must not apply here, the hidden entries are part of the output.
         out = te.compute((B, h, n, n_kv), lambda b, i, s, t: stage(b, i, s, t).astype(dt), name=spec.output)
         stages[spec.output] = out
-    elif spec.projections:
-        attn = te.compute((B, h, n, d_v), normalise, name="attn")
+        return out
+    attn_at = lambda b, i, s, c: normalised(pv[b, i, s, c], b, i, s).astype(dt)  # noqa: E731
+    if spec.projections:
+        attn = te.compute((B, h, n, d_v), attn_at, name="attn")
         merged = te.compute((B, n, h * d_v), lambda b, s, m: attn[b, m // d_v, s, m % d_v], name="merged")
-        out = linear(merged, w_o, "out")
+        out = linear(merged, inputs["w_o"], "out")
         stages.update(attn=attn, merged=merged, out=out)
-    elif spec.layout == "BHSD":
-        out = te.compute((B, h, n, d_v), normalise, name="attn")
-        stages["attn"] = out
+        return out
+    # The iterators keep the axis names of the contract (see the module docstring) in either layout.
+    if spec.layout == "BHSD":
+        out = te.compute((B, h, n, d_v), lambda b, i, s, c: attn_at(b, i, s, c), name="attn")
     else:
-        out = te.compute((B, n, h, d_v), lambda b, s, i, c: normalise(b, i, s, c), name="attn")
-        stages["attn"] = out
-    return AttentionTE(spec, inputs, out, stages, dims)
+        out = te.compute((B, n, h, d_v), lambda b, s, i, c: attn_at(b, i, s, c), name="attn")
+    stages["attn"] = out
+    return out
 
 
-def _attn_mask(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor]) -> Callable | None:
-    """The mask tensor's reader at (b, head, s, t), reading index 0 on the axes it broadcasts along."""
+def _attn_mask(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor]) -> Reader:
+    """The mask tensor's reader at (b, head, s, t); None everywhere when the spec has no attn_mask."""
     if spec.attn_mask is None:
-        return None
+        return lambda *index: None
     m = te.placeholder(tuple(dim(x) for x in spec.attn_mask_shape()), spec.input_dtype("attn_mask"), "attn_mask")
     inputs.append(m)
-    return lambda *index: m[tuple(ix if axis in spec.attn_mask_dims else 0 for axis, ix in zip(MASK_AXES, index))]
+    return lambda b, i, s, t: m[tuple(variant.mask_index(spec, b, i, s, t))]
 
 
 def _as_expr(x) -> PrimExpr:
@@ -199,8 +202,6 @@ def _split_heads(y: te.Tensor, heads: int, width: int, name: str) -> te.Tensor:
                       lambda b, i, s, c: y[b, s, i * width + c], name=name)
 
 
-def _bhsd_reader(t: te.Tensor, layout: str) -> Callable:
-    """Index a (B,h,n,·) or (B,n,h,·) tensor as (b, head, pos, c)."""
-    if layout == "BHSD":
-        return lambda b, i, s, c: t[b, i, s, c]
-    return lambda b, i, s, c: t[b, s, i, c]
+def _reader(t: te.Tensor, layout: Operand) -> Reader:
+    """Index a tensor stored in ``layout`` as (b, head, pos, c)."""
+    return lambda b, i, s, c: t[layout.index(b, i, s, c)]

@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from .kernel import CompiledAttention, numpy_dtype
-from .oracle import reference
-from .spec import AttentionSpec
+from tvmattn.compiler.kernel import CompiledAttention, numpy_dtype
+from tvmattn.compiler.oracle import reference
+from tvmattn.compiler.spec import AttentionSpec
 
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 DEFAULT_SYMBOLIC_SIZES = (1, 37, 128)  # the lengths a symbolic size is checked at when none are given

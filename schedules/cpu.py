@@ -29,11 +29,10 @@ from typing import Mapping
 import tvm
 from tvm.s_tir import Schedule
 from tvm.target import Target
-
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import vector_lanes
-
-from .knobs import Knob, KnobValue
+from tvmattn.schedules.knobs import Knob, KnobValue
+from tvmattn.schedules.rule import AttentionRule
 
 KNOBS = (
     Knob("q_tile", (8, 16, 24, 32, 48, 64), 16, "queries per parallel task (a multiple of the vector width)"),
@@ -54,49 +53,57 @@ INLINED = ("q_heads", "k_heads", "v_heads", "logits", "merged")
 PER_TILE = ("pv", "row_sum", "probs", "row_max", "scores")  # consumers first, for compute_at
 
 
-def defaults(spec: AttentionSpec, target: Target) -> dict[str, int]:
-    """Projection tiles by vector width and model width: 4 rows × 4 vectors of accumulators with
-    AVX-512's 32 registers (4 × 2 with AVX2's 16), and as many column tiles per task as keep the
-    task's W panel within `PANEL_BYTES` (wide models: fewer columns, or W streams from memory)."""
-    if not spec.projections:
-        return {}
-    lanes = vector_lanes(target)
-    vecs = 4 if lanes >= 16 else 2
-    d_in = max(spec.d_model, spec.h * spec.d_v)  # W_O's rows are the merged heads
-    tile_bytes = d_in * vecs * lanes * tvm.DataType(spec.dtype).bits // 8
-    cols = next((c for c in (8, 4, 2) if c * tile_bytes <= PANEL_BYTES), 1)
-    return {"gemm_vecs": vecs, "gemm_block_cols": cols}
+class CpuAttention(AttentionRule):
+    name = "cpu"  # the name tuning records carry
+    KNOBS = KNOBS
 
+    def applies(self, spec: AttentionSpec, target: Target) -> bool:
+        return target.kind.name == "llvm" and spec.output == "attn"
 
-def describe(spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> str:
-    """Which variant ``apply`` builds for ``spec``, with the knobs it reads."""
-    lanes = vector_lanes(target)
-    if _few_tasks_of_one_query(spec, target, lanes) and _divisor_at_most(spec.n_kv, knobs["key_chunks"]) > 1:
-        used = ["key_chunks"]
-        what = f"split-K decode over {_divisor_at_most(spec.n_kv, knobs['key_chunks'])} key chunks"
-    else:
-        used = ["q_tile", "qk_keys", "pv_rows", "pv_vecs"]
-        what = f"query tiles × {lanes}-lane vectors"
-    if spec.projections:
-        used += ["gemm_rows", "gemm_vecs", "gemm_block_rows", "gemm_block_cols"]
-    return f"{what}: " + " ".join(f"{name}={knobs[name]}" for name in used)
+    def defaults(self, spec: AttentionSpec, target: Target) -> dict[str, int]:
+        """Projection tiles by vector width and model width: 4 rows × 4 vectors of accumulators with
+        AVX-512's 32 registers (4 × 2 with AVX2's 16), and as many column tiles per task as keep the
+        task's W panel within `PANEL_BYTES` (wide models: fewer columns, or W streams from memory)."""
+        if not spec.projections:
+            return {}
+        lanes = vector_lanes(target)
+        vecs = 4 if lanes >= 16 else 2
+        d_in = max(spec.d_model, spec.h * spec.d_v)  # W_O's rows are the merged heads
+        tile_bytes = d_in * vecs * lanes * tvm.DataType(spec.dtype).bits // 8
+        cols = next((c for c in (8, 4, 2) if c * tile_bytes <= PANEL_BYTES), 1)
+        return {"gemm_vecs": vecs, "gemm_block_cols": cols}
 
+    def describe(self, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> str:
+        """Which variant ``apply`` builds for ``spec``, with the knobs it reads."""
+        lanes = vector_lanes(target)
+        if _few_tasks_of_one_query(spec, target, lanes) and _divisor_at_most(spec.n_kv, knobs["key_chunks"]) > 1:
+            used = ["key_chunks"]
+            what = f"split-K decode over {_divisor_at_most(spec.n_kv, knobs['key_chunks'])} key chunks"
+        else:
+            used = ["q_tile", "qk_keys", "pv_rows", "pv_vecs"]
+            what = f"query tiles × {lanes}-lane vectors"
+        if spec.projections:
+            used += ["gemm_rows", "gemm_vecs", "gemm_block_rows", "gemm_block_cols"]
+        return f"{what}: " + " ".join(f"{name}={knobs[name]}" for name in used)
 
-def apply(sch: Schedule, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> Schedule:
-    """Schedule the PrimFunc of ``spec`` (in place; returns ``sch``)."""
-    lanes = vector_lanes(target)
-    for name in INLINED:
-        if _has_block(sch, name):
-            sch.compute_inline(sch.get_sblock(name))
-    chunks = _divisor_at_most(spec.n_kv, _int(sch, knobs["key_chunks"]))  # rfactor drops tail predicates
-    if _few_tasks_of_one_query(spec, target, lanes) and chunks > 1:
-        _split_keys(sch, spec, lanes, chunks)
-    else:
-        _attention_core(sch, spec, lanes, knobs)
-    for name in ("q_proj", "k_proj", "v_proj", "out"):
-        if _has_block(sch, name):
-            _gemm(sch, name, lanes, knobs)
-    return sch
+    def apply(self, sch: Schedule, spec: AttentionSpec, target: Target,
+              knobs: Mapping[str, KnobValue]) -> Schedule | None:
+        """Schedule the PrimFunc of ``spec`` (in place; returns ``sch``)."""
+        if not self.applies(spec, target):
+            return None
+        lanes = vector_lanes(target)
+        for name in INLINED:
+            if _has_block(sch, name):
+                sch.compute_inline(sch.get_sblock(name))
+        chunks = _divisor_at_most(spec.n_kv, _int(sch, knobs["key_chunks"]))  # rfactor drops tail predicates
+        if _few_tasks_of_one_query(spec, target, lanes) and chunks > 1:
+            _split_keys(sch, spec, lanes, chunks)
+        else:
+            _attention_core(sch, spec, lanes, knobs)
+        for name in ("q_proj", "k_proj", "v_proj", "out"):
+            if _has_block(sch, name):
+                _gemm(sch, name, lanes, knobs)
+        return sch
 
 
 def _attention_core(sch: Schedule, spec: AttentionSpec, lanes: int, k: Mapping[str, KnobValue]) -> None:

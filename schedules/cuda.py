@@ -29,14 +29,13 @@ import tvm
 from tvm import tirx
 from tvm.s_tir import Schedule, TensorIntrin, dlight
 from tvm.target import Target
-
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.flash import FlashTiles, flash_attention
 from tvmattn.compiler.layer import layer_around
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.te_attention import AttentionTE, attention_te
-
-from .knobs import Knob, KnobValue
+from tvmattn.schedules.knobs import Knob, KnobValue
+from tvmattn.schedules.rule import AttentionRule
 
 KNOBS = (
     Knob("q_rows", (16, 32, 64, 128), 64, "rows (query, query head of the KV group) per thread block",
@@ -53,23 +52,76 @@ WARP = 32
 DECODE_ROWS = 16  # at most this many (query, head) rows: the split-K decode variant
 ROW_STATS = ("m", "l", "m_new", "l_new", "alpha", "tile_max", "tile_sum")
 _SHARED_DYN = ("Q", "K", "V", "S", "PV")
+PIPELINED_LOADS = ("k_load", "v_load")  # the template blocks of a key step that run one tile ahead
 
 
-def defaults(spec: AttentionSpec, target: Target) -> dict[str, int]:
-    """Knobs by arch, dtype and head width. Shared memory per block: sm_80 163 KiB, sm_89 99 KiB,
-    sm_90 227 KiB; the K/V tiles are double-buffered, S and PV are fp32."""
-    sm, width, half = _sm(target), max(spec.d_k, spec.d_v), spec.dtype != "float32"
-    knobs = {"q_rows": 64, "kv_tile": 64 if half else 32, "kv_splits": 1, "warps": 4,
-             "stages": 1 if spec.key_padding else 2}
-    if isinstance(spec.n_q, int) and spec.n_q * spec.group <= DECODE_ROWS:
-        n_kv = spec.n_kv if isinstance(spec.n_kv, int) else 4096
-        splits = max(1, min(32, n_kv // (4 * knobs["kv_tile"])))  # ≥ 4 key tiles per split
-        knobs.update(q_rows=DECODE_ROWS, kv_splits=1 << (splits.bit_length() - 1))  # a knob choice
-    elif width > 64:
-        knobs.update(warps=4 if half else 8)
-        if sm in (86, 87, 89):  # 99 KiB of shared memory: smaller K/V tiles
-            knobs.update(kv_tile=32 if half else 16)
-    return knobs
+class CudaFlashAttention(AttentionRule):
+    name = "cuda"  # the name tuning records carry
+    KNOBS = KNOBS
+
+    def applies(self, spec: AttentionSpec, target: Target) -> bool:
+        return target.kind.name == "cuda" and spec.output == "attn"
+
+    def defaults(self, spec: AttentionSpec, target: Target) -> dict[str, int]:
+        """Knobs by arch, dtype and head width. Shared memory per block: sm_80 163 KiB, sm_89 99 KiB,
+        sm_90 227 KiB; the K/V tiles are double-buffered, S and PV are fp32."""
+        sm, width, half = _sm(target), max(spec.d_k, spec.d_v), spec.dtype != "float32"
+        knobs = {"q_rows": 64, "kv_tile": 64 if half else 32, "kv_splits": 1, "warps": 4,
+                 "stages": 1 if spec.key_padding else 2}
+        if isinstance(spec.n_q, int) and spec.n_q * spec.group <= DECODE_ROWS:
+            n_kv = spec.n_kv if isinstance(spec.n_kv, int) else 4096
+            splits = max(1, min(32, n_kv // (4 * knobs["kv_tile"])))  # ≥ 4 key tiles per split
+            knobs.update(q_rows=DECODE_ROWS, kv_splits=1 << (splits.bit_length() - 1))  # a knob choice
+        elif width > 64:
+            knobs.update(warps=4 if half else 8)
+            if sm in (86, 87, 89):  # 99 KiB of shared memory: smaller K/V tiles
+                knobs.update(kv_tile=32 if half else 16)
+        return knobs
+
+    def describe(self, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> str:
+        """Which kernel ``apply`` builds for ``spec``, with its knobs."""
+        gemms = "wmma tensor cores" if tensor_cores(spec, knobs) else "CUDA cores"
+        kind = "split-K decode" if int(knobs["kv_splits"]) > 1 else "online softmax"
+        layer = " + dlight projections" if spec.projections else ""
+        return f"flash {kind} on {gemms}{layer}: " + " ".join(f"{k.name}={knobs[k.name]}" for k in KNOBS)
+
+    def apply(self, sch: Schedule, spec: AttentionSpec, target: Target,
+              knobs: Mapping[str, KnobValue]) -> Schedule | None:
+        """Schedule the template made by `workload` with the same knobs (in place); for a full layer,
+        return the layer built around it (`layer_around`, dlight GEMMs)."""
+        if not self.applies(spec, target):
+            return None
+        if int(knobs["stages"]) > 1 and spec.key_padding:
+            raise TvmAttnError("stages=2 needs a key-tile count TVM's software pipeliner can analyse; key "
+                               "padding makes it depend on kv_lens: use stages=1")
+        k = _Kernel(sch, spec, knobs)
+        if tensor_cores(spec, knobs) and k.rows % (16 * k.threads // WARP):
+            raise TvmAttnError(f"tensor cores give each warp 16-row tiles: q_rows={k.rows} cannot be shared by "
+                               f"{k.threads // WARP} warps; use q_rows a multiple of {16 * k.threads // WARP} or fewer warps")
+        k.thread_blocks()
+        k.loads()
+        k.row_stages()
+        if tensor_cores(spec, knobs):
+            k.tensor_core_gemm("s_gemm", "s_store", ("Q", "K"), transposed_b=True)
+            k.tensor_core_gemm("pv", "pv_store", ("P", "V"), transposed_b=False)
+        else:
+            k.register_gemm("s_gemm", "s_store")
+            k.register_gemm("pv", "pv_store")
+        k.output_stages()
+        if int(knobs["stages"]) > 1:
+            k.pipeline(async_copy=_sm(target) >= 80)
+        if int(knobs["kv_splits"]) > 1:
+            k.combine_stages()
+        if spec.projections:
+            return Schedule(layer_around(spec, _layer_te(spec), sch.mod["main"], gemm=lambda f: _matmul(f, target)))
+        return sch
+
+    def workload(self, spec: AttentionSpec, knobs: Mapping[str, KnobValue]) -> tirx.PrimFunc:
+        """The core template these knobs shape, with this schedule's buffer placement; for a full layer
+        it reads and writes packed heads, with the layer's symbolic sizes."""
+        tiles = FlashTiles(int(knobs["q_rows"]), int(knobs["kv_tile"]), int(knobs["kv_splits"]), int(knobs["stages"]))
+        dims = _layer_te(spec).dims if spec.projections else None
+        return flash_attention(spec, tiles, packed=spec.projections, scopes=scopes(spec, knobs), dims=dims)
 
 
 def tensor_cores(spec: AttentionSpec, knobs: Mapping[str, KnobValue]) -> bool:
@@ -86,51 +138,6 @@ def scopes(spec: AttentionSpec, knobs: Mapping[str, KnobValue]) -> dict[str, str
     if not tensor_cores(spec, knobs):
         out["PV"] = "local"
     return out
-
-
-def workload(spec: AttentionSpec, knobs: Mapping[str, KnobValue]) -> tirx.PrimFunc:
-    """The core template these knobs shape, with this schedule's buffer placement; for a full layer
-    it reads and writes packed heads, with the layer's symbolic sizes."""
-    tiles = FlashTiles(int(knobs["q_rows"]), int(knobs["kv_tile"]), int(knobs["kv_splits"]), int(knobs["stages"]))
-    dims = _layer_te(spec).dims if spec.projections else None
-    return flash_attention(spec, tiles, packed=spec.projections, scopes=scopes(spec, knobs), dims=dims)
-
-
-def describe(spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> str:
-    """Which kernel ``apply`` builds for ``spec``, with its knobs."""
-    gemms = "wmma tensor cores" if tensor_cores(spec, knobs) else "CUDA cores"
-    kind = "split-K decode" if int(knobs["kv_splits"]) > 1 else "online softmax"
-    layer = " + dlight projections" if spec.projections else ""
-    return f"flash {kind} on {gemms}{layer}: " + " ".join(f"{k.name}={knobs[k.name]}" for k in KNOBS)
-
-
-def apply(sch: Schedule, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> Schedule:
-    """Schedule the template made by `workload` with the same knobs (in place); for a full layer,
-    return the layer built around it (`cuda_layer`)."""
-    if int(knobs["stages"]) > 1 and spec.key_padding:
-        raise TvmAttnError("stages=2 needs a key-tile count TVM's software pipeliner can analyse; key "
-                           "padding makes it depend on kv_lens: use stages=1")
-    k = _Kernel(sch, spec, knobs)
-    if tensor_cores(spec, knobs) and k.rows % (16 * k.threads // WARP):
-        raise TvmAttnError(f"tensor cores give each warp 16-row tiles: q_rows={k.rows} cannot be shared by "
-                           f"{k.threads // WARP} warps; use q_rows a multiple of {16 * k.threads // WARP} or fewer warps")
-    k.thread_blocks()
-    k.loads()
-    k.row_stages()
-    if tensor_cores(spec, knobs):
-        k.tensor_core_gemm("s_gemm", "s_store", ("Q", "K"), transposed_b=True)
-        k.tensor_core_gemm("pv", "pv_store", ("P", "V"), transposed_b=False)
-    else:
-        k.register_gemm("s_gemm", "s_store")
-        k.register_gemm("pv", "pv_store")
-    k.output_stages()
-    if int(knobs["stages"]) > 1:
-        k.pipeline(async_copy=_sm(target) >= 80)
-    if int(knobs["kv_splits"]) > 1:
-        k.combine_stages()
-    if spec.projections:
-        return Schedule(layer_around(spec, _layer_te(spec), sch.mod["main"], gemm=lambda f: _matmul(f, target)))
-    return sch
 
 
 def _matmul(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc:
@@ -257,10 +264,12 @@ class _Kernel:
             self.bind(self.loops("ml_partial", 1)[0])
 
     def pipeline(self, async_copy: bool) -> None:
-        """Load K/V tile j+1 while tile j is computed: loads in stage 0, everything else in stage 1."""
-        j = self.sch.get_loops(self.sch.get_sblock("kv_step"))[-1]
-        self.sch.annotate(j, "software_pipeline_stage", [0, 0, 1, 1, 1])  # k_load, v_load, key_tile,
-        self.sch.annotate(j, "software_pipeline_order", [0, 1, 2, 3, 4])  # state_update, o_copy
+        """Load K/V tile j+1 while tile j is computed: the loads in stage 0, the rest of the step in 1."""
+        step = self.sch.get_sblock("kv_step")
+        j = self.sch.get_loops(step)[-1]
+        names = [self.sch.get(block).name_hint for block in self.sch.get_child_blocks(step)]
+        self.sch.annotate(j, "software_pipeline_stage", [0 if name in PIPELINED_LOADS else 1 for name in names])
+        self.sch.annotate(j, "software_pipeline_order", list(range(len(names))))
         if async_copy:
             self.sch.annotate(j, "software_pipeline_async_stages", [0])
 
@@ -303,7 +312,6 @@ def _cuda_intrinsics() -> ModuleType:
     ``import tvmattn`` must not pay even the CUDA module's few seconds."""
     name = "tvm.s_tir.tensor_intrin.cuda"
     if name not in sys.modules:  # registered under its own name: a later package import reuses it
-        import tvm.s_tir
         path = importlib.util.find_spec("tvm.s_tir").submodule_search_locations[0] + "/tensor_intrin/cuda.py"
         module_spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(module_spec)

@@ -14,9 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Union
 
-from tvm.s_tir import Schedule
 from tvm.ir.expr import Expr as PrimExpr
-
+from tvm.s_tir import Schedule
 from tvmattn.compiler.errors import TvmAttnError
 
 KnobValue = Union[int, PrimExpr]

@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 import tvm
 import tvmattn
 from tvmattn import AttentionSpec

@@ -23,9 +23,9 @@ from collections import defaultdict
 from functools import wraps
 
 from tvmattn.compiler.explain import trace
-from tvmattn.models.presets import PRESETS, preset
 from tvmattn.compiler.tuning import measure, search, tuner
 from tvmattn.compiler.tuning.records import Record
+from tvmattn.models.presets import PRESETS, preset
 
 # The parts of a trial, timed by wrapping the objects that do them.
 PARTS = {

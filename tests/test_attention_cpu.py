@@ -3,12 +3,11 @@ lengths, extreme logits and rows that see no key."""
 
 import numpy as np
 import pytest
+import tvm
+import tvmattn
 from helpers import compiled
 from hypothesis import given, settings
 from strategies import specs
-
-import tvm
-import tvmattn
 from tvmattn import AttentionSpec, TvmAttnError
 from tvmattn.compiler.oracle import reference
 from tvmattn.compiler.verify import TOLERANCE, check, random_inputs

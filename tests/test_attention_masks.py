@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 import tvmattn
 from tvmattn.compiler.verify import check
 

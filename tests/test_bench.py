@@ -4,7 +4,6 @@
 import json
 
 import pytest
-
 from tvmattn import AttentionSpec
 from tvmattn.compiler import bench
 from tvmattn.compiler.cli import main

@@ -11,24 +11,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tvm
+import tvmattn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import specs
-
-import tvm
-from tvm.s_tir import Schedule
-
-import tvmattn
+from tvm.s_tir import dlight
 from tvmattn import AttentionSpec, TvmAttnError
-from tvmattn.compiler import build, cuda_tools
-from tvmattn.compiler.flash import FlashTiles, build_serial
+from tvmattn.compiler import build
+from tvmattn.compiler.build import build_serial
+from tvmattn.compiler.cuda import tools as cuda_tools
+from tvmattn.compiler.flash import FlashTiles
 from tvmattn.compiler.target import resolve_target
 from tvmattn.compiler.te_attention import attention_te
 from tvmattn.compiler.tuning import measure, space
 from tvmattn.compiler.tuning.tuner import tune
 from tvmattn.compiler.verify import check
 from tvmattn.models.presets import PRESETS
-from tvmattn.schedules import cuda, default_knobs, generic
+from tvmattn.schedules import cuda, default_knobs
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
@@ -116,7 +116,8 @@ def quadratic_buffers(spec: AttentionSpec, fallback: bool = False) -> list[str]:
     symbolic = spec.replace(seq_len="n" if spec.n_q != 1 else 1, kv_seq_len="n_kv")
     if fallback:
         target = resolve_target("cuda", "sm_90")
-        mod = generic.apply(Schedule(attention_te(symbolic).prim_func()), symbolic, target, {}).mod
+        with target:
+            mod = dlight.gpu.Fallback().apply(attention_te(symbolic).prim_func(), target, False).mod
     else:
         mod, target = scheduled(symbolic, "sm_90")
 
@@ -165,7 +166,7 @@ def test_fallback_materialises_the_scores_and_the_check_sees_it():
 
 def test_schedule_kinds_follow_the_spec():
     target = resolve_target("cuda", "sm_90")
-    kinds = {name: cuda.describe(spec, target, default_knobs(spec, target)) for name, spec in CONFIGS.items()}
+    kinds = {name: cuda.CudaFlashAttention().describe(spec, target, default_knobs(spec, target)) for name, spec in CONFIGS.items()}
     assert "tensor cores" in kinds["gpt2-core-fp16-causal"] and "tensor cores" in kinds["d128-bf16-bshd"]
     assert "CUDA cores" in kinds["fp32-d64"]
     assert "split-K decode" in kinds["decode-4k"]
@@ -205,7 +206,7 @@ def test_tuning_candidates_build_for_cuda():
     template, scheduled as the search does and built by the tuner's build function."""
     spec = core(seq_len=200, num_heads=4, head_dim=64, causal=True, dtype="float16")
     target = resolve_target("cuda", "sm_80")
-    func = space.workload(spec)
+    func = space.workload(spec, target)
     for q_rows, kv_tile, kv_splits, warps, stages in ((32, 32, 1, 2, 2), (64, 64, 1, 4, 1), (16, 16, 4, 1, 2)):
         values = dict(q_rows=q_rows, kv_tile=kv_tile, kv_splits=kv_splits, warps=warps, stages=stages)
         mod = space.candidate(func, spec, target, values).mod

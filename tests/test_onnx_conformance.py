@@ -16,7 +16,6 @@ import warnings
 
 import numpy as np
 import pytest
-
 import tvmattn
 from onnx_testing import kernels_used
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+import tvmattn
 from onnx import TensorProto as TP
 from onnx import helper as oh
-
-import tvmattn
 from onnx_testing import assert_matches_ort, kernels_used, ort_run, randn
 from tvmattn.compiler.cli import main
 from tvmattn.models.onnx_models import ATTENTIONS, BUILDERS

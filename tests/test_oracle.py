@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-
 from tvmattn import AttentionSpec
 from tvmattn.compiler.oracle import allowed_keys, core, reference
 

@@ -2,22 +2,20 @@
 
 import numpy as np
 import pytest
+import tvm
 import tvm_ffi
 from helpers import compiled
-
-import tvm
 from tvmattn import AttentionSpec, schedules
 from tvmattn.compiler import passes
 from tvmattn.compiler.build import lower, schedule_attention
 from tvmattn.compiler.target import resolve_target
-from tvmattn.compiler.te_attention import attention_te
 from tvmattn.compiler.verify import check
 
 CPU = resolve_target("cpu")
 
 
 def _scheduled(spec):
-    sch, _ = schedules.default_schedule(attention_te(spec).prim_func(), spec, CPU)
+    sch, _ = schedules.schedule(spec, CPU)
     return sch.mod
 
 

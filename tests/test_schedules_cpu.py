@@ -2,9 +2,8 @@
 cross-attention, both layouts, symbolic lengths, and the decode paths (one query; split-K)."""
 
 import pytest
-from helpers import compiled
-
 import tvmattn
+from helpers import compiled
 from tvmattn import AttentionSpec
 from tvmattn.compiler.target import resolve_target, vector_lanes
 from tvmattn.compiler.verify import check
@@ -55,9 +54,9 @@ def test_decode_paths(spec, chunks):
 
 def test_variant_choice():
     cpu_target = resolve_target("cpu")
-    assert cpu.describe(DECODE[1], cpu_target, dict(key_chunks=8)).startswith("split-K decode")
+    assert cpu.CpuAttention().describe(DECODE[1], cpu_target, dict(key_chunks=8)).startswith("split-K decode")
     knobs = dict(q_tile=16, qk_keys=4, pv_rows=4, pv_vecs=2)
-    assert cpu.describe(DECODE[0], cpu_target, knobs).startswith("query tiles")
+    assert cpu.CpuAttention().describe(DECODE[0], cpu_target, knobs).startswith("query tiles")
 
 
 AVX2 = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}

@@ -1,7 +1,6 @@
 """AttentionSpec: derived sizes, the calling convention, and every validation error."""
 
 import pytest
-
 from tvmattn import AttentionSpec, TvmAttnError
 
 

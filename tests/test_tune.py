@@ -12,19 +12,18 @@ import warnings
 from pathlib import Path
 
 import pytest
+import tvmattn
 from tvm.runtime.module import num_threads
 from tvm.s_tir import Schedule
-
-import tvmattn
 from tvmattn.compiler.cli import main
 from tvmattn.compiler.target import cpu_cores, resolve_target, target_key
-from tvmattn.compiler.verify import check, sizes_to_check
-from tvmattn.schedules import cpu
 from tvmattn.compiler.tuning import measure
 from tvmattn.compiler.tuning.progress import Progress
 from tvmattn.compiler.tuning.records import read_dirs, read_file
 from tvmattn.compiler.tuning.space import _sampled, workload
 from tvmattn.compiler.tuning.tuner import _StopRequest
+from tvmattn.compiler.verify import check, sizes_to_check
+from tvmattn.schedules import cpu
 
 KEY = target_key(resolve_target("cpu"))
 TINY = ["--seq", "32", "--d-model", "32", "--heads", "2", "--causal", "--no-projections"]
@@ -156,7 +155,7 @@ def test_metaschedule_design_space_samples_every_declared_knob(spec):
     """The ScheduleFn space MetaSchedule generates: the schedule must accept sampled knobs."""
     target = resolve_target("cpu")
     for seed in (1, 2, 3):
-        sch = Schedule(workload(spec), seed=seed)
+        sch = Schedule(workload(spec, target), seed=seed)
         _sampled(spec, target, sch)
         samples = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
         assert len(samples) == len(cpu.KNOBS)

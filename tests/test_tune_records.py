@@ -11,15 +11,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 import tvmattn
 from tvmattn.compiler.cli import main
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import resolve_target, target_key
+from tvmattn.compiler.tuning.lookup import find
+from tvmattn.compiler.tuning.records import (
+    Record,
+    TuningLogWarning,
+    append,
+    log_file,
+    read_dirs,
+    read_file,
+    spec_key,
+)
 from tvmattn.compiler.verify import check
 from tvmattn.schedules import cpu
-from tvmattn.compiler.tuning.lookup import find
-from tvmattn.compiler.tuning.records import Record, TuningLogWarning, append, log_file, read_dirs, read_file, spec_key
 
 SPEC = AttentionSpec(seq_len=24, d_model=32, num_heads=2, causal=True, projections=False)
 TARGET = resolve_target("cpu")

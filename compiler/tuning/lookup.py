@@ -26,13 +26,16 @@ from typing import Iterable, Sequence
 
 from tvm.s_tir import Schedule
 from tvm.target import Target
-from tvm.tirx import PrimFunc
-
 from tvmattn import schedules
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import target_key
-
-from .records import SHIPPED_DIR, Record, TuningLogWarning, read_dirs, spec_key
+from tvmattn.compiler.tuning.records import (
+    SHIPPED_DIR,
+    Record,
+    TuningLogWarning,
+    read_dirs,
+    spec_key,
+)
 
 SIZE_FIELDS = ("batch", "seq_len", "kv_seq_len")
 
@@ -50,13 +53,14 @@ def search_dirs(extra: Iterable[str | Path] = ()) -> list[Path]:
     return list(dict.fromkeys(d.resolve() for d in dirs))
 
 
-def schedule_name(target: Target) -> str:
-    return schedules.for_target(target).__name__.rsplit(".", 1)[-1]
+def schedule_name(spec: AttentionSpec, target: Target) -> str:
+    """The name of the schedule rule that takes ``spec`` on ``target`` (records carry it)."""
+    return schedules.rule_for(spec, target).name
 
 
 def find(spec: AttentionSpec, target: Target, records: Iterable[Record]) -> Record | None:
     """The record a compile of ``spec`` for ``target`` should use (rules in the module docstring)."""
-    key, tkey, sname = spec_key(spec), target_key(target), schedule_name(target)
+    key, tkey, sname = spec_key(spec), target_key(target), schedule_name(spec, target)
     usable = [r for r in records if r.ok and r.target == tkey and r.schedule == sname]
     canonical = {id(r): _canonical(r.spec) for r in usable}
     usable = [r for r in usable if canonical[id(r)] is not None]
@@ -78,22 +82,22 @@ def find(spec: AttentionSpec, target: Target, records: Iterable[Record]) -> Reco
     return best[2] if best else None
 
 
-def tuned_schedule(func: PrimFunc, spec: AttentionSpec, target: Target,
+def tuned_schedule(spec: AttentionSpec, target: Target,
                    log_dirs: Sequence[str | Path] = ()) -> tuple[Schedule | None, str]:
     """The schedule of the best applicable record and a sentence about it; ``(None, why)`` if none."""
     record = find(spec, target, read_dirs(search_dirs(log_dirs), target_key(target)))
     if record is None:
         return None, f"no tuning record for this workload ({target_key(target)})"
-    rules = schedules.for_target(target)
+    rule = schedules.rule_for(spec, target)
     try:
-        sch, how = schedules.default_schedule(func, spec, target, record.knobs)
+        sch, how = schedules.schedule(spec, target, record.knobs)
     except Exception as err:  # a TvmAttnError from the knob check or a TVM ScheduleError
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         warnings.warn(f"tuning record {record.source} no longer applies to the {record.schedule} schedule "
                       f"({reason}); using the default schedule — re-tune to refresh it", TuningLogWarning,
                       stacklevel=2)
         return None, "the tuning record is stale"
-    missing = [k.name for k in rules.KNOBS if k.name not in record.knobs]
+    missing = [k.name for k in rule.KNOBS if k.name not in record.knobs]
     if missing:
         warnings.warn(f"tuning record {record.source} predates knob(s) {', '.join(missing)}: they take their "
                       f"defaults — re-tune to search them", TuningLogWarning, stacklevel=2)

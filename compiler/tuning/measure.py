@@ -27,12 +27,16 @@ from tvm import rpc
 from tvm.ir.utils import derived_object
 from tvm.s_tir.meta_schedule.builder import BuilderInput, BuilderResult, LocalBuilder
 from tvm.s_tir.meta_schedule.builder.local_builder import _worker_func as _build_worker
-from tvm.s_tir.meta_schedule.runner import EvaluatorConfig, LocalRunner, RPCConfig, RPCRunner
+from tvm.s_tir.meta_schedule.runner import (
+    EvaluatorConfig,
+    LocalRunner,
+    RPCConfig,
+    RPCRunner,
+)
 from tvm.s_tir.meta_schedule.runner.utils import alloc_argument_common
 from tvm.s_tir.meta_schedule.utils import get_global_func_on_rpc_session
 from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 from tvm.target import Target
-
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import cpu_cores
@@ -138,8 +142,7 @@ def rpc_runner(spec: AttentionSpec, remote: RemoteDevices) -> RPCRunner:
 def build_candidate(mod: tvm.IRModule, target: Target, _params) -> tvm.runtime.Executable:
     """`tvmattn.compile`'s steps after scheduling, for the spec the workload carries."""
     from tvmattn.compiler.build import lowering_passes, tvm_compile
-
-    from .space import spec_of
+    from tvmattn.compiler.tuning.space import spec_of
 
     return tvm_compile(lowering_passes(spec_of(mod), target)(mod), target)
 

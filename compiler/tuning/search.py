@@ -25,11 +25,9 @@ from tvm.s_tir.meta_schedule.runner import RunnerResult
 from tvm.s_tir.meta_schedule.search_strategy import MeasureCandidate, PySearchStrategy
 from tvm.target import Target
 from tvm.tirx import PrimFunc
-
 from tvmattn.compiler.spec import AttentionSpec
-
-from .records import Record
-from .space import KnobSpace, Point, candidate, relevant
+from tvmattn.compiler.tuning.records import Record
+from tvmattn.compiler.tuning.space import KnobSpace, Point, candidate, relevant
 
 POOL_FACTOR = 3  # schedules built per candidate measured: the cost model's room to choose
 EXPLORE = 0.25  # share of each round measured at random from the pool

@@ -22,10 +22,8 @@ from tvm.s_tir import Schedule
 from tvm.s_tir.meta_schedule.space_generator import ScheduleFn
 from tvm.target import Target
 from tvm.tirx import PrimFunc
-
 from tvmattn import schedules
 from tvmattn.compiler.spec import AttentionSpec
-from tvmattn.compiler.te_attention import attention_te
 from tvmattn.schedules.knobs import Knob, sample
 
 Point = tuple[int, ...]
@@ -85,9 +83,12 @@ def relevant(space: KnobSpace, schedule_hash) -> KnobSpace:
     return KnobSpace(tuple(knobs))
 
 
-def workload(spec: AttentionSpec) -> PrimFunc:
-    """The PrimFunc of a concrete spec, carrying the spec for the build workers' tvmattn passes."""
-    return attention_te(spec).prim_func().with_attr(SPEC_ATTR, json.dumps(spec.to_dict()))
+def workload(spec: AttentionSpec, target: Target) -> PrimFunc:
+    """The function the rule for a concrete spec schedules (default knobs), carrying the spec for the
+    build workers' tvmattn passes."""
+    rule = schedules.rule_for(spec, target)
+    func = rule.workload(spec, schedules.default_knobs(spec, target))
+    return func.with_attr(SPEC_ATTR, json.dumps(spec.to_dict()))
 
 
 def spec_of(mod: tvm.IRModule) -> AttentionSpec:
@@ -98,7 +99,7 @@ def spec_of(mod: tvm.IRModule) -> AttentionSpec:
 def candidate(func: PrimFunc, spec: AttentionSpec, target: Target, values: Mapping[str, int]) -> Schedule:
     """The schedule `tvmattn.compile` builds for these knob values (carrying ``func``'s spec attribute
     also where the schedule replaced the function: the CUDA template, a full layer)."""
-    sch = schedules.default_schedule(func, spec, target, values)[0]
+    sch = schedules.schedule(spec, target, values)[0]
     main = sch.mod["main"]
     if SPEC_ATTR in func.attrs and SPEC_ATTR not in main.attrs:
         sch = Schedule(main.with_attr(SPEC_ATTR, func.attrs[SPEC_ATTR]))
@@ -115,7 +116,7 @@ def _sampled(spec: AttentionSpec, target: Target, sch: Schedule) -> Schedule:
     """A sampled schedule. A schedule of its own template (CUDA) is its default instead: some knobs
     shape the template and others must fit them (warps and q_rows), so `KnobSearch` enumerates that
     grid itself and MetaSchedule only needs one valid design space."""
-    rules = schedules.for_target(target)
-    if hasattr(rules, "workload"):
-        return schedules.default_schedule(sch.mod["main"], spec, target)[0]
-    return rules.apply(sch, spec, target, sample(sch, rules.KNOBS))
+    rule = schedules.rule_for(spec, target)
+    if any(k.shapes_workload for k in rule.KNOBS):
+        return schedules.schedule(spec, target)[0]
+    return rule.apply(sch, spec, target, sample(sch, rule.KNOBS))

@@ -32,19 +32,23 @@ from tvm.s_tir.meta_schedule.logging import get_logging_func
 from tvm.s_tir.meta_schedule.measure_callback import MeasureCallback
 from tvm.s_tir.meta_schedule.task_scheduler import TaskScheduler
 from tvm.s_tir.meta_schedule.tune_context import TuneContext, _normalize_mod
-
 from tvmattn import schedules
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.explain import trace
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import cpu_cores, resolve_target, target_key
-
-from . import measure
-from .lookup import schedule_name, user_dir
-from .progress import Progress
-from .records import Record, append, log_file, read_dirs, spec_key
-from .search import KnobSearch, Measurement, Task
-from .space import KnobSpace, design_space, workload
+from tvmattn.compiler.tuning import measure
+from tvmattn.compiler.tuning.lookup import schedule_name, user_dir
+from tvmattn.compiler.tuning.progress import Progress
+from tvmattn.compiler.tuning.records import (
+    Record,
+    append,
+    log_file,
+    read_dirs,
+    spec_key,
+)
+from tvmattn.compiler.tuning.search import KnobSearch, Measurement, Task
+from tvmattn.compiler.tuning.space import KnobSpace, design_space, workload
 
 TRIALS_PER_ROUND = 8  # candidates built and measured per round (a fresh build pool each round)
 COST_MODEL_WARMUP = 16  # measurements before the cost model's ranking replaces random ranking
@@ -117,15 +121,15 @@ def tune(spec: AttentionSpec, target: Any = "cpu", *, trials: int = 64, at: Sequ
         raise TvmAttnError(f"--trials {trials}: give a positive number of measurements")
     spec.validate()
     tgt = resolve_target(target, arch)
-    rules = schedules.for_target(tgt)
-    if not rules.KNOBS:
-        raise TvmAttnError(f"the {schedule_name(tgt)} schedule declares no knobs: there is nothing to tune "
+    rule = schedules.rule_for(spec, tgt)
+    if not rule.KNOBS:
+        raise TvmAttnError(f"the {rule.name} schedule declares no knobs: there is nothing to tune "
                            f"for {target_key(tgt)} yet")
     if tgt.kind.name == "cuda" and remote is None and not tvm.cuda(0).exist:
         raise TvmAttnError("tuning for CUDA measures on a GPU, and this machine has none: run `tvmattn tune` "
                            "where one is, or measure there over RPC (--rpc HOST:PORT --device-key KEY)")
     defaults = schedules.default_knobs(spec, tgt)  # per arch and spec where the schedule says so
-    space = KnobSpace(tuple(dataclasses.replace(k, default=defaults[k.name]) for k in rules.KNOBS))
+    space = KnobSpace(tuple(dataclasses.replace(k, default=defaults[k.name]) for k in rule.KNOBS))
     points = representative_points(spec, at)
     out_dir = Path(log_dir).expanduser() if log_dir else user_dir()
     path = log_file(out_dir, target_key(tgt), spec)
@@ -136,7 +140,7 @@ def tune(spec: AttentionSpec, target: Any = "cpu", *, trials: int = 64, at: Sequ
     for sizes in points:
         instance = instantiate(spec, sizes)
         done = [r for r in prior if r.at == sizes]
-        tasks.append((Task(spec, sizes, instance, workload(instance), tgt, space, trials - len(done)), done))
+        tasks.append((Task(spec, sizes, instance, workload(instance, tgt), tgt, space, trials - len(done)), done))
     todo = [(t, done) for t, done in tasks if t.budget > 0]
     stop = _StopRequest()
     written: dict[tuple, int] = {}
@@ -171,7 +175,7 @@ def tune(spec: AttentionSpec, target: Any = "cpu", *, trials: int = 64, at: Sequ
 
 def _earlier(out_dir: Path, spec: AttentionSpec, target: tvm.target.Target) -> list[Record]:
     """This workload's records already in the output directory (resuming from them)."""
-    key, name = spec_key(spec), schedule_name(target)
+    key, name = spec_key(spec), schedule_name(spec, target)
     return [r for r in read_dirs([out_dir], target_key(target)) if r.spec == key and r.schedule == name]
 
 
@@ -266,7 +270,7 @@ class _Journal:
             latency = statistics.median(m.run_secs) if m.run_secs else None
             records.append(Record(
                 spec=spec_key(task.spec), at=task.at, target=target_key(self.target),
-                schedule=schedule_name(self.target), knobs=m.knobs,
+                schedule=schedule_name(task.spec, self.target), knobs=m.knobs,
                 latency_us=round(latency * 1e6, 3) if latency else None,
                 runs_us=[round(s * 1e6, 3) for s in m.run_secs or []], error=m.error,
                 gflops=round(flops / latency / 1e9, 2) if latency and flops else None,

@@ -16,8 +16,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import numpy_helper
 from onnx.reference import ReferenceEvaluator
-
-from .errors import TvmAttnError
+from tvmattn.compiler.errors import TvmAttnError
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
 # Ops whose value is not a function of their inputs, or which hold subgraphs: never folded.

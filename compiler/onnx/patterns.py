@@ -32,9 +32,8 @@ import numpy as np
 import tvm
 from tvm import relax, tirx
 from tvm.relax.dpl import DFPattern, is_const, is_op, is_tuple_get_item, wildcard
-
-from .errors import TvmAttnError
-from .relax_attention import Kernels, Mask, attend, shape_of
+from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.onnx.kernels import Kernels, Mask, attend, shape_of
 
 SOURCE = "pattern: decomposed attention"
 _HUGE_NEGATIVE = -1e30  # a fill at or below this absorbs any score: where(keep, s, f) == s + where(keep, 0, f)

@@ -14,10 +14,9 @@ from tvm import relax, tirx
 from tvm.ir.expr import Expr as PrimExpr
 from tvm.sym import Analyzer
 from tvm.target import Target
-
-from .build import schedule_attention
-from .errors import TvmAttnError
-from .spec import AttentionSpec, Dim
+from tvmattn.compiler.build import schedule_attention
+from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.spec import AttentionSpec, Dim
 
 _OPAQUE = 8  # relax op_pattern kOpaque: FuseOps must not merge a scheduled kernel with its neighbours
 

@@ -23,15 +23,14 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.target import Target
-
-from . import onnx_graph, relax_patterns
-from .build import tvm_compile
-from .errors import TvmAttnError
-from .kernel import numpy_dtype
-from .onnx_converters import Node, find
-from .onnx_shape_ops import SHAPE_FIXES
-from .relax_attention import Kernels, Replacement
-from .target import resolve_target
+from tvmattn.compiler.build import tvm_compile
+from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.kernel import numpy_dtype
+from tvmattn.compiler.onnx import graph, patterns
+from tvmattn.compiler.onnx.converters import Node, find
+from tvmattn.compiler.onnx.kernels import Kernels, Replacement
+from tvmattn.compiler.onnx.shape_ops import SHAPE_FIXES
+from tvmattn.compiler.target import resolve_target
 
 
 @dataclass(frozen=True)
@@ -122,12 +121,12 @@ def import_onnx(model: Any, target: Any = "cpu", *, arch: str | None = None) -> 
     """Import an ONNX model (a path, bytes or ModelProto), compile it for ``target``, attention on tvmattn."""
     start = time.perf_counter()
     tgt = resolve_target(target, arch)
-    proto = onnx_graph.name_nodes(onnx_graph.load(model))
-    proto = onnx_graph.fold_static(proto, keep=[(n.domain, n.op_type) for n in proto.graph.node if find(n)])
+    proto = graph.name_nodes(graph.load(model))
+    proto = graph.fold_static(proto, keep=[(n.domain, n.op_type) for n in proto.graph.node if find(n)])
     kernels = Kernels(tgt)
     importer = _Importer(proto, kernels)
     mod = importer.convert()
-    mod = relax_patterns.rewrite(mod, kernels, importer.provenance)
+    mod = patterns.rewrite(mod, kernels, importer.provenance)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -136,7 +135,7 @@ def import_onnx(model: Any, target: Any = "cpu", *, arch: str | None = None) -> 
             raise TvmAttnError(f"TVM could not compile the imported model for {tgt.kind.name}: "
                                f"{str(err).strip().splitlines()[-1]}") from err
     report = ImportReport(proto.graph.name or "model", tgt.kind.name, list(kernels.replacements),
-                          relax_patterns.remaining_softmax(mod, importer.provenance),
+                          patterns.remaining_softmax(mod, importer.provenance),
                           time.perf_counter() - start)
     return ImportedModel(tgt, executable, _graph_inputs(proto), [o.name for o in proto.graph.output], report)
 
@@ -154,7 +153,7 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
         self._current: onnx.NodeProto | None = None
 
     def convert(self) -> tvm.IRModule:
-        opset = onnx_graph.opset_of(self.model) or 1
+        opset = graph.opset_of(self.model) or 1
         # TVM's importer warns about renamed inputs and dynamic shapes, and prints the node it failed on
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")

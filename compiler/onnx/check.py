@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-
-from .errors import TvmAttnError
-from .kernel import numpy_dtype
-from .onnx_import import GraphInput, ImportedModel
-from .verify import TOLERANCE, Check, errors
+from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.kernel import numpy_dtype
+from tvmattn.compiler.onnx.importer import GraphInput, ImportedModel
+from tvmattn.compiler.verify import TOLERANCE, Check, errors
 
 DEFAULT_SIZE = 4  # the value of a named dimension when none is given
 

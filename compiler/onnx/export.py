@@ -11,14 +11,16 @@ row is masked ONNX Runtime gives NaN; the kernel gives zeros.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
-
-from .errors import TvmAttnError
-from .kernel import numpy_dtype
-from .spec import AttentionSpec
-from .verify import random_inputs
+from tvmattn.compiler import variant
+from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.kernel import numpy_dtype
+from tvmattn.compiler.spec import AttentionSpec
+from tvmattn.compiler.verify import random_inputs
 
 _ELEM = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16,
          "int32": TensorProto.INT32, "bool": TensorProto.BOOL}
@@ -84,7 +86,7 @@ class _Builder:
         spec = self.spec
         if layout == "BSHD":
             q, k, v = (self.op("Transpose", t, perm=[0, 2, 1, 3]) for t in (q, k, v))
-        keep, bias = self.mask(structural=self.opset < 23 or not self._plain_causal())
+        keep, bias = self.mask(structural=self.opset < 23 or not variant.plain_causal(self.spec))
         if self.opset >= 23:
             o = self.attention_op(q, k, v, keep, bias, layout)
         else:
@@ -109,7 +111,7 @@ class _Builder:
                 bias = self.op("Cast", bias, to=self.elem)
             hidden = self.const(np.array(-np.inf, dtype=numpy_dtype(spec.dtype)))
             mask = bias if keep is None else self.op("Where", keep, bias, hidden)
-        if self._plain_causal():
+        if variant.plain_causal(self.spec):
             attrs["is_causal"] = 1
         return self.op("Attention", q, k, v, *([mask] if mask else []), **attrs)
 
@@ -130,18 +132,12 @@ class _Builder:
         return self.op("MatMul", self.op("Softmax", s, axis=-1), v)
 
     # ---- masks ---------------------------------------------------------------------------------------
-    def _plain_causal(self) -> bool:
-        """Causal as the Attention op's is_causal says it: top-left, no window, no padding."""
-        s = self.spec
-        return s.causal and s.window is None and not s.key_padding and (
-            s.causal_align == "top_left" or s.n_q == s.n_kv)
-
     def mask(self, structural: bool) -> tuple[str | None, str | None]:
         """The bool keep-mask (the position rules when ``structural``, and a bool attn_mask) and the
         additive attn_mask."""
         spec = self.spec
         keep = None
-        if structural and (spec.causal or spec.window is not None or spec.key_padding):
+        if structural and variant.has_position_rules(spec):
             keep = self.positions()
         bias = None
         if spec.attn_mask == "bool":
@@ -151,7 +147,7 @@ class _Builder:
         return keep, bias
 
     def positions(self) -> str:
-        """(B|1, 1, n, n_kv) bool from the spec's causal/window/padding rule (see compiler/mask.py)."""
+        """(B|1, 1, n, n_kv) bool: the spec's position rules (`variant.visible`) as ONNX nodes."""
         spec = self.spec
         src_q = "x" if spec.projections else "q"
         src_kv = ("x_kv" if spec.is_cross else "x") if spec.projections else "k"
@@ -165,22 +161,9 @@ class _Builder:
         if spec.key_padding:  # (B, 1, 1, 1)
             length = self.op("Reshape", self.op("Cast", "kv_lens", to=TensorProto.INT64),
                              self.const(np.array([-1, 1, 1, 1])))
-        pos = self.op("Add", i, self.op("Sub", length, n)) if spec.causal_align == "bottom_right" else i
-        rules = []
-        if spec.causal:
-            rules.append(self.op("LessOrEqual", j, pos))
-        if spec.window is not None:
-            w = self.const(np.int64(spec.window))
-            rules.append(self.op("Greater", j, self.op("Sub", pos, w)))
-            if not spec.causal:
-                rules.append(self.op("Less", j, self.op("Add", pos, w)))
-        if spec.key_padding:
-            rules.append(self.op("Less", j, length))
-        keep = rules[0]
-        for r in rules[1:]:
-            keep = self.op("And", keep, r)
-        rank = 4 if spec.key_padding else 2
-        return keep if rank == 4 else self.op("Unsqueeze", keep, self.const(np.array([0, 1])))
+        keep = variant.visible(spec, _Value(self, i), _Value(self, j), _Value(self, length), _Value(self, n),
+                               lambda rules: functools.reduce(lambda a, b: a & b, rules)).name
+        return keep if spec.key_padding else self.op("Unsqueeze", keep, self.const(np.array([0, 1])))
 
     # ---- head split, merge, repeat ---------------------------------------------------------------------
     def split(self, t: str, heads: int, width: int) -> str:
@@ -203,3 +186,29 @@ class _Builder:
         t = self.op("Expand", self.op("Unsqueeze", t, self.const(np.array([2]))), wide)
         return self.op("Reshape", t, self.op("Concat", batch, self.const(np.array([spec.h])), seq,
                                              self.const(np.array([width])), axis=0))
+
+
+class _Value:
+    """An int64 ONNX value with the operators the variant's position rules use, each one a node."""
+
+    def __init__(self, builder: _Builder, name: str) -> None:
+        self.builder, self.name = builder, name
+
+    def _apply(self, op_type: str, other) -> "_Value":
+        rhs = other.name if isinstance(other, _Value) else self.builder.const(np.int64(other))
+        return _Value(self.builder, self.builder.op(op_type, self.name, rhs))
+
+    def __add__(self, other) -> "_Value":
+        return self._apply("Add", other)
+
+    def __sub__(self, other) -> "_Value":
+        return self._apply("Sub", other)
+
+    def __lt__(self, other) -> "_Value":
+        return self._apply("Less", other)
+
+    def __le__(self, other) -> "_Value":
+        return self._apply("LessOrEqual", other)
+
+    def __and__(self, other) -> "_Value":
+        return self._apply("And", other)

@@ -16,9 +16,8 @@ from tvm import tirx
 from tvm.ir.expr import Expr as PrimExpr
 from tvm.s_tir.analysis import calculate_allocated_bytes, verify_gpu_code
 from tvm.target import Target
-
-from .cuda_pipeline import compile_cuda, lower_cuda
-from .errors import TvmAttnError
+from tvmattn.compiler.cuda.pipeline import compile_cuda, lower_cuda
+from tvmattn.compiler.errors import TvmAttnError
 
 _PTXAS_FUNC = re.compile(r"Compiling entry function '(\w+)'")
 _PTXAS_USED = re.compile(r"Used (\d+) registers")

@@ -2,7 +2,7 @@
 
 A converter gets the `Node` (its proto, attributes, the BlockBuilder and the module's kernels) and the
 node's inputs as Relax expressions (None where absent), and returns its outputs (None where the node
-does not ask for one). The attention itself always becomes `relax_attention.attend`: the converters
+does not ask for one). The attention itself always becomes `kernels.attend`: the converters
 only reshape heads, concatenate caches and translate masks into AttentionSpec fields.
 """
 
@@ -14,9 +14,8 @@ from typing import Any, Callable
 import numpy as np
 import onnx
 from tvm import relax
-
-from .errors import TvmAttnError
-from .relax_attention import Kernels, Mask, Sizes, attend, shape_of, static
+from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.onnx.kernels import Kernels, Mask, Sizes, attend, shape_of, static
 
 Converter = Callable[["Node", list], list]
 CONVERTERS: dict[tuple[str, str], Converter] = {}

@@ -1,0 +1,46 @@
+"""The contract every attention schedule rule keeps (TVM dlight's `ScheduleRule` is the model).
+
+A rule is tried for a (spec, target) pair; `schedules.rule_for` takes the first in its target's list
+that applies. It declares its knob space once (``KNOBS``: split factors, or template shapes), so the
+default build, a tuning record and MetaSchedule's design space all go through the same `apply`:
+the default build passes integers, MetaSchedule the random variables of ``sample_categorical``.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from tvm.s_tir import Schedule
+from tvm.target import Target
+from tvm.tirx import PrimFunc
+from tvmattn.compiler.spec import AttentionSpec
+from tvmattn.compiler.te_attention import attention_te
+from tvmattn.schedules.knobs import Knob, KnobValue
+
+
+class AttentionRule:
+    """One way to schedule the attention of a spec on a target kind."""
+
+    name: str  # stored in tuning records: a record is used only by the rule that measured it
+    KNOBS: tuple[Knob, ...] = ()
+
+    def applies(self, spec: AttentionSpec, target: Target) -> bool:
+        """Whether this rule schedules ``spec`` on ``target``."""
+        raise NotImplementedError
+
+    def defaults(self, spec: AttentionSpec, target: Target) -> dict[str, int]:
+        """Knob defaults that depend on the spec and the target (beyond each knob's own default)."""
+        return {}
+
+    def workload(self, spec: AttentionSpec, knobs: Mapping[str, KnobValue]) -> PrimFunc:
+        """The PrimFunc this rule schedules: the tensor expression's, unless the rule has a template."""
+        return attention_te(spec).prim_func()
+
+    def apply(self, sch: Schedule, spec: AttentionSpec, target: Target,
+              knobs: Mapping[str, KnobValue]) -> Schedule | None:
+        """Schedule ``sch`` (of `workload`'s function for ``knobs``); None when the rule does not apply."""
+        raise NotImplementedError
+
+    def describe(self, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> str:
+        """The kernel `apply` builds, in words, with the knobs it reads."""
+        raise NotImplementedError
