@@ -55,10 +55,8 @@ PER_TILE = ("pv", "row_sum", "probs", "row_max", "scores")  # consumers first, f
 
 class CpuAttention(AttentionRule):
     name = "cpu"  # the name tuning records carry
+    target_kind = "llvm"
     KNOBS = KNOBS
-
-    def applies(self, spec: AttentionSpec, target: Target) -> bool:
-        return target.kind.name == "llvm" and spec.output == "attn"
 
     def defaults(self, spec: AttentionSpec, target: Target) -> dict[str, int]:
         """Projection tiles by vector width and model width: 4 rows × 4 vectors of accumulators with

@@ -57,10 +57,8 @@ PIPELINED_LOADS = ("k_load", "v_load")  # the template blocks of a key step that
 
 class CudaFlashAttention(AttentionRule):
     name = "cuda"  # the name tuning records carry
+    target_kind = "cuda"
     KNOBS = KNOBS
-
-    def applies(self, spec: AttentionSpec, target: Target) -> bool:
-        return target.kind.name == "cuda" and spec.output == "attn"
 
     def defaults(self, spec: AttentionSpec, target: Target) -> dict[str, int]:
         """Knobs by arch, dtype and head width. Shared memory per block: sm_80 163 KiB, sm_89 99 KiB,

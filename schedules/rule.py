@@ -22,11 +22,13 @@ class AttentionRule:
     """One way to schedule the attention of a spec on a target kind."""
 
     name: str  # stored in tuning records: a record is used only by the rule that measured it
+    target_kind: str | None = None  # the TVM target kind it schedules (None: every kind)
     KNOBS: tuple[Knob, ...] = ()
 
     def applies(self, spec: AttentionSpec, target: Target) -> bool:
-        """Whether this rule schedules ``spec`` on ``target``."""
-        raise NotImplementedError
+        """Whether this rule schedules ``spec`` on ``target``: by default, the attention output on
+        its target kind."""
+        return target.kind.name == self.target_kind and spec.output == "attn"
 
     def defaults(self, spec: AttentionSpec, target: Target) -> dict[str, int]:
         """Knob defaults that depend on the spec and the target (beyond each knob's own default)."""

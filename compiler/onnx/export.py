@@ -189,7 +189,8 @@ class _Builder:
 
 
 class _Value:
-    """An int64 ONNX value with the operators the variant's position rules use, each one a node."""
+    """An int64 ONNX value whose Python operators add nodes: the variant's position rules, written
+    with operators, build the graph unchanged."""
 
     def __init__(self, builder: _Builder, name: str) -> None:
         self.builder, self.name = builder, name
@@ -198,17 +199,9 @@ class _Value:
         rhs = other.name if isinstance(other, _Value) else self.builder.const(np.int64(other))
         return _Value(self.builder, self.builder.op(op_type, self.name, rhs))
 
-    def __add__(self, other) -> "_Value":
-        return self._apply("Add", other)
 
-    def __sub__(self, other) -> "_Value":
-        return self._apply("Sub", other)
-
-    def __lt__(self, other) -> "_Value":
-        return self._apply("Less", other)
-
-    def __le__(self, other) -> "_Value":
-        return self._apply("LessOrEqual", other)
-
-    def __and__(self, other) -> "_Value":
-        return self._apply("And", other)
+_OPERATORS = {"__add__": "Add", "__sub__": "Sub", "__mul__": "Mul", "__floordiv__": "Div", "__mod__": "Mod",
+              "__lt__": "Less", "__le__": "LessOrEqual", "__gt__": "Greater", "__ge__": "GreaterOrEqual",
+              "__eq__": "Equal", "__and__": "And", "__or__": "Or"}  # Div and Mod floor on the non-negative positions
+for _name, _op_type in _OPERATORS.items():
+    setattr(_Value, _name, lambda self, other, _op_type=_op_type: self._apply(_op_type, other))
