@@ -48,9 +48,9 @@ def skips_keys(spec: AttentionSpec) -> bool:
 
 
 def plain_causal(spec: AttentionSpec) -> bool:
-    """Causal as PyTorch's and ONNX's ``is_causal`` flag says it: top-left, no window, no padding."""
+    """Causal as PyTorch's and ONNX's ``is_causal`` flag says it: top-left, and no other position rule."""
     top_left = spec.causal_align == "top_left" or (isinstance(spec.n_q, int) and spec.n_q == spec.n_kv)
-    return spec.causal and spec.window is None and not spec.key_padding and top_left
+    return spec.causal and top_left and not has_position_rules(spec.replace(causal=False))
 
 
 def _position(spec: AttentionSpec, s: Any, kv_len: Any, n_q: Any) -> Any:
