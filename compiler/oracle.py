@@ -58,11 +58,12 @@ def core(spec: AttentionSpec, q: np.ndarray, k: np.ndarray, v: np.ndarray,
         with np.errstate(invalid="ignore"):  # inf - inf where hidden; np.where drops it
             logits = scores + bias
     logits = np.where(allowed, logits, -np.inf)
-    row_max = logits.max(axis=-1, keepdims=True)
-    row_max = np.where(np.isfinite(row_max), row_max, 0.0)  # a row with no visible key
-    weights = np.exp(logits - row_max)
+    row_max = logits.max(axis=-1, keepdims=True)  # NaN where a NaN is in the row: it propagates
+    row_max = np.where(np.isneginf(row_max), 0.0, row_max)  # a row with no visible key
+    with np.errstate(invalid="ignore"):  # inf - inf where a logit is +inf: NaN, as the references give
+        weights = np.exp(logits - row_max)
     total = weights.sum(axis=-1, keepdims=True)
-    weights = np.divide(weights, total, out=np.zeros_like(weights), where=total > 0)
+    weights = np.divide(weights, total, out=np.zeros_like(weights), where=total != 0)
     stage = {"scaled_scores": scores, "logits": logits, "weights": weights}.get(spec.output)
     return weights @ v if stage is None else stage
 

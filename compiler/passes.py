@@ -169,7 +169,9 @@ _EXP = tvm.ir.Op.get("tirx.exp")
 def polynomial_exp() -> tvm.transform.Pass:
     """fp32 exp(x) = 2^n · p(r), n = round(x·log2 e), r = x - n·ln 2 (Cody–Waite), p of degree 6.
 
-    Relative error about 2e-7 on [-87, 88]; inputs are clamped there (exp(-87) ≈ 1.6e-38).
+    Relative error about 2e-7 on [-87, 88]; larger inputs are clamped to 88, smaller ones give 0 (a
+    logit of -inf has weight 0, not exp(-87) ≈ 1.6e-38), and NaN stays NaN (the clamp's min/max would
+    turn it into a number: a NaN input must show in the output).
     """
 
     @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.PolynomialExp")
@@ -184,9 +186,9 @@ def polynomial_exp() -> tvm.transform.Pass:
     return transform
 
 
-def _exp_f32(x: PrimExpr) -> PrimExpr:
+def _exp_f32(arg: PrimExpr) -> PrimExpr:
     f = lambda v: tirx.const(v, "float32")  # noqa: E731
-    x = tirx.min(tirx.max(x, f(-87.0)), f(88.0))
+    x = tirx.min(tirx.max(arg, f(-87.0)), f(88.0))
     n = tirx.floor(x * f(1.44269504088896341) + f(0.5))
     r = x - n * f(0.693359375) + n * f(2.12194440e-4)  # ln 2 split in two for exactness
     p = f(1.9875691500e-4)
@@ -194,4 +196,4 @@ def _exp_f32(x: PrimExpr) -> PrimExpr:
         p = p * r + f(coeff)
     p = p * r * r + r + f(1.0)
     two_n = tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("int32", n) + 127, 23))
-    return p * two_n
+    return tirx.Select(arg < f(-87.0), f(0.0), tirx.Select(tirx.isnan(arg), arg, p * two_n))
