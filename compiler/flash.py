@@ -18,7 +18,19 @@ LLVM and the tests compare that with the float64 oracle over the spec sweep.
 
 One program instance computes rows [row0, row0 + q_rows) of one (batch, KV head) pair; row r is
 the pair (query s = r // g, query head kvh·g + r % g), so the g query heads of a GQA group share
-each K/V tile. For every key tile j (keys j·kv_tile …) that the mask lets one of its queries see:
+each K/V tile. The template is four functions, split as Triton's fused-attention tutorial splits
+``_attn_fwd`` from ``_attn_fwd_inner``:
+
+    main                the grid of instances (block flash), its prologue and the loop over key tiles:
+      q_load, init_state, o_init    Q; m = lowest, l = 0, O = 0
+      kv_step           one key tile, below, for every tile j (keys j·kv_tile …) that the mask lets one
+                        of the instance's queries see
+      epilogue          o_store: o = O / l, or 0 for a row that sees no key (l = 0); with kv_splits > 1,
+                        o_partial, ml_partial: this split's (O, m, l)
+    combine             kv_splits > 1 only: split_max, split_sum, split_combine, split_store merge the
+                        partials (memory (B, h, n, kv_splits, d_v)) into o
+
+kv_step, the online softmax of key tile j:
 
     k_load, v_load      K_j (kv_tile, d_k), V_j (kv_tile, d_v)
     s_gemm, s_store     S = Q·K_jᵀ                          (q_rows, kv_tile), fp32
@@ -33,10 +45,15 @@ The shape is for schedules: no stage writes a buffer it reads (`bind` accepts on
 register copies cost nothing after nvcc); reductions start from their identity (cross-thread
 reductions need that); GEMMs accumulate apart from where their result is read (S_acc, PV_acc: tensor
 core fragments on a GPU); s_gemm … o_update sit in one block, key_tile, whose stages only read what
-earlier ones wrote, so `compute_at`-style primitives work inside it. Then o_store writes O / l, or 0 for a row that sees no key (l = 0). Masked x are −∞ and running maxima
-start at the lowest finite float, so an exponent is finite − finite or −∞ − finite: never ∞ − ∞.
-With kv_splits > 1 (decode: few queries, a long cache), kv_splits instances share a row block's key tiles and write partial (O, m, l); the
-split_max / split_sum / split_combine stages merge them (memory (B, h, n, kv_splits, d_v)).
+earlier ones wrote, so `compute_at`-style primitives work inside it. Masked x are −∞ and running
+maxima start at the lowest finite float, so an exponent is finite − finite or −∞ − finite: never ∞ − ∞.
+kv_splits > 1 (decode: few queries, a long cache) lets kv_splits instances share a row block's key tiles.
+
+kv_step, epilogue and combine are hygienic `T.macro`s: they expand where main calls them, so the
+PrimFunc stays one function with the block and buffer names the schedules look up (a PrimFunc per
+stage would need inlining; statements built with the IR builder would not read as TVMScript). They
+are made anew for each template because they close over its sizes, and because a macro suffixes the
+block names of every expansion but its first.
 """
 
 from __future__ import annotations
