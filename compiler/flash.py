@@ -18,7 +18,19 @@ LLVM and the tests compare that with the float64 oracle over the spec sweep.
 
 One program instance computes rows [row0, row0 + q_rows) of one (batch, KV head) pair; row r is
 the pair (query s = r // g, query head kvh·g + r % g), so the g query heads of a GQA group share
-each K/V tile. For every key tile j (keys j·kv_tile …) that the mask lets one of its queries see:
+each K/V tile. The template is four functions, split as Triton's fused-attention tutorial splits
+``_attn_fwd`` from ``_attn_fwd_inner``:
+
+    main                the grid of instances (block flash), its prologue and the loop over key tiles:
+      q_load, init_state, o_init    Q; m = lowest, l = 0, O = 0
+      kv_step           one key tile, below, for every tile j (keys j·kv_tile …) that the mask lets one
+                        of the instance's queries see
+      epilogue          o_store: o = O / l, or 0 for a row that sees no key (l = 0); with kv_splits > 1,
+                        o_partial, ml_partial: this split's (O, m, l)
+    combine             kv_splits > 1 only: split_max, split_sum, split_combine, split_store merge the
+                        partials (memory (B, h, n, kv_splits, d_v)) into o
+
+kv_step, the online softmax of key tile j:
 
     k_load, v_load      K_j (kv_tile, d_k), V_j (kv_tile, d_v)
     s_gemm, s_store     S = Q·K_jᵀ                          (q_rows, kv_tile), fp32
@@ -33,10 +45,15 @@ The shape is for schedules: no stage writes a buffer it reads (`bind` accepts on
 register copies cost nothing after nvcc); reductions start from their identity (cross-thread
 reductions need that); GEMMs accumulate apart from where their result is read (S_acc, PV_acc: tensor
 core fragments on a GPU); s_gemm … o_update sit in one block, key_tile, whose stages only read what
-earlier ones wrote, so `compute_at`-style primitives work inside it. Then o_store writes O / l, or 0 for a row that sees no key (l = 0). Masked x are −∞ and running maxima
-start at the lowest finite float, so an exponent is finite − finite or −∞ − finite: never ∞ − ∞.
-With kv_splits > 1 (decode: few queries, a long cache), kv_splits instances share a row block's key tiles and write partial (O, m, l); the
-split_max / split_sum / split_combine stages merge them (memory (B, h, n, kv_splits, d_v)).
+earlier ones wrote, so `compute_at`-style primitives work inside it. Masked x are −∞ and running
+maxima start at the lowest finite float, so an exponent is finite − finite or −∞ − finite: never ∞ − ∞.
+kv_splits > 1 (decode: few queries, a long cache) lets kv_splits instances share a row block's key tiles.
+
+kv_step, epilogue and combine are hygienic `T.macro`s: they expand where main calls them, so the
+PrimFunc stays one function with the block and buffer names the schedules look up (a PrimFunc per
+stage would need inlining; statements built with the IR builder would not read as TVMScript). They
+are made anew for each template because they close over its sizes, and because a macro suffixes the
+block names of every expansion but its first.
 """
 
 from __future__ import annotations
@@ -102,16 +119,173 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
     padded = spec.key_padding
     at = lambda name: (scopes or {}).get(name, "global")  # noqa: E731
 
-    def head(kvh, row):
+    def head(kvh: PrimExpr, row: PrimExpr) -> PrimExpr:
         return kvh * g + row % g
 
-    def logit(score, b, kvh, row, t, kv_len, past_last_tile, attn_mask):
+    def logit(score: PrimExpr, b: PrimExpr, kvh: PrimExpr, row: PrimExpr, t: PrimExpr, kv_len: PrimExpr,
+              past_last_tile: PrimExpr, attn_mask: tirx.Buffer) -> PrimExpr:
         """x = log2(e)·logit of query row and key t (`variant.logit`), or −∞ where it is hidden (by the
         variant, past the keys or past this instance's last tile): as the TE's logits, in base 2."""
         mask_value = tirx.BufferLoad(attn_mask, variant.mask_index(spec, b, head(kvh, row), row // g, t)) \
             if spec.attn_mask else None
         seen = variant.sees(spec, row // g, t, kv_len, _expr(n), mask_value, tirx.Not(past_last_tile), t < n_kv)
         return tirx.Select(seen, variant.logit(spec, score, mask_value, factor=LOG2E), NEG_INF)
+
+    @T.macro
+    def kv_step(j: PrimExpr, j_hi: PrimExpr, vb: PrimExpr, vkvh: PrimExpr, row0: PrimExpr, kv_len: PrimExpr,
+                k: tirx.Buffer, v: tirx.Buffer, attn_mask: tirx.Buffer, Q: tirx.Buffer, m: tirx.Buffer,
+                l: tirx.Buffer, O: tirx.Buffer, m_new: tirx.Buffer, alpha: tirx.Buffer, l_new: tirx.Buffer,
+                O_new: tirx.Buffer, P: tirx.Buffer) -> None:
+        """Key tile j of row block row0 folded into the running (m, l, O) (Triton's ``_attn_fwd_inner``)."""
+        with T.sblock("kv_step"):  # the body of the loop over key tiles
+            vj = T.axis.spatial(T.ceildiv(n_kv, Tk), j)
+            T.reads(Q[0:R, 0:d_k], m[0:R], l[0:R], O[0:R, 0:d_v])
+            T.writes(m[0:R], l[0:R], O[0:R, 0:d_v], m_new[0:R], alpha[0:R], l_new[0:R],
+                     O_new[0:R, 0:d_v], P[0:R, 0:Tk])
+            K = T.sblock_alloc_buffer((Tk, d_k), dt, scope=at("K"))
+            V = T.sblock_alloc_buffer((Tk, d_v), dt, scope=at("V"))
+            for t, e in T.grid(Tk, d_k):
+                with T.sblock("k_load"):
+                    vt, ve = T.axis.remap("SS", [t, e])
+                    K[vt, ve] = T.if_then_else(vj * Tk + vt < n_kv, k[k_at(vb, vkvh, vj * Tk + vt, ve)], zero_in)
+            for t, cc in T.grid(Tk, d_v):
+                with T.sblock("v_load"):
+                    vt, vc = T.axis.remap("SS", [t, cc])
+                    V[vt, vc] = T.if_then_else(vj * Tk + vt < n_kv, v[v_at(vb, vkvh, vj * Tk + vt, vc)], zero_in)
+            # key_tile holds one block, so that TVM's software pipeliner keeps it one stage
+            # (it splices a block whose body is a sequence into the pipeline).
+            with T.sblock("key_tile"):
+                T.reads(Q[0:R, 0:d_k], K[0:Tk, 0:d_k], V[0:Tk, 0:d_v], m[0:R], l[0:R], O[0:R, 0:d_v])
+                T.writes(m_new[0:R], alpha[0:R], l_new[0:R], O_new[0:R, 0:d_v], P[0:R, 0:Tk])
+                with T.sblock("key_tile_stages"):
+                    T.reads(Q[0:R, 0:d_k], K[0:Tk, 0:d_k], V[0:Tk, 0:d_v], m[0:R], l[0:R], O[0:R, 0:d_v])
+                    T.writes(m_new[0:R], alpha[0:R], l_new[0:R], O_new[0:R, 0:d_v], P[0:R, 0:Tk])
+                    S_acc = T.sblock_alloc_buffer((R, Tk), ACC, scope=at("S_acc"))
+                    S = T.sblock_alloc_buffer((R, Tk), ACC, scope=at("S"))
+                    tile_max = T.sblock_alloc_buffer((R,), ACC, scope=at("tile_max"))
+                    tile_sum = T.sblock_alloc_buffer((R,), ACC, scope=at("tile_sum"))
+                    PV_acc = T.sblock_alloc_buffer((R, d_v), ACC, scope=at("PV_acc"))
+                    PV = T.sblock_alloc_buffer((R, d_v), ACC, scope=at("PV"))
+                    t0 = T.meta_var(vj * Tk)
+                    for r, t, e in T.grid(R, Tk, d_k):
+                        with T.sblock("s_gemm"):
+                            vr, vt, ve = T.axis.remap("SSR", [r, t, e])
+                            with T.init():
+                                S_acc[vr, vt] = zero
+                            S_acc[vr, vt] = S_acc[vr, vt] + T.Cast(ACC, Q[vr, ve]) * T.Cast(ACC, K[vt, ve])
+                    for r, t in T.grid(R, Tk):
+                        with T.sblock("s_store"):
+                            vr, vt = T.axis.remap("SS", [r, t])
+                            S[vr, vt] = S_acc[vr, vt]
+                    for r, t in T.grid(R, Tk):
+                        with T.sblock("row_max"):
+                            vr, vt = T.axis.remap("SR", [r, t])
+                            with T.init():
+                                tile_max[vr] = LOWEST
+                            tile_max[vr] = T.max(tile_max[vr], logit(
+                                S[vr, vt], vb, vkvh, row0 + vr, t0 + vt, kv_len, vj >= j_hi, attn_mask))
+                    for r in range(R):
+                        with T.sblock("rescale"):
+                            vr = T.axis.remap("S", [r])
+                            m_new[vr] = T.max(m[vr], tile_max[vr])
+                            alpha[vr] = T.exp2(m[vr] - T.max(m[vr], tile_max[vr]))
+                    for r, t in T.grid(R, Tk):
+                        with T.sblock("probs"):
+                            vr, vt = T.axis.remap("SS", [r, t])
+                            P[vr, vt] = T.Cast(dt, T.exp2(logit(
+                                S[vr, vt], vb, vkvh, row0 + vr, t0 + vt, kv_len, vj >= j_hi, attn_mask) - m_new[vr]))
+                    for r, t in T.grid(R, Tk):
+                        with T.sblock("row_sum"):
+                            vr, vt = T.axis.remap("SR", [r, t])
+                            with T.init():
+                                tile_sum[vr] = zero
+                            tile_sum[vr] = tile_sum[vr] + T.Cast(ACC, P[vr, vt])
+                    for r in range(R):
+                        with T.sblock("l_update"):
+                            vr = T.axis.remap("S", [r])
+                            l_new[vr] = l[vr] * alpha[vr] + tile_sum[vr]
+                    for r, cc, t in T.grid(R, d_v, Tk):
+                        with T.sblock("pv"):
+                            vr, vc, vt = T.axis.remap("SSR", [r, cc, t])
+                            with T.init():
+                                PV_acc[vr, vc] = zero
+                            PV_acc[vr, vc] = PV_acc[vr, vc] + T.Cast(ACC, P[vr, vt]) * T.Cast(ACC, V[vt, vc])
+                    for r, cc in T.grid(R, d_v):
+                        with T.sblock("pv_store"):
+                            vr, vc = T.axis.remap("SS", [r, cc])
+                            PV[vr, vc] = PV_acc[vr, vc]
+                    for r, cc in T.grid(R, d_v):
+                        with T.sblock("o_update"):
+                            vr, vc = T.axis.remap("SS", [r, cc])
+                            O_new[vr, vc] = O[vr, vc] * alpha[vr] + PV[vr, vc]
+            for r in range(R):
+                with T.sblock("state_update"):
+                    vr = T.axis.remap("S", [r])
+                    m[vr] = m_new[vr]
+                    l[vr] = l_new[vr]
+            for r, cc in T.grid(R, d_v):
+                with T.sblock("o_copy"):
+                    vr, vc = T.axis.remap("SS", [r, cc])
+                    O[vr, vc] = O_new[vr, vc]
+
+    @T.macro
+    def epilogue(out: tirx.Buffer | tuple[tirx.Buffer, tirx.Buffer, tirx.Buffer], vb: PrimExpr, vkvh: PrimExpr,
+                 vsplit: PrimExpr, row0: PrimExpr, O: tirx.Buffer, m: tirx.Buffer, l: tirx.Buffer) -> None:
+        """Row block row0's result: into ``out`` = o, O / l (0 for a row that sees no key, l = 0); or, with
+        kv_splits > 1, into ``out`` = (o_part, m_part, l_part), its split's partial (O, m, l)."""
+        if splits > 1:
+            o_part, m_part, l_part = T.meta_var(out)
+            for r, cc in T.grid(R, d_v):
+                with T.sblock("o_partial"):
+                    vr, vc = T.axis.remap("SS", [r, cc])
+                    T.where(row0 + r < rows)
+                    o_part[vb, head(vkvh, row0 + vr), (row0 + vr) // g, vsplit, vc] = O[vr, vc]
+            for r in range(R):
+                with T.sblock("ml_partial"):
+                    vr = T.axis.remap("S", [r])
+                    T.where(row0 + r < rows)
+                    m_part[vb, head(vkvh, row0 + vr), (row0 + vr) // g, vsplit] = m[vr]
+                    l_part[vb, head(vkvh, row0 + vr), (row0 + vr) // g, vsplit] = l[vr]
+        else:
+            for r, cc in T.grid(R, d_v):
+                with T.sblock("o_store"):
+                    vr, vc = T.axis.remap("SS", [r, cc])
+                    T.where(row0 + r < rows)
+                    out[o_at(vb, head(vkvh, row0 + vr), (row0 + vr) // g, vc)] = T.Cast(
+                        dt, T.Select(l[vr] > zero, O[vr, vc] / l[vr], zero))
+
+    @T.macro
+    def combine(parts: tuple[tirx.Buffer, tirx.Buffer, tirx.Buffer], o: tirx.Buffer) -> None:
+        """o from the kv_splits partial (O, m, l) of each row: rescaled to their common maximum, summed."""
+        o_part, m_part, l_part = T.meta_var(parts)
+        m_all = T.alloc_buffer((B, h, n), ACC)
+        l_all = T.alloc_buffer((B, h, n), ACC)
+        o_all = T.alloc_buffer((B, h, n, d_v), ACC)
+        for b, i, s, sp in T.grid(B, h, n, splits):
+            with T.sblock("split_max"):
+                vb, vi, vs, vsp = T.axis.remap("SSSR", [b, i, s, sp])
+                with T.init():
+                    m_all[vb, vi, vs] = LOWEST
+                m_all[vb, vi, vs] = T.max(m_all[vb, vi, vs], m_part[vb, vi, vs, vsp])
+        for b, i, s, sp in T.grid(B, h, n, splits):
+            with T.sblock("split_sum"):
+                vb, vi, vs, vsp = T.axis.remap("SSSR", [b, i, s, sp])
+                with T.init():
+                    l_all[vb, vi, vs] = zero
+                l_all[vb, vi, vs] = l_all[vb, vi, vs] + l_part[vb, vi, vs, vsp] * T.exp2(
+                    m_part[vb, vi, vs, vsp] - m_all[vb, vi, vs])
+        for b, i, s, cc, sp in T.grid(B, h, n, d_v, splits):
+            with T.sblock("split_combine"):
+                vb, vi, vs, vc, vsp = T.axis.remap("SSSSR", [b, i, s, cc, sp])
+                with T.init():
+                    o_all[vb, vi, vs, vc] = zero
+                o_all[vb, vi, vs, vc] = o_all[vb, vi, vs, vc] + o_part[vb, vi, vs, vsp, vc] * T.exp2(
+                    m_part[vb, vi, vs, vsp] - m_all[vb, vi, vs])
+        for b, i, s, cc in T.grid(B, h, n, d_v):
+            with T.sblock("split_store"):
+                vb, vi, vs, vc = T.axis.remap("SSSS", [b, i, s, cc])
+                o[o_at(vb, vi, vs, vc)] = T.Cast(dt, T.Select(l_all[vb, vi, vs] > zero,
+                                                              o_all[vb, vi, vs, vc] / l_all[vb, vi, vs], zero))
 
     @T.prim_func(s_tir=True)
     def main(q_h: T.handle, k_h: T.handle, v_h: T.handle, lens_h: T.handle, mask_h: T.handle, o_h: T.handle):
@@ -125,6 +299,7 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
             o_part = T.alloc_buffer((B, h, n, splits, d_v), ACC)
             m_part = T.alloc_buffer((B, h, n, splits), ACC)
             l_part = T.alloc_buffer((B, h, n, splits), ACC)
+            parts = T.meta_var((o_part, m_part, l_part))
         for b, kvh, tile, split in T.grid(B, h_kv, row_tiles, splits):
             with T.sblock("flash"):
                 vb, vkvh, vtile, vsplit = T.axis.remap("SSSS", [b, kvh, tile, split])
@@ -147,8 +322,7 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                     with T.sblock("q_load"):
                         vr, ve = T.axis.remap("SS", [r, e])
                         Q[vr, ve] = T.if_then_else(row0 + vr < rows,
-                                                   q[*q_at(vb, head(vkvh, row0 + vr), (row0 + vr) // g, ve)],
-                                                   zero_in)
+                                                   q[q_at(vb, head(vkvh, row0 + vr), (row0 + vr) // g, ve)], zero_in)
                 for r in range(R):
                     with T.sblock("init_state"):
                         vr = T.axis.remap("S", [r])
@@ -163,146 +337,11 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                 # loop it cannot prove to run its stage count with branches, and a branch around the
                 # barriers of a pipelined step is something CUDA code generation cannot place.
                 for step in T.serial(T.max(j_hi - j_lo, tiles.min_steps)):
-                    with T.sblock("kv_step"):  # the body of the loop over key tiles
-                        vj = T.axis.spatial(T.ceildiv(n_kv, Tk), j_lo + step)
-                        T.reads(Q[0:R, 0:d_k], m[0:R], l[0:R], O[0:R, 0:d_v])
-                        T.writes(m[0:R], l[0:R], O[0:R, 0:d_v], m_new[0:R], alpha[0:R], l_new[0:R],
-                                 O_new[0:R, 0:d_v], P[0:R, 0:Tk])
-                        K = T.sblock_alloc_buffer((Tk, d_k), dt, scope=at("K"))
-                        V = T.sblock_alloc_buffer((Tk, d_v), dt, scope=at("V"))
-                        for t, e in T.grid(Tk, d_k):
-                            with T.sblock("k_load"):
-                                vt, ve = T.axis.remap("SS", [t, e])
-                                K[vt, ve] = T.if_then_else(vj * Tk + vt < n_kv, k[*k_at(vb, vkvh, vj * Tk + vt, ve)],
-                                                           zero_in)
-                        for t, cc in T.grid(Tk, d_v):
-                            with T.sblock("v_load"):
-                                vt, vc = T.axis.remap("SS", [t, cc])
-                                V[vt, vc] = T.if_then_else(vj * Tk + vt < n_kv, v[*v_at(vb, vkvh, vj * Tk + vt, vc)],
-                                                           zero_in)
-                        # key_tile holds one block, so that TVM's software pipeliner keeps it one stage
-                        # (it splices a block whose body is a sequence into the pipeline).
-                        with T.sblock("key_tile"):
-                            T.reads(Q[0:R, 0:d_k], K[0:Tk, 0:d_k], V[0:Tk, 0:d_v], m[0:R], l[0:R], O[0:R, 0:d_v])
-                            T.writes(m_new[0:R], alpha[0:R], l_new[0:R], O_new[0:R, 0:d_v], P[0:R, 0:Tk])
-                            with T.sblock("key_tile_stages"):
-                                T.reads(Q[0:R, 0:d_k], K[0:Tk, 0:d_k], V[0:Tk, 0:d_v], m[0:R], l[0:R], O[0:R, 0:d_v])
-                                T.writes(m_new[0:R], alpha[0:R], l_new[0:R], O_new[0:R, 0:d_v], P[0:R, 0:Tk])
-                                S_acc = T.sblock_alloc_buffer((R, Tk), ACC, scope=at("S_acc"))
-                                S = T.sblock_alloc_buffer((R, Tk), ACC, scope=at("S"))
-                                tile_max = T.sblock_alloc_buffer((R,), ACC, scope=at("tile_max"))
-                                tile_sum = T.sblock_alloc_buffer((R,), ACC, scope=at("tile_sum"))
-                                PV_acc = T.sblock_alloc_buffer((R, d_v), ACC, scope=at("PV_acc"))
-                                PV = T.sblock_alloc_buffer((R, d_v), ACC, scope=at("PV"))
-                                t0 = T.meta_var(vj * Tk)
-                                for r, t, e in T.grid(R, Tk, d_k):
-                                    with T.sblock("s_gemm"):
-                                        vr, vt, ve = T.axis.remap("SSR", [r, t, e])
-                                        with T.init():
-                                            S_acc[vr, vt] = zero
-                                        S_acc[vr, vt] = S_acc[vr, vt] + T.Cast(ACC, Q[vr, ve]) * T.Cast(ACC, K[vt, ve])
-                                for r, t in T.grid(R, Tk):
-                                    with T.sblock("s_store"):
-                                        vr, vt = T.axis.remap("SS", [r, t])
-                                        S[vr, vt] = S_acc[vr, vt]
-                                for r, t in T.grid(R, Tk):
-                                    with T.sblock("row_max"):
-                                        vr, vt = T.axis.remap("SR", [r, t])
-                                        with T.init():
-                                            tile_max[vr] = LOWEST
-                                        tile_max[vr] = T.max(tile_max[vr], logit(
-                                            S[vr, vt], vb, vkvh, row0 + vr, t0 + vt, kv_len, vj >= j_hi, attn_mask))
-                                for r in range(R):
-                                    with T.sblock("rescale"):
-                                        vr = T.axis.remap("S", [r])
-                                        m_new[vr] = T.max(m[vr], tile_max[vr])
-                                        alpha[vr] = T.exp2(m[vr] - T.max(m[vr], tile_max[vr]))
-                                for r, t in T.grid(R, Tk):
-                                    with T.sblock("probs"):
-                                        vr, vt = T.axis.remap("SS", [r, t])
-                                        P[vr, vt] = T.Cast(dt, T.exp2(logit(
-                                            S[vr, vt], vb, vkvh, row0 + vr, t0 + vt, kv_len, vj >= j_hi, attn_mask) - m_new[vr]))
-                                for r, t in T.grid(R, Tk):
-                                    with T.sblock("row_sum"):
-                                        vr, vt = T.axis.remap("SR", [r, t])
-                                        with T.init():
-                                            tile_sum[vr] = zero
-                                        tile_sum[vr] = tile_sum[vr] + T.Cast(ACC, P[vr, vt])
-                                for r in range(R):
-                                    with T.sblock("l_update"):
-                                        vr = T.axis.remap("S", [r])
-                                        l_new[vr] = l[vr] * alpha[vr] + tile_sum[vr]
-                                for r, cc, t in T.grid(R, d_v, Tk):
-                                    with T.sblock("pv"):
-                                        vr, vc, vt = T.axis.remap("SSR", [r, cc, t])
-                                        with T.init():
-                                            PV_acc[vr, vc] = zero
-                                        PV_acc[vr, vc] = PV_acc[vr, vc] + T.Cast(ACC, P[vr, vt]) * T.Cast(ACC, V[vt, vc])
-                                for r, cc in T.grid(R, d_v):
-                                    with T.sblock("pv_store"):
-                                        vr, vc = T.axis.remap("SS", [r, cc])
-                                        PV[vr, vc] = PV_acc[vr, vc]
-                                for r, cc in T.grid(R, d_v):
-                                    with T.sblock("o_update"):
-                                        vr, vc = T.axis.remap("SS", [r, cc])
-                                        O_new[vr, vc] = O[vr, vc] * alpha[vr] + PV[vr, vc]
-                        for r in range(R):
-                            with T.sblock("state_update"):
-                                vr = T.axis.remap("S", [r])
-                                m[vr] = m_new[vr]
-                                l[vr] = l_new[vr]
-                        for r, cc in T.grid(R, d_v):
-                            with T.sblock("o_copy"):
-                                vr, vc = T.axis.remap("SS", [r, cc])
-                                O[vr, vc] = O_new[vr, vc]
-                if splits > 1:
-                    for r, cc in T.grid(R, d_v):
-                        with T.sblock("o_partial"):
-                            vr, vc = T.axis.remap("SS", [r, cc])
-                            T.where(row0 + r < rows)
-                            o_part[vb, head(vkvh, row0 + vr), (row0 + vr) // g, vsplit, vc] = O[vr, vc]
-                    for r in range(R):
-                        with T.sblock("ml_partial"):
-                            vr = T.axis.remap("S", [r])
-                            T.where(row0 + r < rows)
-                            m_part[vb, head(vkvh, row0 + vr), (row0 + vr) // g, vsplit] = m[vr]
-                            l_part[vb, head(vkvh, row0 + vr), (row0 + vr) // g, vsplit] = l[vr]
-                else:
-                    for r, cc in T.grid(R, d_v):
-                        with T.sblock("o_store"):
-                            vr, vc = T.axis.remap("SS", [r, cc])
-                            T.where(row0 + r < rows)
-                            o[*o_at(vb, head(vkvh, row0 + vr), (row0 + vr) // g, vc)] = T.Cast(
-                                dt, T.Select(l[vr] > zero, O[vr, vc] / l[vr], zero))
+                    kv_step(j_lo + step, j_hi, vb, vkvh, row0, kv_len, k, v, attn_mask,
+                            Q, m, l, O, m_new, alpha, l_new, O_new, P)
+                epilogue(parts if splits > 1 else o, vb, vkvh, vsplit, row0, O, m, l)
         if splits > 1:
-            m_all = T.alloc_buffer((B, h, n), ACC)
-            l_all = T.alloc_buffer((B, h, n), ACC)
-            o_all = T.alloc_buffer((B, h, n, d_v), ACC)
-            for b, i, s, sp in T.grid(B, h, n, splits):
-                with T.sblock("split_max"):
-                    vb, vi, vs, vsp = T.axis.remap("SSSR", [b, i, s, sp])
-                    with T.init():
-                        m_all[vb, vi, vs] = LOWEST
-                    m_all[vb, vi, vs] = T.max(m_all[vb, vi, vs], m_part[vb, vi, vs, vsp])
-            for b, i, s, sp in T.grid(B, h, n, splits):
-                with T.sblock("split_sum"):
-                    vb, vi, vs, vsp = T.axis.remap("SSSR", [b, i, s, sp])
-                    with T.init():
-                        l_all[vb, vi, vs] = zero
-                    l_all[vb, vi, vs] = l_all[vb, vi, vs] + l_part[vb, vi, vs, vsp] * T.exp2(
-                        m_part[vb, vi, vs, vsp] - m_all[vb, vi, vs])
-            for b, i, s, cc, sp in T.grid(B, h, n, d_v, splits):
-                with T.sblock("split_combine"):
-                    vb, vi, vs, vc, vsp = T.axis.remap("SSSSR", [b, i, s, cc, sp])
-                    with T.init():
-                        o_all[vb, vi, vs, vc] = zero
-                    o_all[vb, vi, vs, vc] = o_all[vb, vi, vs, vc] + o_part[vb, vi, vs, vsp, vc] * T.exp2(
-                        m_part[vb, vi, vs, vsp] - m_all[vb, vi, vs])
-            for b, i, s, cc in T.grid(B, h, n, d_v):
-                with T.sblock("split_store"):
-                    vb, vi, vs, vc = T.axis.remap("SSSS", [b, i, s, cc])
-                    o[*o_at(vb, vi, vs, vc)] = T.Cast(dt, T.Select(l_all[vb, vi, vs] > zero,
-                                                                   o_all[vb, vi, vs, vc] / l_all[vb, vi, vs], zero))
+            combine(parts, o)
 
     # The calling convention has kv_lens and attn_mask only when the spec has them.
     absent = {"kv_lens": not padded, "attn_mask": spec.attn_mask is None}
