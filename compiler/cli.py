@@ -69,8 +69,15 @@ def add_target_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", help="CUDA arch for --target cuda (default sm_90)")
 
 
+def _log_dir(text: str) -> str:
+    """A directory of tuning logs: it need not exist yet, but it must not be a file."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file: --log-dir takes a directory of tuning logs")
+    return text
+
+
 def add_log_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--log-dir", action="append", default=[],
+    p.add_argument("--log-dir", action="append", default=[], type=_log_dir,
                    help="tuning logs to search before the user's and the shipped ones (repeatable)")
     p.add_argument("--default-schedule", action="store_true", help="ignore tuning logs: the default schedule")
 
@@ -302,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measurements per workload in total: a re-run measures only what is missing (default 64)")
     p.add_argument("--at", action="append",
                    help="a representative point of a symbolic spec, e.g. --at n=512; repeat for several")
-    p.add_argument("--log-dir", help="where records go (default ~/.cache/tvmattn/tuning_logs)")
+    p.add_argument("--log-dir", type=_log_dir, help="where records go (default ~/.cache/tvmattn/tuning_logs)")
     p.add_argument("--rpc", metavar="HOST:PORT", help="measure on the servers of this RPC tracker")
     p.add_argument("--device-key", help="the key the RPC servers registered with (python -m tvm.exec.rpc_server --key)")
     p.add_argument("--seed", type=int, default=0, help="seed of the search")
@@ -337,11 +344,24 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = _one_line_warning
         try:
             return args.run(args)
-        except TvmAttnError as err:
-            print(f"tvmattn: error: {err}", file=sys.stderr)
+        except (TvmAttnError, OSError, MemoryError) as err:  # the user's input, files or machine: one line
+            print(f"tvmattn: error: {_one_line(err)}", file=sys.stderr)
             if os.environ.get("TVMATTN_DEBUG"):
                 raise
             return 2
+        except Exception as err:  # our bug: still one line, and how to see the rest
+            print(f"tvmattn: internal error: {type(err).__name__}: {_one_line(err)} (TVMATTN_DEBUG=1 shows "
+                  f"the traceback; please report it)", file=sys.stderr)
+            if os.environ.get("TVMATTN_DEBUG"):
+                raise
+            return 1
+
+
+def _one_line(err: BaseException) -> str:
+    if isinstance(err, MemoryError):
+        return "out of memory: use smaller inputs, or free memory on this machine"
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:

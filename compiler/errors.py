@@ -1,5 +1,9 @@
 """The one error type users see: a message that says what is wrong and how to fix it."""
 
+from __future__ import annotations
+
+import re
+
 
 class TvmAttnError(ValueError):
     """Bad input to tvmattn (a spec, a target, a model, a tuning log).
@@ -7,3 +11,22 @@ class TvmAttnError(ValueError):
     The CLI prints the message as one line and exits with status 2; library callers catch it like
     any ValueError.
     """
+
+
+# What TVM puts around the sentence that matters: its check macros, printed IR, object reprs.
+_CHECK = re.compile(r"^.*?Check failed: \(.*?\) is false:\s*")
+_REPR = re.compile(r"\b(?:ir|relax|tirx|s_tir)\.\w+\(span=.*")
+_NOISE = ("#", "File ", "Traceback", "Stack trace", "During handling", "The above exception", "^")
+
+
+def tvm_reason(err: BaseException) -> str:
+    """A TVM exception as one readable line: the last line that is not a traceback, printed IR or an
+    object's repr, with TVM's ``Check failed: (…) is false:`` prefix removed."""
+    lines = [line.strip() for line in str(err).splitlines()]
+    lines = [line for line in lines if line and not line.startswith(_NOISE) and not line.startswith(("R.", "T."))]
+    for line in reversed(lines):
+        text = _REPR.sub("", _CHECK.sub("", line)).strip(" :")
+        text = re.sub(r"^(?:TVMError|InternalError|ValueError|TypeError|AssertionError|RuntimeError):\s*", "", text)
+        if len(text) > 3:
+            return text[:300]
+    return type(err).__name__

@@ -252,7 +252,7 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                     vr, vc = T.axis.remap("SS", [r, cc])
                     T.where(row0 + r < rows)
                     out[o_at(vb, head(vkvh, row0 + vr), (row0 + vr) // g, vc)] = T.Cast(
-                        dt, T.Select(l[vr] > zero, O[vr, vc] / l[vr], zero))
+                        dt, variant.normalise(O[vr, vc], l[vr]))
 
     @T.macro
     def combine(parts: tuple[tirx.Buffer, tirx.Buffer, tirx.Buffer], o: tirx.Buffer) -> None:
@@ -284,8 +284,7 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
         for b, i, s, cc in T.grid(B, h, n, d_v):
             with T.sblock("split_store"):
                 vb, vi, vs, vc = T.axis.remap("SSSS", [b, i, s, cc])
-                o[o_at(vb, vi, vs, vc)] = T.Cast(dt, T.Select(l_all[vb, vi, vs] > zero,
-                                                              o_all[vb, vi, vs, vc] / l_all[vb, vi, vs], zero))
+                o[o_at(vb, vi, vs, vc)] = T.Cast(dt, variant.normalise(o_all[vb, vi, vs, vc], l_all[vb, vi, vs]))
 
     @T.prim_func(s_tir=True)
     def main(q_h: T.handle, k_h: T.handle, v_h: T.handle, lens_h: T.handle, mask_h: T.handle, o_h: T.handle):

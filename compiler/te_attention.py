@@ -144,9 +144,8 @@ def _epilogue(spec: AttentionSpec, stages: dict[str, te.Tensor], inputs: dict[st
     scores, probs, row_sum, pv = (stages[name] for name in ("scores", "probs", "row_sum", "pv"))
     dt, d_v = spec.dtype, spec.d_v
 
-    def normalised(x, b, i, s):  # 0 for a row that sees no key; a NaN total (NaN inputs) stays NaN
-        total = row_sum[b, i, s]
-        return tirx.Select(total == tirx.const(0, ACC), tirx.const(0, ACC), x / total)
+    def normalised(x, b, i, s):
+        return variant.normalise(x, row_sum[b, i, s])
 
     if spec.output != "attn":
         stage = {"scaled_scores": lambda b, i, s, t: variant.scaled_score(spec, scores[b, i, s, t]),

@@ -14,6 +14,7 @@ it is the independent statement these hooks are checked against.
     mask_allows     what an attn_mask entry says: True = attend (bool), a -inf bias hides (additive)
     logit           cap(scale·score) + bias, cap(x) = softcap·tanh(x / softcap) when a softcap is set
     mask_index      where the attn_mask holds the entry of (b, head, s, t) (it broadcasts)
+    normalise       x / row sum, and 0 for a row that sees no key (sum 0; a NaN sum stays NaN)
     Operand         where a (b, head, s, c) element lives in each layout
 
 The position rules are written with Python operators only, so the same lines build TIR (PrimExprs),
@@ -99,8 +100,8 @@ def mask_allows(spec: AttentionSpec, mask_value: PrimExpr | None) -> PrimExpr | 
     """What the attn_mask entry ``mask_value`` says of its key (None: the spec has no attn_mask)."""
     if spec.attn_mask == "bool":
         return mask_value
-    if spec.attn_mask == "additive":  # a -inf bias hides the key as a False would
-        return mask_value > -tirx.infinity(ACC)
+    if spec.attn_mask == "additive":  # a -inf bias hides the key as a False would; a NaN bias shows
+        return mask_value != -tirx.infinity(ACC)
     return None
 
 
@@ -115,13 +116,20 @@ def sees(spec: AttentionSpec, s: PrimExpr, t: PrimExpr, kv_len: PrimExpr, n_q: P
     return tir_all(conds) if conds else tirx.const(True, "bool")
 
 
+def _times(x: PrimExpr, c: float) -> PrimExpr:
+    """x·c rounded once, as fma(x, c, 0): the compiler may not fuse it with the subtraction of the row
+    maximum that follows in one stage and not in another (the maximum is of the rounded product):
+    at |logit| ≳ 1e9 the two would differ by more than exp's range and a row's weights would vanish."""
+    return tirx.call_intrin(ACC, "tirx.fma", x, tirx.const(c, ACC), tirx.const(0, ACC))
+
+
 def scaled_score(spec: AttentionSpec, score: PrimExpr, factor: float = 1.0) -> PrimExpr:
     """factor·cap(scale·score): ONNX's ``scaled_scores``. ``factor`` folds a constant into the
     same multiply (log2(e) for the exp2 of an online softmax)."""
     if spec.softcap is None:
-        return score * tirx.const(spec.softmax_scale * factor, ACC)
+        return _times(score, spec.softmax_scale * factor)
     capped = tirx.tanh(score * tirx.const(spec.softmax_scale / spec.softcap, ACC))
-    return capped * tirx.const(spec.softcap * factor, ACC)
+    return _times(capped, spec.softcap * factor)
 
 
 def logit(spec: AttentionSpec, score: PrimExpr, mask_value: PrimExpr | None = None,
@@ -129,8 +137,15 @@ def logit(spec: AttentionSpec, score: PrimExpr, mask_value: PrimExpr | None = No
     """factor·(cap(scale·score) + bias), the bias being an additive attn_mask's entry."""
     x = scaled_score(spec, score, factor)
     if spec.attn_mask == "additive":
-        x = x + (mask_value if factor == 1.0 else mask_value * tirx.const(factor, ACC))
+        x = x + (mask_value if factor == 1.0 else _times(mask_value, factor))
     return x
+
+
+def normalise(x: PrimExpr, total: PrimExpr) -> PrimExpr:
+    """x / total, 0 where the row saw no key (total 0). A NaN total (NaN inputs) gives NaN: the test
+    is ``total == 0``, not ``total > 0``, so that it shows."""
+    zero = tirx.const(0, ACC)
+    return tirx.Select(total == zero, zero, x / total)
 
 
 def mask_index(spec: AttentionSpec, b: PrimExpr, head: PrimExpr, s: PrimExpr, t: PrimExpr) -> list[PrimExpr]:

@@ -10,6 +10,9 @@
   unsimplified extent ``E + 1 - 1`` and joins conditions with a bitwise ``&`` it does not fold; CUDA
   needs a constant. `constant_async_waits` proves them again with simplified extents. A count it
   still cannot prove is left for codegen to reject.
+* ``tirx.fma``: TVM 0.27 lowers it for LLVM only (the logit rule in `variant` rounds its scale
+  product with one, against the CPU compiler's contraction); for CUDA it becomes a multiply-add
+  before lowering, the arithmetic FlashAttention's kernels do.
 """
 
 from __future__ import annotations
@@ -17,11 +20,29 @@ from __future__ import annotations
 import tvm
 import tvm_ffi
 from tvm import tirx
+from tvm.ir.expr import Call
 from tvm.sym import Analyzer
 from tvm.target import Target
 from tvm.tirx import AttrStmt, For
 
 PIPELINE = "tvmattn_cuda"
+_FMA = tvm.ir.Op.get("tirx.fma")
+
+
+def plain_fma() -> tvm.transform.Pass:
+    """fma(a, b, c) → a·b + c: TVM 0.27's CUDA code generation has no fma (see the module docstring)."""
+
+    @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.PlainFma")
+    def transform(func: tirx.PrimFunc, _mod, _ctx) -> tirx.PrimFunc:
+        def on_call(call):
+            if call.op.same_as(_FMA):
+                a, b, c = call.args
+                return a * b + c
+            return call
+
+        return tvm_ffi.structural_map(func, [(Call, on_call)])
+
+    return transform
 _WAIT_COUNT = "async_wait_inflight_count"
 
 
@@ -59,7 +80,7 @@ def _pipeline_factory():
     from tvm.s_tir.pipeline import default_s_tir_pipeline
 
     lower, finalize_host, finalize_device = default_s_tir_pipeline()
-    return tvm.transform.Sequential([lower, constant_async_waits()]), finalize_host, finalize_device
+    return tvm.transform.Sequential([plain_fma(), lower, constant_async_waits()]), finalize_host, finalize_device
 
 
 _CONFIG = {"tirx.use_async_copy": True, "tirx.disable_storage_rewrite": True}

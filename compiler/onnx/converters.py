@@ -57,6 +57,8 @@ class Node:
         if unknown:
             raise TvmAttnError(f"attribute {unknown[0]!r} is not supported by tvmattn's {self.op} converter "
                                f"(it knows {', '.join(sorted(allowed))})")
+        for name, value in given.items():
+            _check_attribute(name, value)
         return {**allowed, **given}
 
     def wants(self, i: int) -> bool:
@@ -68,6 +70,25 @@ class Node:
 
     def attend(self, q, k, v, **kw) -> list[relax.Var]:
         return attend(self.bb, self.kernels, q, k, v, nodes=(self.name,), source=f"{self.op} converter", **kw)
+
+
+# The attribute values the attention ops' specifications allow (ONNX, ONNX Runtime's contrib ops):
+# anything else is a malformed node, never a value with a meaning of our own.
+_FLAGS = ("is_causal", "unidirectional", "do_rotary", "rotary_interleaved", "past_present_share_buffer",
+          "smooth_softmax", "qk_output", "sliding_window_cache")
+_HEAD_COUNTS = ("num_heads", "kv_num_heads", "q_num_heads")
+_WINDOWS = ("left_window_size", "right_window_size", "local_window_size")  # -1: unbounded
+
+
+def _check_attribute(name: str, value: Any) -> None:
+    if name in _FLAGS and value not in (0, 1):
+        raise TvmAttnError(f"attribute {name}={value!r} is out of range: it is a flag, 0 or 1")
+    if name in _HEAD_COUNTS and not (isinstance(value, int) and value > 0):
+        raise TvmAttnError(f"attribute {name}={value!r} is out of range: a head count is a positive integer")
+    if name in _WINDOWS and not (isinstance(value, int) and value >= -1):
+        raise TvmAttnError(f"attribute {name}={value!r} is out of range: a window size is -1 (unbounded) or ≥ 0")
+    if name in ("scale", "softcap", "mask_filter_value") and isinstance(value, float) and np.isnan(value):
+        raise TvmAttnError(f"attribute {name}=nan is not a number")
 
 
 def _inputs(inputs: list, count: int) -> list:

@@ -48,6 +48,12 @@ def load(model: Any) -> onnx.ModelProto:
                            f"onnx.checker.check_model") from None
     if not proto.graph.node:
         raise TvmAttnError("the ONNX graph has no nodes: is the file complete?")
+    try:  # ONNX Runtime rejects a graph whose shapes or types contradict each other; so do we, by name
+        onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, ValueError, RuntimeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise TvmAttnError(f"the model's shapes or types are inconsistent ({first}): re-export it, or check "
+                           f"it with onnx.shape_inference.infer_shapes(model, strict_mode=True)") from None
     return proto
 
 

@@ -24,13 +24,13 @@ from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.target import Target
 from tvmattn.compiler.build import tvm_compile
-from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.errors import TvmAttnError, tvm_reason
 from tvmattn.compiler.kernel import numpy_dtype
-from tvmattn.compiler.onnx import graph, patterns
+from tvmattn.compiler.onnx import checks, graph, patterns
 from tvmattn.compiler.onnx.converters import Node, find
 from tvmattn.compiler.onnx.kernels import Kernels, Replacement
 from tvmattn.compiler.onnx.shape_ops import SHAPE_FIXES
-from tvmattn.compiler.target import resolve_target
+from tvmattn.compiler.target import is_cpu, resolve_target
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,8 @@ class ImportedModel:
             self._vm = relax.VirtualMachine(self.executable, dev)
         try:
             out = self._vm["main"](*[tvm.runtime.tensor(a, dev) for a in args])
-        except Exception as err:  # a shape TVM rejects at run time: say which, without its traceback
-            raise TvmAttnError(f"the model rejected its inputs: {str(err).strip().splitlines()[-1]}") from None
+        except Exception as err:  # a check the model makes at run time: say which, without TVM's traceback
+            raise TvmAttnError(_run_failure(err, args)) from None
         outs = [out] if isinstance(out, tvm.runtime.Tensor) else list(out)
         return [o.numpy() for o in outs]
 
@@ -93,6 +93,9 @@ class ImportedModel:
         self.executable.export_library(path)
 
     def _arguments(self, feed: Mapping[str, Any]) -> list[np.ndarray]:
+        if not isinstance(feed, Mapping):
+            raise TvmAttnError(f"run takes a mapping of input name → array, not {type(feed).__name__}: "
+                               f"run({{{', '.join(repr(i.name) + ': …' for i in self.inputs)}}})")
         unknown = sorted(set(feed) - {i.name for i in self.inputs})
         if unknown:
             raise TvmAttnError(f"unknown input {unknown[0]!r}: the model's inputs are "
@@ -102,23 +105,40 @@ class ImportedModel:
         for spec in self.inputs:
             if spec.name not in feed:
                 raise TvmAttnError(f"missing input {spec.name!r} ({spec.dtype}, shape {_pretty(spec.shape)})")
-            arr = np.asarray(feed[spec.name])
+            try:
+                arr = np.asarray(feed[spec.name])
+            except (TypeError, ValueError) as err:
+                raise TvmAttnError(f"input {spec.name!r} is not an array ({err})") from None
             want = numpy_dtype(spec.dtype)
-            if arr.dtype != want:
-                if arr.dtype.kind != want.kind and not (arr.dtype.kind in "iu" and want.kind in "iu"):
-                    raise TvmAttnError(f"input {spec.name!r} is {arr.dtype}; the model takes {spec.dtype}")
-                arr = arr.astype(want)
+            if arr.dtype != want:  # as ONNX Runtime: a silent cast would hide a caller's mistake
+                raise TvmAttnError(f"input {spec.name!r} is {arr.dtype}; the model takes {spec.dtype}: pass "
+                                   f"it as .astype(np.{want.name})")
             if len(arr.shape) != len(spec.shape) or any(
                     w is not None and (w != g if isinstance(w, int) else sizes.setdefault(w, g) != g)
                     for g, w in zip(arr.shape, spec.shape)):
                 raise TvmAttnError(f"input {spec.name!r} has shape {arr.shape}; the model takes "
                                    f"{_pretty(spec.shape)}" + (f" with {sizes}" if sizes else ""))
-            args.append(np.require(arr, requirements="C"))  # not ascontiguousarray: it makes scalars 1-D
+            if 0 in arr.shape:
+                raise TvmAttnError(f"input {spec.name!r} has an empty dimension, shape {arr.shape}: every size "
+                                   f"must be at least 1")
+            try:
+                args.append(np.require(arr, requirements="C"))  # not ascontiguousarray: it makes scalars 1-D
+            except MemoryError:  # a broadcast view whose copy does not fit
+                raise TvmAttnError(f"input {spec.name!r} of shape {arr.shape} needs {_gib(arr.nbytes)} as a "
+                                   f"contiguous array, more than this machine can allocate") from None
         return args
 
 
 def import_onnx(model: Any, target: Any = "cpu", *, arch: str | None = None) -> ImportedModel:
     """Import an ONNX model (a path, bytes or ModelProto), compile it for ``target``, attention on tvmattn."""
+    try:
+        return _import(model, target, arch)
+    except UnicodeDecodeError:  # protobuf decodes string fields when they are first read
+        raise TvmAttnError("the ONNX model is corrupt: one of its names or string attributes is not valid "
+                           "UTF-8; re-export it") from None
+
+
+def _import(model: Any, target: Any, arch: str | None) -> ImportedModel:
     start = time.perf_counter()
     tgt = resolve_target(target, arch)
     proto = graph.name_nodes(graph.load(model))
@@ -133,7 +153,7 @@ def import_onnx(model: Any, target: Any = "cpu", *, arch: str | None = None) -> 
             executable = tvm_compile(mod, tgt)
         except Exception as err:
             raise TvmAttnError(f"TVM could not compile the imported model for {tgt.kind.name}: "
-                               f"{str(err).strip().splitlines()[-1]}") from err
+                               f"{tvm_reason(err)}") from err
     report = ImportReport(proto.graph.name or "model", tgt.kind.name, list(kernels.replacements),
                           patterns.remaining_softmax(mod, importer.provenance),
                           time.perf_counter() - start)
@@ -162,8 +182,7 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
             except TvmAttnError as err:
                 raise TvmAttnError(self._where() + str(err)) from None
             except Exception as err:  # TVM's converters raise many types; the user gets the node and a line
-                detail = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-                raise TvmAttnError(f"{self._where()}TVM's ONNX importer failed: {detail}") from err
+                raise TvmAttnError(f"{self._where()}TVM's ONNX importer cannot convert it: {tvm_reason(err)}") from err
 
     def _where(self) -> str:
         node = self._current
@@ -187,6 +206,8 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
         if convert is None:
             fix = SHAPE_FIXES.get(op_name)
             sym = fix(list(inputs)) if fix is not None else None
+            if op_name == "Gather" and node is not None and is_cpu(self.kernels.target):
+                sym = checks.gather(self.bb, node.name, list(inputs), attrs)
             if sym is None:
                 sym = super()._convert_operator(op_name, inputs, attrs, opset)
             else:
@@ -219,3 +240,21 @@ def _dtype_name(elem_type: int) -> str:
 
 def _pretty(shape: tuple) -> str:
     return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.3g} GiB"
+
+
+def _run_failure(err: Exception, args: list[np.ndarray]) -> str:
+    """What a failed run says to the user: the model's own check (an index out of range, a size that
+    does not fit), or for an allocation failure how much memory the inputs alone hold."""
+    text = str(err).strip()
+    if "bad_alloc" in text or isinstance(err, MemoryError):
+        return (f"the model ran out of memory (its inputs alone hold {_gib(sum(a.nbytes for a in args))}): "
+                f"use smaller inputs or a machine with more memory")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith(("File ", "  "))]
+    detail = lines[-1] if lines else type(err).__name__
+    for prefix in ("TVMError: ", "ValueError: ", "RuntimeError: ", "AssertionError: "):
+        detail = detail.removeprefix(prefix)
+    return f"the model rejected its inputs: {detail}"

@@ -18,7 +18,7 @@ from tvmattn.compiler.build import schedule_attention
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.spec import AttentionSpec, Dim
 
-_OPAQUE = 8  # relax op_pattern kOpaque: FuseOps must not merge a scheduled kernel with its neighbours
+OPAQUE = 8  # relax op_pattern kOpaque: FuseOps must not merge a scheduled kernel with its neighbours
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class Kernels:
         if spec not in self._funcs:
             mod, how = _schedule(spec, self.target)
             name = f"tvmattn_attention{len(self._funcs)}" + ("" if spec.output == "attn" else f"_{spec.output}")
-            func = (mod["main"].with_attr("global_symbol", name).with_attr("op_pattern", _OPAQUE)
+            func = (mod["main"].with_attr("global_symbol", name).with_attr("op_pattern", OPAQUE)
                     .with_attr("tirx.is_scheduled", True))  # dlight must not reschedule it (CUDA)
             self._funcs[spec] = (bb.add_func(func, name), how)
         return self._funcs[spec]

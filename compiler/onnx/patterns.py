@@ -252,14 +252,23 @@ class _Match:
         raise _NoMatch
 
     def _group(self, reshape: relax.Call) -> int:
-        """g of a head repetition (B, h_kv, n, d) → (B, h_kv·g, n, d); anything else is no match."""
+        """g of a head repetition (B, h_kv, n, d) → (B, h_kv, g, n, d) → (B, h_kv·g, n, d), which makes
+        query head i read K/V head i // g as the kernel does; any other expand, broadcast or reshape
+        (another axis, another order of the merged heads) is no match."""
         broadcast = self.r.var2val.get(reshape.args[0], reshape.args[0])
         expand = self.r.var2val.get(broadcast.args[0], broadcast.args[0])
         if [int(a) for a in expand.attrs.axis] != [2]:
             raise _NoMatch
+        src = shape_of(expand.args[0], "a repeated K/V")
         wide = shape_of(broadcast, "a repeated K/V")
         out = shape_of(reshape, "a repeated K/V")
-        if len(wide) != 5 or not isinstance(wide[2], tirx.IntImm) or len(out) != 4:
+        if len(src) != 4 or len(wide) != 5 or len(out) != 4 or not isinstance(wide[2], tirx.IntImm):
+            raise _NoMatch
+        b, h_kv, n, d = src
+        analyzer = tvm.sym.Analyzer()
+        if not all(analyzer.can_prove_equal(x, y) for x, y in zip(
+                (wide[0], wide[1], wide[3], wide[4], out[0], out[1], out[2], out[3]),
+                (b, h_kv, n, d, b, h_kv * wide[2], n, d))):
             raise _NoMatch
         return int(wide[2].value)
 
@@ -386,9 +395,11 @@ class _Match:
             out = self.bb.emit(relax.op.reshape(out, [n, seq, width]))
         if self.p.root is self.p.out or weights:
             return out
-        axes = tuple(int(a) for a in self.m[self.p.root].attrs.axes)
-        if bshd and axes == (0, 2, 1, 3):
-            return out  # the kernel wrote the merged layout
+        axes = tuple(int(a) for a in self.m[self.p.root].attrs.axes)  # of the (B, h, n, d_v) product
+        if bshd:  # the kernel wrote (B, n, h, d_v): axis a of the product is axis BSHD[a] of ``out``
+            axes = tuple((0, 2, 1, 3)[a] for a in axes)
+        if axes == tuple(range(len(axes))):
+            return out
         return self.bb.emit(relax.op.permute_dims(out, axes))
 
     def _nodes(self) -> tuple[str, ...]:

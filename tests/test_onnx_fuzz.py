@@ -1,0 +1,179 @@
+"""Imported models under hostile input: never a crash, a hang, another exception type or a different answer.
+
+Every mutant (`onnx_fuzz`) runs in a sandboxed worker and must end as one clean TvmAttnError line or
+agree with ONNX Runtime / ONNX's reference evaluator. The default run draws a seeded few; ``-m slow``
+runs the campaign (``TVMATTN_FUZZ_MUTANTS``, default 300) and prints its table.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tvmattn
+import onnx_fuzz
+from onnx_testing import ort_run
+from tvmattn.models import onnx_models
+
+FINE = {"clean error", "agrees"}
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    box = onnx_fuzz.Sandbox(timeout_s=180)
+    yield box
+    box.close()
+
+
+@pytest.fixture(scope="module")
+def bases():
+    return onnx_fuzz.base_models()
+
+
+@settings(max_examples=20, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(base=st.sampled_from(sorted(onnx_fuzz.base_models())), kind=st.sampled_from(onnx_fuzz.MUTATIONS),
+       seed=st.integers(0, 2**16))
+def test_a_mutant_is_a_clean_error_or_the_reference_answer(sandbox, bases, base, kind, seed):
+    model, feed = bases[base]
+    mutant = onnx_fuzz.mutate(base, model, feed, kind, random.Random(seed))
+    verdict, detail = sandbox.run(mutant)
+    assert verdict in FINE, f"{base} {kind} ({mutant.note}): {verdict} {detail}"
+
+
+@pytest.mark.slow
+def test_fuzz_campaign(sandbox, bases):
+    """The campaign of the issue: at least 300 mutants, every verdict tallied per mutation kind."""
+    rng = random.Random(int(os.environ.get("TVMATTN_FUZZ_SEED", "0")))
+    tally: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    failures = []
+    for _ in range(int(os.environ.get("TVMATTN_FUZZ_MUTANTS", "300"))):
+        base, kind = rng.choice(sorted(bases)), rng.choice(onnx_fuzz.MUTATIONS)
+        mutant = onnx_fuzz.mutate(base, *bases[base], kind, rng)
+        verdict, detail = sandbox.run(mutant)
+        tally[kind][verdict] += 1
+        if verdict not in FINE:
+            failures.append(f"{base} {kind} ({mutant.note}): {verdict} {detail}")
+    verdicts = sorted({v for c in tally.values() for v in c})
+    print("\n| mutation | " + " | ".join(verdicts) + " |\n|---|" + "---|" * len(verdicts))
+    for kind in onnx_fuzz.MUTATIONS:
+        print(f"| {kind} | " + " | ".join(str(tally[kind][v]) for v in verdicts) + " |")
+    assert not failures, "\n".join(failures)
+
+
+# ---- the matcher's proof: a mutated element of a matched pattern is refused or still right ---------
+def _transposes(model: onnx.ModelProto) -> list[str]:
+    return [n.name for n in model.graph.node if n.op_type == "Transpose"]
+
+
+def _with_perm(model: onnx.ModelProto, node: str, perm: tuple[int, ...]) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    target = next(n for n in out.graph.node if n.name == node)
+    attr = next(a for a in target.attribute if a.name == "perm")
+    del attr.ints[:]
+    attr.ints.extend(perm)
+    return out
+
+
+BERT = onnx_models.bert_block(d_model=16, heads=2)  # d_k = 8 = n below: most permutations stay shape-valid
+BERT_FEED = {"x": np.random.default_rng(1).standard_normal((1, 8, 16)).astype(np.float32),
+             "attention_mask": np.array([[1] * 7 + [0]], np.int64)}
+PERMUTED = [(node, perm) for node in _transposes(BERT) for perm in itertools.permutations(range(4))
+            if list(perm) != list(next(a for a in next(n for n in BERT.graph.node if n.name == node).attribute
+                                       if a.name == "perm").ints)]
+
+
+@pytest.mark.parametrize("node, perm", PERMUTED[::9] + [("Transpose_31", (0, 3, 1, 2))])
+def test_a_permuted_transpose_is_refused_or_computed_as_written(node, perm):
+    _assert_refused_or_equal(_with_perm(BERT, node, perm))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("node, perm", PERMUTED)
+def test_every_permuted_transpose_is_refused_or_computed_as_written(node, perm):
+    _assert_refused_or_equal(_with_perm(BERT, node, perm))
+
+
+def _assert_refused_or_equal(model: onnx.ModelProto) -> None:
+    try:
+        want = ort_run(model, BERT_FEED)
+    except Exception:  # ONNX Runtime refuses it: so must we
+        with pytest.raises(tvmattn.TvmAttnError):
+            tvmattn.import_onnx(model).run(BERT_FEED)
+        return
+    try:
+        got = tvmattn.import_onnx(model).run(BERT_FEED)
+    except tvmattn.TvmAttnError:
+        return
+    for g, w in zip(got, want):
+        assert np.max(np.abs(g - w)) <= 1e-4 * np.max(np.abs(w)), "a rewrite changed what the graph computes"
+
+
+# ---- each class of the issue, one line each ------------------------------------------------------
+def _attention_node(domain: str, op: str, **attrs) -> onnx.ModelProto:
+    from onnx import TensorProto, helper
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 4, 8]) for n in "qkv"]
+    node = helper.make_node(op, ["q", "k", "v"], ["o"], name=f"{op}_0", domain=domain, **attrs)
+    graph = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("o", TensorProto.FLOAT, None)])
+    opsets = [helper.make_opsetid("", 23)] + ([helper.make_opsetid(domain, 1)] if domain else [])
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+@pytest.mark.parametrize("model, names", [
+    (_attention_node("", "Attention", is_causal=5, q_num_heads=2, kv_num_heads=2), "is_causal=5"),
+    (_attention_node("com.microsoft", "MultiHeadAttention", num_heads=0), "num_heads=0"),
+    (_attention_node("com.microsoft", "MultiHeadAttention", num_heads=2, unidirectional=-1), "unidirectional=-1"),
+])
+def test_an_out_of_spec_attribute_is_an_error_naming_node_and_attribute(model, names):
+    with pytest.raises(tvmattn.TvmAttnError, match=names) as err:
+        tvmattn.import_onnx(model)
+    assert "_0" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_an_out_of_range_gather_index_is_an_error_not_a_read_out_of_bounds():
+    model = tvmattn.import_onnx(onnx_fuzz._embedding_model())
+    assert np.array_equal(model.run({"ids": np.array([[9, -1]])})[0], model.run({"ids": np.array([[9, 9]])})[0])
+    for ids in ([[10]], [[-11]], [[2**40]]):
+        with pytest.raises(tvmattn.TvmAttnError, match=r"Gather_0.*\[-10, 9\]"):
+            model.run({"ids": np.array(ids)})
+
+
+@pytest.mark.parametrize("feed, message", [
+    (None, "mapping"), ({"ids": np.zeros((1, 0), np.int64)}, "empty dimension"),
+    ({"ids": np.zeros((1, 2), np.int32)}, "int32; the model takes int64"),
+    ({"ids": np.broadcast_to(np.int64(1), (1 << 20, 1 << 20))}, "GiB"),
+])
+def test_a_bad_feed_is_one_clean_error(feed, message):
+    model = tvmattn.import_onnx(onnx_fuzz._embedding_model())
+    with pytest.raises(tvmattn.TvmAttnError, match=message):
+        model.run(feed)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_a_non_finite_query_shows_in_its_row_as_onnx_runtime_shows_it(value):
+    model, feed = onnx_fuzz.base_models()["attention23_gqa_mask"]
+    feed = {k: v.copy() for k, v in feed.items()}
+    feed["q"][0, 1, 3, 2] = value
+    got, want = tvmattn.import_onnx(model).run(feed)[0], ort_run(model, feed)[0]
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got[0, 1, 3]).all()
+    finite = ~np.isnan(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4, atol=1e-5)
+
+
+def test_cli_log_dir_that_is_a_file_is_a_one_line_error(tmp_path):
+    afile = tmp_path / "logs"
+    afile.write_text("")
+    out = subprocess.run([sys.executable, "-m", "tvmattn.compiler.cli", "verify", "--seq", "4", "--d-model", "8",
+                          "--heads", "2", "--log-dir", str(afile)], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "is a file" in out.stderr
