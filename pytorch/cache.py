@@ -1,0 +1,61 @@
+"""One compiled kernel per kind of call: batch and lengths are symbolic, so every shape reuses it."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import tvmattn
+from tvmattn.compiler.kernel import CompiledAttention
+from tvmattn.compiler.spec import AttentionSpec
+
+
+@dataclass(frozen=True)
+class KernelKey:
+    """Everything a kernel is specialised on; the sizes it is not specialised on are names in `spec`."""
+
+    device: str  # "cpu" or "cuda:0"
+    dtype: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    layout: str  # "BHSD" or "BSHD": the memory order the tensors already have
+    causal: bool
+    scale: float | None
+    mask: str | None  # None, "bool" or "additive"
+    mask_dims: str  # the mask axes (of "bhst") that are not broadcast
+
+    def spec(self) -> AttentionSpec:
+        return AttentionSpec(batch="b", seq_len="n", kv_seq_len="n_kv", num_heads=self.heads,
+                             num_kv_heads=self.kv_heads, head_dim=self.head_dim, v_head_dim=self.v_head_dim,
+                             causal=self.causal, causal_align="top_left", layout=self.layout, dtype=self.dtype,
+                             projections=False, scale=self.scale, attn_mask=self.mask,
+                             attn_mask_dims=self.mask_dims if self.mask else "bhst")
+
+
+class KernelCache:
+    """Compiles on the first call of a key (tuning records are used when present), then only looks up."""
+
+    def __init__(self) -> None:
+        self._kernels: dict[KernelKey, CompiledAttention] = {}
+        self._lock = threading.Lock()  # two threads missing on one key compile it once
+
+    def get(self, key: KernelKey) -> CompiledAttention:
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            with self._lock:
+                kernel = self._kernels.get(key)
+                if kernel is None:
+                    target = "cuda" if key.device.startswith("cuda") else "cpu"
+                    kernel = self._kernels[key] = tvmattn.compile(key.spec(), target)
+        return kernel
+
+    def keys(self) -> list[KernelKey]:
+        return list(self._kernels)
+
+    def clear(self) -> None:
+        self._kernels.clear()
+
+
+KERNELS = KernelCache()

@@ -1,0 +1,41 @@
+"""The kernel call, and the torch custom op ``tvmattn::attention`` that wraps it for `torch.compile`
+(no graph break: the compiler sees one opaque op whose output shape the fake implementation gives)
+and `torch.export`."""
+
+from __future__ import annotations
+
+import tvm_ffi
+import torch
+
+from tvmattn.torch.cache import KERNELS
+from tvmattn.torch.plan import empty_output, kernel_inputs, plan
+
+
+def run_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+                  is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    """Attention on real tensors: they cross to the kernel by DLPack, and it writes a torch-allocated output."""
+    p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    out, result = empty_output(p, query)
+    if p.is_empty:  # no query, or no key to see: zeros, as for a fully masked row
+        return result.zero_()
+    kernel = KERNELS.get(p.key)
+    args = kernel_inputs(p, query, key, value, attn_mask)
+    if query.device.type == "cuda":
+        with tvm_ffi.use_torch_stream():  # on torch's current stream, ordered with the ops around it
+            kernel.run(*args, out)
+    else:
+        kernel.run(*args, out)
+    return result
+
+
+@torch.library.custom_op("tvmattn::attention", mutates_args=())
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+              is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    return run_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+
+
+@attention.register_fake
+def _attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+                    is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    # the same checks and the same output strides as the real call, on shapes alone
+    return empty_output(plan(query, key, value, attn_mask, is_causal, scale, enable_gqa), query)[1]
