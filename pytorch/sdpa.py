@@ -23,7 +23,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     broadcast, causal, scale) on first use; every batch size and length reuses it.
 
     Where it differs from PyTorch:
-      - a query row that sees no key (all masked, or S = 0) gives zeros, where PyTorch gives NaN;
+      - a query row that sees no key (all masked, or S = 0) gives zeros, as torch 2.13 does (older
+        releases gave NaN);
       - ``dropout_p`` must be 0 and ``scale`` positive; there is no backward (inference only);
       - the result may be a transposed view, as from PyTorch's fused kernels, when the inputs are
         transposed views of (…, L, h, E) tensors (the kernel then reads them in place).
