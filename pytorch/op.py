@@ -8,7 +8,7 @@ import tvm_ffi
 import torch
 
 from tvmattn.torch.cache import KERNELS
-from tvmattn.torch.plan import empty_output, kernel_inputs, plan
+from tvmattn.torch.plan import empty_output, kernel_inputs, padded_output, plan, unpad_output
 
 
 def run_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
@@ -18,13 +18,16 @@ def run_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a
     out, result = empty_output(p, query)
     if p.is_empty:  # no query, or no key to see: zeros, as for a fully masked row
         return result.zero_()
-    kernel = KERNELS.get(p.key)
-    args = kernel_inputs(p, query, key, value, attn_mask)
+    kkey = p.key
+    kernel = KERNELS.get(kkey)
+    args = kernel_inputs(p, kkey, query, key, value, attn_mask)
+    target = padded_output(p, kkey, out)
     if query.device.type == "cuda":
         with tvm_ffi.use_torch_stream():  # on torch's current stream, ordered with the ops around it
-            kernel.run(*args, out)
+            kernel.run(*args, target)
     else:
-        kernel.run(*args, out)
+        kernel.run(*args, target)
+    unpad_output(p, target, out)
     return result
 
 

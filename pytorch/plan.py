@@ -13,19 +13,27 @@ import torch
 
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.kernel import ALIGNMENT
-from tvmattn.torch.cache import KernelKey
+from tvmattn.torch.cache import KernelKey, bucket
 
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 @dataclass(frozen=True)
 class Plan:
-    key: KernelKey
+    device: str
+    dtype: str
     lead: tuple[int, ...]  # the leading batch dims, flattened into the kernel's B
     heads: int
+    kv_heads: int
     q_len: int
     kv_len: int
+    head_dim: int
     v_head_dim: int
+    layout: str
+    causal: bool
+    scale: float | None
+    mask: str | None
+    mask_dims: str
 
     @property
     def batch(self) -> int:
@@ -34,6 +42,14 @@ class Plan:
     @property
     def is_empty(self) -> bool:
         return self.batch == 0 or self.heads == 0 or self.q_len == 0 or self.kv_len == 0
+
+    @property
+    def key(self) -> KernelKey:
+        """The kernel this call runs on (real calls only: the buckets need concrete lengths)."""
+        q_pad, kv_pad = bucket(self.q_len), bucket(self.kv_len)
+        return KernelKey(self.device, self.dtype, q_pad, kv_pad, kv_pad != self.kv_len, self.heads, self.kv_heads,
+                         self.head_dim, self.v_head_dim, self.layout, self.causal, self.scale, self.mask,
+                         self.mask_dims)
 
 
 def plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
@@ -71,28 +87,45 @@ def plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
     layout = "BSHD" if query.dim() >= 3 and all(_is_bshd(t) for t in (q, k, v)) and not all(
         t.is_contiguous() for t in (q, k, v)) else "BHSD"
     device = "cpu" if query.device.type == "cpu" else str(query.device)
-    kkey = KernelKey(device, DTYPES[query.dtype], heads, kv_heads, head_dim, v_head_dim, layout, bool(is_causal),
-                     None if scale is None else float(scale), mask_kind, mask_dims)
-    return Plan(kkey, lead, heads, q_len, kv_len, v_head_dim)
+    return Plan(device, DTYPES[query.dtype], lead, heads, kv_heads, q_len, kv_len, head_dim, v_head_dim, layout,
+                bool(is_causal), None if scale is None else float(scale), mask_kind, mask_dims)
 
 
-def kernel_inputs(p: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def kernel_inputs(p: Plan, key_: KernelKey, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attn_mask: torch.Tensor | None) -> list[torch.Tensor]:
-    """The kernel's (B, …) tensors, views of the inputs where their memory order allows (no copy)."""
-    tensors = [_flat(_with_heads(t), p) for t in (query, key, value)]
+    """The kernel's (B, …) inputs: views of the tensors where their memory order and the lengths allow
+    (no copy), else copies padded to the kernel's lengths; then kv_lens and the mask."""
+    q = _flat(_with_heads(query), p, key_.q_len)
+    k, v = (_flat(_with_heads(t), p, key_.kv_len) for t in (key, value))
+    tensors = [q, k, v]
+    if key_.key_padding:
+        tensors.append(torch.full((p.batch,), p.kv_len, dtype=torch.int32, device=query.device))
     if attn_mask is not None:
-        tensors.append(_aligned(_flat_mask(attn_mask, p)))
+        tensors.append(_flat_mask(attn_mask, p, key_))
     return tensors
 
 
 def empty_output(p: Plan, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's output, allocated by torch, and the (…, h, L, Ev) view of it the caller returns."""
-    shape = (*query.shape[:-1], p.v_head_dim)
-    if p.key.layout == "BSHD":  # the transposed view is what PyTorch's own fused kernels return too
+    """The (B, …) output the kernel writes, allocated by torch, and the (…, h, L, Ev) view of it the
+    caller returns."""
+    if p.layout == "BSHD":  # the transposed view is what PyTorch's own fused kernels return too
         out = query.new_empty((p.batch, p.q_len, p.heads, p.v_head_dim))
         return out, out.view(*p.lead, p.q_len, p.heads, p.v_head_dim).transpose(-3, -2)
     out = query.new_empty((p.batch, p.heads, p.q_len, p.v_head_dim))
-    return out, out.view(shape)
+    return out, out.view(*query.shape[:-1], p.v_head_dim)
+
+
+def padded_output(p: Plan, key_: KernelKey, out: torch.Tensor) -> torch.Tensor:
+    """``out`` itself when the queries need no padding, else a (B, …) buffer of the kernel's length."""
+    if key_.q_len == p.q_len:
+        return out
+    axis = 1 if p.layout == "BSHD" else 2
+    return out.new_empty(out.shape[:axis] + (key_.q_len,) + out.shape[axis + 1:])
+
+
+def unpad_output(p: Plan, padded: torch.Tensor, out: torch.Tensor) -> None:
+    if padded is not out:
+        out.copy_(padded.narrow(1 if p.layout == "BSHD" else 2, 0, p.q_len))
 
 
 # ---- checks ----------------------------------------------------------------------------------------
@@ -159,25 +192,38 @@ def _is_bshd(t: torch.Tensor) -> bool:
     return t.transpose(-3, -2).is_contiguous()
 
 
-def _flat(t: torch.Tensor, p: Plan) -> torch.Tensor:
+def _flat(t: torch.Tensor, p: Plan, length: int) -> torch.Tensor:
+    """(…, h, n, e) as the kernel's (B, h, length, e) (or (B, length, h, e)), padded when n < length."""
     h, n, e = t.shape[-3:]
-    if p.key.layout == "BSHD":
-        return _aligned(t.transpose(-3, -2).reshape(p.batch, n, h, e))
-    return _aligned(t.contiguous().reshape(p.batch, h, n, e))
+    bshd = p.layout == "BSHD"
+    flat = t.transpose(-3, -2).reshape(p.batch, n, h, e) if bshd else t.contiguous().reshape(p.batch, h, n, e)
+    return _aligned(flat) if n == length else _padded(flat, 1 if bshd else 2, length)
 
 
-def _flat_mask(mask: torch.Tensor, p: Plan) -> torch.Tensor:
+def _flat_mask(mask: torch.Tensor, p: Plan, key_: KernelKey) -> torch.Tensor:
     """The mask as the kernel's (B|1, h|1, L|1, S|1), 1 on the axes it broadcasts along."""
     n_lead = len(p.lead)
     m = mask[(None,) * (n_lead + 3 - mask.dim())]
     for ax in range(m.dim()):
         kernel_axis = "bhst"[max(0, ax - n_lead + 1)]
-        if kernel_axis not in p.key.mask_dims:
+        if kernel_axis not in p.mask_dims:
             m = m.narrow(ax, 0, 1)
-    if "b" in p.key.mask_dims:
+    if "b" in p.mask_dims:
         m = m.expand(*p.lead, *m.shape[n_lead:])
     m = m.reshape(-1, *m.shape[n_lead:]) if n_lead else m.unsqueeze(0)
-    return m.to(torch.float32 if p.key.mask == "additive" else torch.bool).contiguous()
+    m = m.to(torch.float32 if p.mask == "additive" else torch.bool)
+    # padded query rows are dropped and padded keys hidden by kv_lens: what the padding holds is moot
+    for axis, (real, length) in ((2, (p.q_len, key_.q_len)), (3, (p.kv_len, key_.kv_len))):
+        if m.shape[axis] == real != length:
+            m = _padded(m, axis, length)
+    return _aligned(m.contiguous())
+
+
+def _padded(t: torch.Tensor, axis: int, length: int) -> torch.Tensor:
+    """A copy of ``t`` with ``axis`` zero-padded to ``length``."""
+    out = t.new_zeros(t.shape[:axis] + (length,) + t.shape[axis + 1:])
+    out.narrow(axis, 0, t.shape[axis]).copy_(t)
+    return out
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

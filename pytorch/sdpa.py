@@ -19,8 +19,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     dtype, broadcastable to (…, h, L, S); ``is_causal`` is top-left aligned, as in PyTorch;
     ``enable_gqa`` lets h be a multiple of h_kv.
 
-    One kernel is compiled per (device, dtype, heads, head sizes, memory order, mask kind and
-    broadcast, causal, scale) on first use; every batch size and length reuses it.
+    One kernel is compiled on first use per (device, dtype, heads, head sizes, memory order, mask
+    kind and broadcast, causal, scale, length bucket) and serves every batch size; lengths between
+    buckets are padded (a copy of the inputs; see `tvmattn.torch.cache.bucket`).
 
     Where it differs from PyTorch:
       - a query row that sees no key (all masked, or S = 0) gives zeros, as torch 2.13 does (older
