@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import tvmattn
 from tvmattn.compiler.kernel import CompiledAttention
@@ -56,6 +57,9 @@ class KernelCache:
 
     def __init__(self) -> None:
         self._kernels: dict[KernelKey, CompiledAttention] = {}
+        # what a call's argument signature (shapes, strides, dtypes, devices, flags) was planned as:
+        # checking the arguments and finding the kernel cost more than the rest of a call
+        self.plans: dict[tuple, Any] = {}
         self._lock = threading.Lock()  # two threads missing on one key compile it once
 
     def get(self, key: KernelKey) -> CompiledAttention:
@@ -73,6 +77,7 @@ class KernelCache:
 
     def clear(self) -> None:
         self._kernels.clear()
+        self.plans.clear()
 
 
 KERNELS = KernelCache()

@@ -11,15 +11,24 @@ from tvmattn.torch.cache import KERNELS
 from tvmattn.torch.plan import empty_output, kernel_inputs, padded_output, plan, unpad_output
 
 
+MAX_PLANS = 4096  # argument signatures remembered (a growing KV cache adds one per step)
+
+
 def run_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
                   is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
     """Attention on real tensors: they cross to the kernel by DLPack, and it writes a torch-allocated output."""
-    p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    signature = (*(None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+                   for t in (query, key, value, attn_mask)), is_causal, scale, enable_gqa)
+    known = KERNELS.plans.get(signature)
+    if known is None:
+        p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+        if len(KERNELS.plans) >= MAX_PLANS:
+            KERNELS.plans.clear()
+        known = KERNELS.plans[signature] = (p, p.key, None if p.is_empty else KERNELS.get(p.key))
+    p, kkey, kernel = known
     out, result = empty_output(p, query)
-    if p.is_empty:  # no query, or no key to see: zeros, as for a fully masked row
+    if kernel is None:  # no query, or no key to see: zeros, as for a fully masked row
         return result.zero_()
-    kkey = p.key
-    kernel = KERNELS.get(kkey)
     args = kernel_inputs(p, kkey, query, key, value, attn_mask)
     target = padded_output(p, kkey, out)
     if query.device.type == "cuda":

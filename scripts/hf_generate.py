@@ -82,7 +82,7 @@ def main() -> int:
         ids = torch.randint(1, args.vocab, (1, n), generator=torch.Generator().manual_seed(0))
         runs = {impl: [] for impl in models}
         with torch.inference_mode():
-            for impl, model in models.items():
+            for model in models.values():
                 generate(model, ids, 2)  # warm-up (tvmattn compiles its kernels here)
             for _ in range(args.repeats):
                 for impl, model in models.items():  # interleaved, so that both see the same machine
