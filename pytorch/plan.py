@@ -91,17 +91,17 @@ def plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
                 bool(is_causal), None if scale is None else float(scale), mask_kind, mask_dims)
 
 
-def kernel_inputs(p: Plan, key_: KernelKey, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def kernel_inputs(p: Plan, kernel_key: KernelKey, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attn_mask: torch.Tensor | None) -> list[torch.Tensor]:
     """The kernel's (B, …) inputs: views of the tensors where their memory order and the lengths allow
     (no copy), else copies padded to the kernel's lengths; then kv_lens and the mask."""
-    q = _flat(_with_heads(query), p, key_.q_len)
-    k, v = (_flat(_with_heads(t), p, key_.kv_len) for t in (key, value))
+    q = _flat(_with_heads(query), p, kernel_key.q_len)
+    k, v = (_flat(_with_heads(t), p, kernel_key.kv_len) for t in (key, value))
     tensors = [q, k, v]
-    if key_.key_padding:
+    if kernel_key.key_padding:
         tensors.append(torch.full((p.batch,), p.kv_len, dtype=torch.int32, device=query.device))
     if attn_mask is not None:
-        tensors.append(_flat_mask(attn_mask, p, key_))
+        tensors.append(_flat_mask(attn_mask, p, kernel_key))
     return tensors
 
 
@@ -115,12 +115,12 @@ def empty_output(p: Plan, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return out, out.view(*query.shape[:-1], p.v_head_dim)
 
 
-def padded_output(p: Plan, key_: KernelKey, out: torch.Tensor) -> torch.Tensor:
+def padded_output(p: Plan, kernel_key: KernelKey, out: torch.Tensor) -> torch.Tensor:
     """``out`` itself when the queries need no padding, else a (B, …) buffer of the kernel's length."""
-    if key_.q_len == p.q_len:
+    if kernel_key.q_len == p.q_len:
         return out
     axis = 1 if p.layout == "BSHD" else 2
-    return out.new_empty(out.shape[:axis] + (key_.q_len,) + out.shape[axis + 1:])
+    return out.new_empty(out.shape[:axis] + (kernel_key.q_len,) + out.shape[axis + 1:])
 
 
 def unpad_output(p: Plan, padded: torch.Tensor, out: torch.Tensor) -> None:
@@ -200,7 +200,7 @@ def _flat(t: torch.Tensor, p: Plan, length: int) -> torch.Tensor:
     return _aligned(flat) if n == length else _padded(flat, 1 if bshd else 2, length)
 
 
-def _flat_mask(mask: torch.Tensor, p: Plan, key_: KernelKey) -> torch.Tensor:
+def _flat_mask(mask: torch.Tensor, p: Plan, kernel_key: KernelKey) -> torch.Tensor:
     """The mask as the kernel's (B|1, h|1, L|1, S|1), 1 on the axes it broadcasts along."""
     n_lead = len(p.lead)
     m = mask[(None,) * (n_lead + 3 - mask.dim())]
@@ -213,7 +213,7 @@ def _flat_mask(mask: torch.Tensor, p: Plan, key_: KernelKey) -> torch.Tensor:
     m = m.reshape(-1, *m.shape[n_lead:]) if n_lead else m.unsqueeze(0)
     m = m.to(torch.float32 if p.mask == "additive" else torch.bool)
     # padded query rows are dropped and padded keys hidden by kv_lens: what the padding holds is moot
-    for axis, (real, length) in ((2, (p.q_len, key_.q_len)), (3, (p.kv_len, key_.kv_len))):
+    for axis, (real, length) in ((2, (p.q_len, kernel_key.q_len)), (3, (p.kv_len, kernel_key.kv_len))):
         if m.shape[axis] == real != length:
             m = _padded(m, axis, length)
     return _aligned(m.contiguous())
