@@ -4,25 +4,58 @@
     layer  kernel(x, w_q, w_k, w_v, w_o, x_kv=None, kv_lens=None, attn_mask=None) -> out  (B, n, d)
 
 NumPy in, NumPy out (arrays are converted to the spec's dtype; bfloat16 is ``ml_dtypes.bfloat16``).
-`run` is the copy-free path on TVM tensors that are already on the device.
+On a CPU kernel, C-contiguous, 64-byte aligned arrays of the right dtype cross by DLPack without a
+copy (others are copied once, into an aligned buffer) and the kernel writes its result in place into
+a NumPy array (``out=`` reuses one). `run` is the copy-free path on TVM tensors already on the device.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm.runtime import Executable
 from tvm.target import Target
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.spec import AttentionSpec
 
 
+# The generated CPU code uses aligned vector loads and stores on some arguments (TVM allocates with
+# this alignment): a less aligned pointer crashes the process, so such arrays are copied first.
+ALIGNMENT = 64
+
+
 def numpy_dtype(dtype: str) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on an ALIGNMENT-byte boundary."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    buf = np.empty(nbytes + ALIGNMENT, np.uint8)
+    start = -buf.ctypes.data % ALIGNMENT
+    return buf[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def host_tensor(arr: np.ndarray) -> tvm.runtime.Tensor:
+    """A TVM tensor on ``arr``'s memory (no copy); ``arr`` must be C-contiguous and aligned."""
+    if arr.dtype == ml_dtypes.bfloat16:  # DLPack in NumPy has no bfloat16: cross as uint16, view back
+        return tvm_ffi.from_dlpack(arr.view(np.uint16))._create_view(arr.shape, "bfloat16")
+    return tvm_ffi.from_dlpack(arr)
+
+
+def _aligned(arr: np.ndarray) -> np.ndarray:
+    if arr.ctypes.data % ALIGNMENT == 0:
+        return arr
+    copy = aligned_empty(arr.shape, arr.dtype)
+    copy[...] = arr
+    return copy
 
 
 @dataclass
@@ -35,18 +68,43 @@ class CompiledAttention:
     module: tvm.IRModule | None = None  # the scheduled module that was built (for inspection)
 
     # ---- calling ----------------------------------------------------------------------------------
-    def __call__(self, *arrays: Any, x_kv: Any = None, kv_lens: Any = None, attn_mask: Any = None) -> np.ndarray:
+    def __call__(self, *arrays: Any, x_kv: Any = None, kv_lens: Any = None, attn_mask: Any = None,
+                 out: np.ndarray | None = None) -> np.ndarray:
+        """The kernel on NumPy arrays; the result is ``out`` (written in place) or a new array."""
         args, sizes = self._arguments(arrays, x_kv, kv_lens, attn_mask)
-        dev = self.device
-        tensors = [tvm.runtime.tensor(a, dev) for a in args.values()]
         out_shape = tuple(sizes[d] if isinstance(d, str) else d for d in self.spec.output_shape())
-        out = tvm.runtime.empty(out_shape, self.spec.dtype, dev)
-        self.run(*tensors, out)
-        return out.numpy()
+        result = self._output(out, out_shape)
+        if self.target.kind.name == "cuda":  # host arrays must be copied to the GPU and back
+            dev = self.device
+            dev_out = tvm.runtime.empty(out_shape, self.spec.dtype, dev)
+            self.run(*[tvm.runtime.tensor(a, dev) for a in args.values()], dev_out)
+            result[...] = dev_out.numpy()
+            return result
+        target = _aligned(result)
+        self.run(*[host_tensor(_aligned(a)) for a in args.values()], host_tensor(target))
+        if target is not result:
+            result[...] = target
+        return result
 
-    def run(self, *tensors: tvm.runtime.Tensor) -> None:
-        """Call the kernel on device tensors: the inputs in PrimFunc order, then the output."""
-        self.executable(*tensors)
+    def run(self, *tensors: Any) -> None:
+        """Call the kernel on device tensors (TVM tensors, or any DLPack tensor such as a torch tensor,
+        compact and aligned): the inputs in PrimFunc order, then the output."""
+        self._main(*tensors)
+
+    @functools.cached_property
+    def _main(self) -> tvm_ffi.Function:
+        # Executable.__call__ looks the function up on every call (~2 µs); the kernel path keeps it.
+        return self.executable.jit()["main"]
+
+    def _output(self, out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
+        dtype = numpy_dtype(self.spec.dtype)
+        if out is None:
+            return aligned_empty(shape, dtype)
+        if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
+            got = f"{type(out).__name__} {getattr(out, 'shape', '')} {getattr(out, 'dtype', '')}".strip()
+            raise TvmAttnError(f"out= must be a C-contiguous NumPy array of shape {shape} and dtype {dtype}, "
+                               f"got {got}: allocate it with numpy.empty({shape}, {dtype.name!r})")
+        return out
 
     @property
     def device(self) -> tvm.runtime.Device:

@@ -40,7 +40,7 @@ def bases():
     return onnx_fuzz.base_models()
 
 
-@settings(max_examples=20, deadline=None, derandomize=True,
+@settings(max_examples=40, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(base=st.sampled_from(sorted(onnx_fuzz.base_models())), kind=st.sampled_from(onnx_fuzz.MUTATIONS),
        seed=st.integers(0, 2**16))
@@ -125,7 +125,7 @@ def _attention_node(domain: str, op: str, **attrs) -> onnx.ModelProto:
     from onnx import TensorProto, helper
     inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 4, 8]) for n in "qkv"]
     node = helper.make_node(op, ["q", "k", "v"], ["o"], name=f"{op}_0", domain=domain, **attrs)
-    graph = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("o", TensorProto.FLOAT, None)])
+    graph = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("o", TensorProto.FLOAT, [1, 4, 8])])
     opsets = [helper.make_opsetid("", 23)] + ([helper.make_opsetid(domain, 1)] if domain else [])
     return helper.make_model(graph, opset_imports=opsets)
 

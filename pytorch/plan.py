@@ -1,0 +1,231 @@
+"""From the arguments of a `scaled_dot_product_attention` call to a kernel key and the kernel's tensors.
+
+`plan` reads only shapes, strides and dtypes, so the same checks run on the fake tensors of
+`torch.compile` / `torch.export` (the custom op's fake implementation) and on real ones.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.kernel import ALIGNMENT
+from tvmattn.torch.cache import KernelKey, bucket
+
+DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@dataclass(frozen=True)
+class Plan:
+    device: str
+    dtype: str
+    lead: tuple[int, ...]  # the leading batch dims, flattened into the kernel's B
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    v_head_dim: int
+    layout: str
+    causal: bool
+    scale: float | None
+    mask: str | None
+    mask_dims: str
+
+    @property
+    def batch(self) -> int:
+        return math.prod(self.lead)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.batch == 0 or self.heads == 0 or self.q_len == 0 or self.kv_len == 0
+
+    @property
+    def key(self) -> KernelKey:
+        """The kernel this call runs on (real calls only: the buckets need concrete lengths)."""
+        q_pad, kv_pad = bucket(self.q_len), bucket(self.kv_len)
+        return KernelKey(self.device, self.dtype, q_pad, kv_pad, kv_pad != self.kv_len, self.heads, self.kv_heads,
+                         self.head_dim, self.v_head_dim, self.layout, self.causal, self.scale, self.mask,
+                         self.mask_dims)
+
+
+def plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+         is_causal: bool, scale: float | None, enable_gqa: bool) -> Plan:
+    """Check the arguments as PyTorch does (TvmAttnError where it would refuse them) and choose the kernel."""
+    _check_tensors(query, key, value)
+    q, k, v = (_with_heads(t) for t in (query, key, value))
+    heads, q_len, head_dim = q.shape[-3:]
+    kv_heads, kv_len, v_head_dim = k.shape[-3], k.shape[-2], v.shape[-1]
+    lead = tuple(q.shape[:-3])
+    if k.shape[:-3] != q.shape[:-3] or v.shape[:-3] != q.shape[:-3]:
+        raise TvmAttnError(f"query, key and value have leading (batch) dims {tuple(q.shape[:-3])}, "
+                           f"{tuple(k.shape[:-3])}, {tuple(v.shape[:-3])}: they must be equal (expand them)")
+    if k.shape[-1] != head_dim:
+        raise TvmAttnError(f"query has head size {head_dim} but key has {k.shape[-1]}: they must match")
+    if v.shape[-3:-1] != k.shape[-3:-1]:
+        raise TvmAttnError(f"key (…, {kv_heads}, {kv_len}, E) and value {tuple(v.shape)} must have the same "
+                           f"heads and length")
+    if heads != kv_heads and not enable_gqa:
+        raise TvmAttnError(f"query has {heads} heads and key/value {kv_heads}: pass enable_gqa=True for "
+                           f"grouped-query attention, or repeat the key/value heads")
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise TvmAttnError(f"with enable_gqa the query heads ({heads}) must be a multiple of the key/value "
+                           f"heads ({kv_heads})")
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        raise TvmAttnError(f"scale={scale!r}: tvmattn kernels take a positive finite scale (or None: "
+                           f"1/sqrt(E)); fold a sign into query instead")
+    mask_kind, mask_dims = None, ""
+    if attn_mask is not None:
+        if is_causal:
+            raise TvmAttnError("attn_mask and is_causal=True were both given (PyTorch refuses this too): "
+                               "fold the causal mask into attn_mask, or drop attn_mask")
+        mask_kind = _mask_kind(attn_mask, query.dtype)
+        mask_dims = _mask_dims(attn_mask, (*lead, heads, q_len, kv_len))
+    layout = "BSHD" if query.dim() >= 3 and all(_is_bshd(t) for t in (q, k, v)) and not all(
+        t.is_contiguous() for t in (q, k, v)) else "BHSD"
+    device = "cpu" if query.device.type == "cpu" else str(query.device)
+    return Plan(device, DTYPES[query.dtype], lead, heads, kv_heads, q_len, kv_len, head_dim, v_head_dim, layout,
+                bool(is_causal), None if scale is None else float(scale), mask_kind, mask_dims)
+
+
+def kernel_inputs(p: Plan, kernel_key: KernelKey, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attn_mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """The kernel's (B, …) inputs: views of the tensors where their memory order and the lengths allow
+    (no copy), else copies padded to the kernel's lengths; then kv_lens and the mask."""
+    q = _flat(_with_heads(query), p, kernel_key.q_len)
+    k, v = (_flat(_with_heads(t), p, kernel_key.kv_len) for t in (key, value))
+    tensors = [q, k, v]
+    if kernel_key.key_padding:
+        tensors.append(torch.full((p.batch,), p.kv_len, dtype=torch.int32, device=query.device))
+    if attn_mask is not None:
+        tensors.append(_flat_mask(attn_mask, p, kernel_key))
+    return tensors
+
+
+def empty_output(p: Plan, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (B, …) output the kernel writes, allocated by torch, and the (…, h, L, Ev) view of it the
+    caller returns."""
+    if p.layout == "BSHD":  # the transposed view is what PyTorch's own fused kernels return too
+        out = query.new_empty((p.batch, p.q_len, p.heads, p.v_head_dim))
+        return out, out.view(*p.lead, p.q_len, p.heads, p.v_head_dim).transpose(-3, -2)
+    out = query.new_empty((p.batch, p.heads, p.q_len, p.v_head_dim))
+    return out, out.view(*query.shape[:-1], p.v_head_dim)
+
+
+def padded_output(p: Plan, kernel_key: KernelKey, out: torch.Tensor) -> torch.Tensor:
+    """``out`` itself when the queries need no padding, else a (B, …) buffer of the kernel's length."""
+    if kernel_key.q_len == p.q_len:
+        return out
+    axis = 1 if p.layout == "BSHD" else 2
+    return out.new_empty(out.shape[:axis] + (kernel_key.q_len,) + out.shape[axis + 1:])
+
+
+def unpad_output(p: Plan, padded: torch.Tensor, out: torch.Tensor) -> None:
+    if padded is not out:
+        out.copy_(padded.narrow(1 if p.layout == "BSHD" else 2, 0, p.q_len))
+
+
+# ---- checks ----------------------------------------------------------------------------------------
+def _check_tensors(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TvmAttnError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() < 2:
+            raise TvmAttnError(f"{name} has shape {tuple(t.shape)}: it needs at least (L, E)")
+    if query.dtype not in DTYPES:
+        raise TvmAttnError(f"query is {query.dtype}: tvmattn kernels take float32, float16 or bfloat16")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TvmAttnError(f"query, key and value are {query.dtype}, {key.dtype}, {value.dtype}: give them "
+                           f"one dtype")
+    if key.device != query.device or value.device != query.device:
+        raise TvmAttnError(f"query, key and value are on {query.device}, {key.device}, {value.device}: move "
+                           f"them to one device")
+    if query.device.type not in ("cpu", "cuda"):
+        raise TvmAttnError(f"query is on {query.device}: tvmattn kernels run on cpu and cuda tensors")
+
+
+def _mask_kind(mask: torch.Tensor, dtype: torch.dtype) -> str:
+    if mask.dtype == torch.bool:
+        return "bool"
+    if mask.dtype != dtype:
+        raise TvmAttnError(f"attn_mask is {mask.dtype}: it must be bool (True = attend) or the query's dtype "
+                           f"{dtype} (added to the scores), as in PyTorch")
+    return "additive"
+
+
+def _mask_dims(mask: torch.Tensor, full: tuple[int, ...]) -> str:
+    """The kernel mask axes (b, h, s, t) the mask varies along; the others it broadcasts along.
+
+    An axis of size 1 in the scores counts as varying, so that a decode step (one query) and a
+    prefill with the same mask layout share a kernel. A stride-0 (expanded) axis is broadcast.
+    """
+    try:
+        torch.broadcast_shapes(mask.shape, full)
+    except RuntimeError:
+        raise TvmAttnError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape "
+                           f"{full} (…, L, S)") from None
+    if mask.dim() > len(full):
+        raise TvmAttnError(f"attn_mask has {mask.dim()} dims, more than the scores' {full}")
+    m = mask[(None,) * (len(full) - mask.dim())]
+    n_lead = len(full) - 3
+    lead_varies = math.prod(full[:n_lead]) == 1 or any(
+        _varies(m, ax, full[ax]) and full[ax] > 1 for ax in range(n_lead))
+    varies = [lead_varies] + [_varies(m, ax, full[ax]) for ax in range(n_lead, len(full))]
+    return "".join(a for a, on in zip("bhst", varies) if on)
+
+
+def _varies(m: torch.Tensor, ax: int, full: int) -> bool:
+    return full == 1 or (m.shape[ax] == full and m.stride(ax) != 0)
+
+
+# ---- conversions ---------------------------------------------------------------------------------
+def _with_heads(t: torch.Tensor) -> torch.Tensor:
+    """(L, E) as (1, L, E): one head."""
+    return t.unsqueeze(0) if t.dim() == 2 else t
+
+
+def _is_bshd(t: torch.Tensor) -> bool:
+    """(…, h, L, E) stored as (…, L, h, E): a transposed view of a contiguous tensor."""
+    return t.transpose(-3, -2).is_contiguous()
+
+
+def _flat(t: torch.Tensor, p: Plan, length: int) -> torch.Tensor:
+    """(…, h, n, e) as the kernel's (B, h, length, e) (or (B, length, h, e)), padded when n < length."""
+    h, n, e = t.shape[-3:]
+    bshd = p.layout == "BSHD"
+    flat = t.transpose(-3, -2).reshape(p.batch, n, h, e) if bshd else t.contiguous().reshape(p.batch, h, n, e)
+    return _aligned(flat) if n == length else _padded(flat, 1 if bshd else 2, length)
+
+
+def _flat_mask(mask: torch.Tensor, p: Plan, kernel_key: KernelKey) -> torch.Tensor:
+    """The mask as the kernel's (B|1, h|1, L|1, S|1), 1 on the axes it broadcasts along."""
+    n_lead = len(p.lead)
+    m = mask[(None,) * (n_lead + 3 - mask.dim())]
+    for ax in range(m.dim()):
+        kernel_axis = "bhst"[max(0, ax - n_lead + 1)]
+        if kernel_axis not in p.mask_dims:
+            m = m.narrow(ax, 0, 1)
+    if "b" in p.mask_dims:
+        m = m.expand(*p.lead, *m.shape[n_lead:])
+    m = m.reshape(-1, *m.shape[n_lead:]) if n_lead else m.unsqueeze(0)
+    m = m.to(torch.float32 if p.mask == "additive" else torch.bool)
+    # padded query rows are dropped and padded keys hidden by kv_lens: what the padding holds is moot
+    for axis, (real, length) in ((2, (p.q_len, kernel_key.q_len)), (3, (p.kv_len, kernel_key.kv_len))):
+        if m.shape[axis] == real != length:
+            m = _padded(m, axis, length)
+    return _aligned(m.contiguous())
+
+
+def _padded(t: torch.Tensor, axis: int, length: int) -> torch.Tensor:
+    """A copy of ``t`` with ``axis`` zero-padded to ``length``."""
+    out = t.new_zeros(t.shape[:axis] + (length,) + t.shape[axis + 1:])
+    out.narrow(axis, 0, t.shape[axis]).copy_(t)
+    return out
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    # the kernels use aligned vector loads; a view at an odd offset (a slice) is copied once
+    return t if t.data_ptr() % ALIGNMENT == 0 else t.clone()
