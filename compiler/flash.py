@@ -131,6 +131,34 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
         seen = variant.sees(spec, row // g, t, kv_len, _expr(n), mask_value, tirx.Not(past_last_tile), t < n_kv)
         return tirx.Select(seen, variant.logit(spec, score, mask_value, factor=LOG2E), NEG_INF)
 
+    def tile_gemm_macro():
+        """A macro per use: TVMScript renames the blocks of a macro's second expansion."""
+
+        @T.macro
+        def tile_gemm(gemm: str, store: str, a: tirx.Buffer, b: tirx.Buffer, b_transposed: bool,
+                      acc: tirx.Buffer, out: tirx.Buffer) -> None:
+            """out = acc = a·b (a·bᵀ), fp32: the accumulation apart from where it is read (tensor-core
+            fragments on a GPU), one block each, named for the schedule."""
+            rows, cols = T.meta_var(acc.shape)
+            depth = T.meta_var(a.shape[1])
+            for r, c, e in T.grid(rows, cols, depth):
+                with T.sblock(gemm):
+                    vr, vc, ve = T.axis.remap("SSR", [r, c, e])
+                    with T.init():
+                        acc[vr, vc] = zero
+                    if b_transposed:
+                        acc[vr, vc] = acc[vr, vc] + T.Cast(ACC, a[vr, ve]) * T.Cast(ACC, b[vc, ve])
+                    else:
+                        acc[vr, vc] = acc[vr, vc] + T.Cast(ACC, a[vr, ve]) * T.Cast(ACC, b[ve, vc])
+            for r, c in T.grid(rows, cols):
+                with T.sblock(store):
+                    vr, vc = T.axis.remap("SS", [r, c])
+                    out[vr, vc] = acc[vr, vc]
+
+        return tile_gemm
+
+    qk_gemm, pv_gemm = tile_gemm_macro(), tile_gemm_macro()
+
     @T.macro
     def kv_step(j: PrimExpr, j_hi: PrimExpr, vb: PrimExpr, vkvh: PrimExpr, row0: PrimExpr, kv_len: PrimExpr,
                 k: tirx.Buffer, v: tirx.Buffer, attn_mask: tirx.Buffer, Q: tirx.Buffer, m: tirx.Buffer,
@@ -167,16 +195,7 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                     PV_acc = T.sblock_alloc_buffer((R, d_v), ACC, scope=at("PV_acc"))
                     PV = T.sblock_alloc_buffer((R, d_v), ACC, scope=at("PV"))
                     t0 = T.meta_var(vj * Tk)
-                    for r, t, e in T.grid(R, Tk, d_k):
-                        with T.sblock("s_gemm"):
-                            vr, vt, ve = T.axis.remap("SSR", [r, t, e])
-                            with T.init():
-                                S_acc[vr, vt] = zero
-                            S_acc[vr, vt] = S_acc[vr, vt] + T.Cast(ACC, Q[vr, ve]) * T.Cast(ACC, K[vt, ve])
-                    for r, t in T.grid(R, Tk):
-                        with T.sblock("s_store"):
-                            vr, vt = T.axis.remap("SS", [r, t])
-                            S[vr, vt] = S_acc[vr, vt]
+                    qk_gemm("s_gemm", "s_store", Q, K, True, S_acc, S)  # S = Q·K_jᵀ
                     for r, t in T.grid(R, Tk):
                         with T.sblock("row_max"):
                             vr, vt = T.axis.remap("SR", [r, t])
@@ -204,16 +223,7 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                         with T.sblock("l_update"):
                             vr = T.axis.remap("S", [r])
                             l_new[vr] = l[vr] * alpha[vr] + tile_sum[vr]
-                    for r, cc, t in T.grid(R, d_v, Tk):
-                        with T.sblock("pv"):
-                            vr, vc, vt = T.axis.remap("SSR", [r, cc, t])
-                            with T.init():
-                                PV_acc[vr, vc] = zero
-                            PV_acc[vr, vc] = PV_acc[vr, vc] + T.Cast(ACC, P[vr, vt]) * T.Cast(ACC, V[vt, vc])
-                    for r, cc in T.grid(R, d_v):
-                        with T.sblock("pv_store"):
-                            vr, vc = T.axis.remap("SS", [r, cc])
-                            PV[vr, vc] = PV_acc[vr, vc]
+                    pv_gemm("pv", "pv_store", P, V, False, PV_acc, PV)  # PV = P·V_j
                     for r, cc in T.grid(R, d_v):
                         with T.sblock("o_update"):
                             vr, vc = T.axis.remap("SS", [r, cc])
