@@ -17,6 +17,7 @@ import numpy as np
 import tvm
 from tvm.runtime import Executable
 from tvm.target import Target
+
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.spec import AttentionSpec
 
