@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass  # noqa: E402
 from typing import Callable, Sequence  # noqa: E402
 
 import numpy as np  # noqa: E402
+
 from tvmattn.compiler import variant  # noqa: E402
 from tvmattn.compiler.errors import TvmAttnError  # noqa: E402
 from tvmattn.compiler.explain import trace  # noqa: E402
@@ -33,7 +34,7 @@ from tvmattn.compiler.kernel import numpy_dtype  # noqa: E402
 from tvmattn.compiler.oracle import allowed_keys, reference  # noqa: E402
 from tvmattn.compiler.spec import AttentionSpec  # noqa: E402
 from tvmattn.compiler.target import cpu_cores  # noqa: E402
-from tvmattn.compiler.verify import random_inputs  # noqa: E402
+from tvmattn.compiler.verify import errors, random_inputs  # noqa: E402
 
 DEFAULT_SUITE = [(1, 8, 128, 64), (1, 8, 512, 64), (4, 12, 512, 64), (1, 16, 2048, 64), (8, 8, 256, 32)]
 NUMPY_LIMIT_BYTES = 2 << 30  # NumPy materialises the scores; skip it above this
@@ -103,6 +104,7 @@ def _status_kib(field: str) -> int:
 def tvmattn_impl(spec: AttentionSpec, args: dict[str, np.ndarray], target: str = "cpu",
                  log_dirs: Sequence[str] = (), tuned: bool = True) -> tuple[Callable[[], np.ndarray], str]:
     import tvm
+
     from tvmattn.compiler.build import compile as build
 
     kernel = build(spec, target, log_dirs=log_dirs, tuned=tuned)
@@ -134,7 +136,8 @@ def torch_impl(spec: AttentionSpec, args: dict[str, np.ndarray]) -> tuple[Callab
     def run():
         if spec.projections:
             x_kv = t.get("x_kv", t["x"])
-            q, k, v = heads(t["x"] @ t["w_q"], spec.h), heads(x_kv @ t["w_k"], spec.h_kv), heads(x_kv @ t["w_v"], spec.h_kv)
+            q = heads(t["x"] @ t["w_q"], spec.h)
+            k, v = heads(x_kv @ t["w_k"], spec.h_kv), heads(x_kv @ t["w_v"], spec.h_kv)
             o = F.scaled_dot_product_attention(q, k, v, **kw)
             return o.transpose(1, 2).flatten(2) @ t["w_o"]
         q, k, v = t["q"], t["k"], t["v"]
@@ -213,7 +216,8 @@ def bench(spec: AttentionSpec, peers: tuple[str, ...] = tuple(PEERS), budget_s: 
 
     tvmattn uses the best tuning record (``log_dirs`` first) unless ``tuned`` is False."""
     if spec.symbolic_dims:
-        raise TvmAttnError(f"bench needs concrete sizes, not {', '.join(spec.symbolic_dims)}: give --seq/--batch numbers")
+        raise TvmAttnError(f"bench needs concrete sizes, not {', '.join(spec.symbolic_dims)}: "
+                           f"give --seq/--batch numbers")
     args = random_inputs(spec, seed=0)
     label = spec.describe()
     ref = None
@@ -253,8 +257,8 @@ def _rows_that_see_keys(spec: AttentionSpec, kv_lens: np.ndarray | None) -> np.n
 
 
 def _error(out: np.ndarray, ref: np.ndarray, seen: np.ndarray) -> float:
-    diff = np.where(seen, np.abs(out - ref), 0.0)
-    return float(diff.max() / max(np.abs(ref).max(), 1e-30))
+    """`verify.errors`' relative error over the rows that see a key."""
+    return errors(np.where(seen, out, ref), ref)[1]
 
 
 def _to_numpy(x) -> np.ndarray:

@@ -8,6 +8,7 @@ from typing import Any, Mapping, Sequence
 
 import tvm
 from tvm.target import Target
+
 from tvmattn import schedules
 from tvmattn.compiler import passes
 from tvmattn.compiler.cuda.pipeline import compile_cuda, lower_cuda

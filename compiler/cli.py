@@ -182,6 +182,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_export_onnx(args: argparse.Namespace) -> int:
     import onnx
+
     from tvmattn.compiler.onnx.export import export_onnx
 
     spec = spec_from_args(args)

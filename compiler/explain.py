@@ -96,7 +96,7 @@ def report(spec: AttentionSpec, sizes: dict[str, int] | None = None) -> str:
     fused = fused_bytes(spec, sizes)
     lines.append(f"total: {_fmt(flops)} FLOPs, {_fmt(moved)} bytes stage by stage, "
                  f"{_fmt(fused)} bytes fused" + (f"; parameters {_fmt(parameters(spec))}"
-                                                 + (f" = 4·d²" if parameters(spec) == 4 * spec.d ** 2 else "")
+                                                 + (" = 4·d²" if parameters(spec) == 4 * spec.d ** 2 else "")
                                                  if spec.projections else ""))
     if flops and moved and fused:
         lines.append(f"arithmetic intensity: {flops / moved:.1f} FLOP/byte stage by stage, "

@@ -22,6 +22,7 @@ import tvm
 import tvm_ffi
 from tvm.runtime import Executable
 from tvm.target import Target
+
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.spec import AttentionSpec
 

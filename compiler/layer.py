@@ -17,6 +17,7 @@ from typing import Callable
 import tvm_ffi
 from tvm import te, tirx
 from tvm.s_tir import SBlock, SBlockRealize
+
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.te_attention import AttentionTE, linear
 

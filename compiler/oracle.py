@@ -6,6 +6,7 @@ Written from the seeds, independently of the tensor expression: plain array oper
 from __future__ import annotations
 
 import numpy as np
+
 from tvmattn.compiler.spec import AttentionSpec
 
 

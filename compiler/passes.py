@@ -21,6 +21,7 @@ from tvm.s_tir import SBlockRealize
 from tvm.sym import Analyzer, IntervalSet
 from tvm.sym.pattern import detect_linear_equation
 from tvm.tirx import For, ForKind, PrimFunc
+
 from tvmattn.compiler import variant
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.te_attention import KEY_STAGE

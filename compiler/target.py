@@ -10,6 +10,7 @@ from typing import Any
 
 import tvm
 from tvm.target import Target, codegen
+
 from tvmattn.compiler.errors import TvmAttnError
 
 DEFAULT_CUDA_ARCH = "sm_90"

@@ -29,6 +29,7 @@ from typing import Callable
 
 from tvm import te, tirx
 from tvm.ir.expr import Expr as PrimExpr
+
 from tvmattn.compiler import variant
 from tvmattn.compiler.spec import AttentionSpec, Dim
 from tvmattn.compiler.variant import ACC, Operand
@@ -117,7 +118,8 @@ def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: d
         name="scores", attrs={KEY_STAGE: 1})
     logits = te.compute(
         (B, h, n, n_kv),
-        lambda b, i, s, t: tirx.Select(visible(b, i, s, t), variant.logit(spec, scores[b, i, s, t], mask_at(b, i, s, t)),
+        lambda b, i, s, t: tirx.Select(visible(b, i, s, t),
+                                       variant.logit(spec, scores[b, i, s, t], mask_at(b, i, s, t)),
                                        -tirx.infinity(ACC)),
         name="logits", attrs={KEY_STAGE: 1})
     t = te.reduce_axis((0, n_kv), "t")

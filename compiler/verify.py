@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from tvmattn.compiler.kernel import CompiledAttention, numpy_dtype
 from tvmattn.compiler.oracle import reference
 from tvmattn.compiler.spec import AttentionSpec
@@ -58,10 +59,12 @@ def random_inputs(spec: AttentionSpec, sizes: dict[str, int] | None = None,
     return out
 
 
-def check(kernel: CompiledAttention, sizes: dict[str, int] | None = None, seed: int = 0) -> Check:
-    """Run ``kernel`` once at ``sizes`` (values of its symbolic lengths) and compare with the oracle."""
+def check(kernel: CompiledAttention, sizes: dict[str, int] | None = None, seed: int = 0,
+          inputs: dict[str, np.ndarray] | None = None) -> Check:
+    """Run ``kernel`` once at ``sizes`` (values of its symbolic lengths) and compare with the oracle;
+    ``inputs`` replace the drawn arguments of those names."""
     spec = kernel.spec
-    args = random_inputs(spec, sizes, seed)
+    args = {**random_inputs(spec, sizes, seed), **(inputs or {})}
     kv_lens = args.pop("kv_lens", None)
     attn_mask = args.pop("attn_mask", None)
     x_kv = args.pop("x_kv", None) if spec.projections and spec.is_cross else None

@@ -12,6 +12,7 @@ from typing import Mapping
 
 from tvm.s_tir import Schedule
 from tvm.target import Target
+
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.schedules.cpu import CpuAttention

@@ -29,6 +29,7 @@ from typing import Mapping
 import tvm
 from tvm.s_tir import Schedule
 from tvm.target import Target
+
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import vector_lanes
 from tvmattn.schedules.knobs import Knob, KnobValue

@@ -29,6 +29,7 @@ import tvm
 from tvm import tirx
 from tvm.s_tir import Schedule, TensorIntrin, dlight
 from tvm.target import Target
+
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.flash import FlashTiles, flash_attention
 from tvmattn.compiler.layer import layer_around
@@ -95,7 +96,8 @@ class CudaFlashAttention(AttentionRule):
         k = _Kernel(sch, spec, knobs)
         if tensor_cores(spec, knobs) and k.rows % (16 * k.threads // WARP):
             raise TvmAttnError(f"tensor cores give each warp 16-row tiles: q_rows={k.rows} cannot be shared by "
-                               f"{k.threads // WARP} warps; use q_rows a multiple of {16 * k.threads // WARP} or fewer warps")
+                               f"{k.threads // WARP} warps; use q_rows a multiple of {16 * k.threads // WARP} "
+                               f"or fewer warps")
         k.thread_blocks()
         k.loads()
         k.row_stages()

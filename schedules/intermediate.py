@@ -12,6 +12,7 @@ from typing import Mapping
 
 from tvm.s_tir import Schedule, dlight
 from tvm.target import Target
+
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.schedules.knobs import KnobValue
 from tvmattn.schedules.rule import AttentionRule

@@ -16,6 +16,7 @@ from typing import Mapping, Union
 
 from tvm.ir.expr import Expr as PrimExpr
 from tvm.s_tir import Schedule
+
 from tvmattn.compiler.errors import TvmAttnError
 
 KnobValue = Union[int, PrimExpr]

@@ -13,6 +13,7 @@ from typing import Mapping
 from tvm.s_tir import Schedule
 from tvm.target import Target
 from tvm.tirx import PrimFunc
+
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.te_attention import attention_te
 from tvmattn.schedules.knobs import Knob, KnobValue

@@ -25,10 +25,11 @@ from pathlib import Path
 
 import numpy as np
 import tvm
+
 import tvmattn
 from tvmattn import AttentionSpec
 from tvmattn.compiler.bench import flops
-from tvmattn.compiler.verify import TOLERANCE, check
+from tvmattn.compiler.verify import TOLERANCE, check, errors
 from tvmattn.models.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,7 +146,7 @@ def time_one(spec: AttentionSpec, target: str, arch: str | None, device: str, de
     run_torch, sync = torch_sdpa(spec, q, k, v, device)
     theirs = timed(run_torch, sync)
     ref = run_torch().float().cpu().numpy()
-    err = float(np.abs(out.numpy().astype(np.float32) - ref).max() / np.abs(ref).max())
+    _, err = errors(out.numpy(), ref)
     work = useful_flops(spec)
     return {"shape": [spec.batch, spec.h, spec.n_q, spec.d_k], "causal": spec.causal, "dtype": spec.dtype,
             "tvmattn_tflops": work / ours / 1e12, "torch_tflops": work / theirs / 1e12,

@@ -1,14 +1,34 @@
-"""Test helpers: one compile per (spec, target, knobs) for the whole session."""
+"""Test helpers: one compile per (spec, target, knobs) or (spec, tiles) for the whole session, and the
+one comparison of a kernel with the float64 oracle."""
 
 from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 import tvmattn
+from tvmattn.compiler.build import build_serial
+from tvmattn.compiler.flash import FlashTiles
 from tvmattn.compiler.kernel import CompiledAttention
 from tvmattn.compiler.spec import AttentionSpec
+from tvmattn.compiler.verify import check
 
 
 @functools.lru_cache(maxsize=64)
 def compiled(spec: AttentionSpec, target: str = "cpu", knobs: tuple = ()) -> CompiledAttention:
     return tvmattn.compile(spec, target, knobs=dict(knobs) or None)
+
+
+@functools.lru_cache(maxsize=64)
+def serial(spec: AttentionSpec, tiles: FlashTiles) -> CompiledAttention:
+    """The online-softmax template of ``spec``, compiled serially for this CPU (the CUDA numerics)."""
+    return build_serial(spec, tiles)
+
+
+def assert_matches_oracle(kernel: CompiledAttention, sizes: dict[str, int] | None = None, seed: int = 0,
+                          **inputs: np.ndarray) -> None:
+    """Run ``kernel`` on seeded random arguments (``inputs`` replace those of their names) at ``sizes``
+    (its symbolic lengths) and compare with `tvmattn.reference` within the dtype's tolerance."""
+    result = check(kernel, sizes, seed, inputs)
+    assert result.ok, f"{result.line()} for {kernel.spec!r} [{kernel.schedule}]"

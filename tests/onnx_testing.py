@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime as ort
+
 import tvmattn
+from tvmattn.compiler.verify import errors
 
 
 def ort_run(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -27,8 +29,7 @@ def assert_matches_ort(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]
     assert not imported.report.left_to_tvm, str(imported.report)
     for feed in feeds:
         for got, want in zip(imported.run(feed), ort_run(model, feed)):
-            want = np.asarray(want, np.float64)
-            error = np.max(np.abs(np.asarray(got, np.float64) - want)) / max(np.max(np.abs(want)), 1e-30)
+            _, error = errors(got, want)
             assert error <= tolerance, f"error {error:.3g} at {[(k, v.shape) for k, v in feed.items()]}"
     return imported
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import assert_matches_oracle, compiled
+
 import tvmattn
-from tvmattn.compiler.verify import check
 
 BASE = dict(batch=2, seq_len=5, kv_seq_len=7, num_heads=4, num_kv_heads=2, head_dim=8, projections=False)
 
@@ -23,17 +24,14 @@ BASE = dict(batch=2, seq_len=5, kv_seq_len=7, num_heads=4, num_kv_heads=2, head_
     dict(output="weights", attn_mask="bool", attn_mask_dims="st", window=3),
 ], ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
 def test_kernel_matches_oracle(fields):
-    spec = tvmattn.AttentionSpec(**{**BASE, **fields})
-    result = check(tvmattn.compile(spec))
-    assert result.ok, result.line()
+    assert_matches_oracle(compiled(tvmattn.AttentionSpec(**{**BASE, **fields})))
 
 
 def test_symbolic_lengths_with_an_additive_mask():
     spec = tvmattn.AttentionSpec(**{**BASE, "seq_len": "n", "kv_seq_len": "m", "attn_mask": "additive"})
-    kernel = tvmattn.compile(spec)
+    kernel = compiled(spec)
     for n in (1, 9):
-        result = check(kernel, {"n": n, "m": n + 2})
-        assert result.ok, result.line()
+        assert_matches_oracle(kernel, {"n": n, "m": n + 2})
 
 
 def test_a_row_with_every_key_masked_gives_zeros():

@@ -4,6 +4,7 @@
 import json
 
 import pytest
+
 from tvmattn import AttentionSpec
 from tvmattn.compiler import bench
 from tvmattn.compiler.cli import main

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+
 from tvmattn.compiler.cli import build_parser, main, spec_from_args
 from tvmattn.models.presets import PRESETS
 

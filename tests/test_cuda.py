@@ -12,23 +12,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tvm
-import tvmattn
+import tvm_ffi
+from helpers import assert_matches_oracle, serial
 from hypothesis import given, settings
-from hypothesis import strategies as st
-from strategies import specs
-from tvm.s_tir import dlight
+from strategies import cases, specs, tiles
+from tvm.s_tir import SBlock, dlight
+
+import tvmattn
 from tvmattn import AttentionSpec, TvmAttnError
 from tvmattn.compiler import build
-from tvmattn.compiler.build import build_serial
 from tvmattn.compiler.cuda import tools as cuda_tools
 from tvmattn.compiler.flash import FlashTiles
 from tvmattn.compiler.target import resolve_target
 from tvmattn.compiler.te_attention import attention_te
 from tvmattn.compiler.tuning import measure, space
 from tvmattn.compiler.tuning.tuner import tune
-from tvmattn.compiler.verify import check
 from tvmattn.models.presets import PRESETS
-from tvmattn.schedules import cuda, default_knobs
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
@@ -40,32 +39,38 @@ def core(**fields) -> AttentionSpec:
 
 
 # ---- the template's numerics, run serially on the CPU ------------------------------------------------
+# The same strategy as the CPU schedule's sweep (`test_attention_cpu`); the template returns the attention.
 
-tiles = st.builds(FlashTiles, q_rows=st.sampled_from([1, 16, 32]), kv_tile=st.sampled_from([8, 16, 64]),
-                  kv_splits=st.sampled_from([1, 2, 3]))
-
-
-@given(specs(), tiles)
-def test_template_matches_oracle(spec, tiles):
-    kernel = build_serial(spec, tiles)
-    result = check(kernel)
-    assert result.ok, f"{result.line()} for {spec.describe()} with {tiles}"
+@settings(max_examples=25)
+@given(cases(intermediate=False), tiles())
+def test_template_matches_oracle(case, tiling):
+    spec, sizes = case
+    assert_matches_oracle(serial(spec, tiling), sizes)
 
 
-@settings(max_examples=8)
-@given(specs(dtype="float16"), tiles)
-def test_template_matches_oracle_fp16(spec, tiles):
-    result = check(build_serial(spec, tiles))
-    assert result.ok, f"{result.line()} for {spec.describe()} with {tiles}"
+@settings(max_examples=12)
+@given(cases(dtype=("float16", "bfloat16"), intermediate=False), tiles())
+def test_template_matches_oracle_half(case, tiling):
+    spec, sizes = case
+    assert_matches_oracle(serial(spec, tiling), sizes)
+
+
+@pytest.mark.slow
+@settings(max_examples=150)
+@given(cases(intermediate=False, max_len=130, max_heads=8, max_head_dim=64),
+       tiles(q_rows=(1, 16, 32, 64), kv_tile=(8, 16, 64), kv_splits=(1, 2, 3)))
+def test_template_matches_oracle_wide(case, tiling):
+    spec, sizes = case
+    assert_matches_oracle(serial(spec, tiling), sizes)
 
 
 @settings(max_examples=4)
-@given(specs(symbolic=True), tiles)
-def test_template_serves_every_length(spec, tiles):
-    kernel = build_serial(spec, tiles)
+@given(specs(symbolic=True, intermediate=False), tiles())
+def test_template_serves_every_length(spec, tiling):
+    kernel = serial(spec, tiling)
     for n in (1, 33, 100):
-        sizes = {name: n + 5 * i for i, name in enumerate(spec.symbolic_dims)}
-        assert check(kernel, sizes).ok, f"{spec.describe()} at {sizes} with {tiles}"
+        assert_matches_oracle(kernel, {name: 2 if name == "B" else n + 5 * i
+                                       for i, name in enumerate(spec.symbolic_dims)})
 
 
 @pytest.mark.parametrize("fields", [
@@ -75,12 +80,12 @@ def test_template_serves_every_length(spec, tiles):
 ], ids=["bool-mask", "additive-mask-softcap", "softcap-causal"])
 def test_template_with_onnx_masks(fields):
     spec = core(seq_len=45, kv_seq_len=70, num_heads=4, num_kv_heads=2, head_dim=16, **fields)
-    assert check(build_serial(spec, FlashTiles(16, 32, 2))).ok
+    assert_matches_oracle(serial(spec, FlashTiles(16, 32, 2)))
 
 
 def test_template_rows_that_see_no_key_are_zero():
     spec = core(seq_len=20, kv_seq_len=30, num_heads=2, head_dim=8, key_padding=True)
-    kernel = build_serial(spec, FlashTiles(16, 16, 2))
+    kernel = serial(spec, FlashTiles(16, 16, 2))
     q, k, v = (np.ones(shape, np.float32) for shape in list(spec.input_shapes().values())[:3])
     out = kernel(q, k, v, kv_lens=np.zeros(1, np.int32))
     assert np.all(out == 0)
@@ -164,13 +169,21 @@ def test_fallback_materialises_the_scores_and_the_check_sees_it():
     assert quadratic_buffers(core(seq_len=256, num_heads=2, head_dim=64), fallback=True)
 
 
-def test_schedule_kinds_follow_the_spec():
-    target = resolve_target("cuda", "sm_90")
-    kinds = {name: cuda.CudaFlashAttention().describe(spec, target, default_knobs(spec, target)) for name, spec in CONFIGS.items()}
-    assert "tensor cores" in kinds["gpt2-core-fp16-causal"] and "tensor cores" in kinds["d128-bf16-bshd"]
-    assert "CUDA cores" in kinds["fp32-d64"]
-    assert "split-K decode" in kinds["decode-4k"]
-    assert "dlight projections" in kinds["gpt2-small-layer"]
+@pytest.mark.parametrize("name, tensor_cores, split_k, projections", [
+    ("gpt2-core-fp16-causal", True, False, False),
+    ("fp32-d64", False, False, False),
+    ("decode-4k", False, True, False),
+    ("gpt2-small-layer", False, False, True),
+])
+def test_schedule_kinds_follow_the_spec(name, tensor_cores, split_k, projections):
+    """fp16 prefill on wmma tensor cores, fp32 on CUDA cores, one query over many keys split-K (with a
+    combine of the splits), and a layer's projections as GEMMs staged through shared memory (dlight)."""
+    mod, _ = scheduled(CONFIGS[name], "sm_90")
+    blocks = set()
+    tvm_ffi.structural_walk(mod["main"].body, [(SBlock, lambda b: blocks.add(b.name_hint))])
+    assert ("mma_sync" in mod.script()) == tensor_cores
+    assert ("split_combine" in blocks) == split_k
+    assert ("x_reindex_shared" in blocks) == projections
 
 
 def test_wmma_uses_async_copies_and_tensor_core_instructions():
@@ -196,9 +209,10 @@ def test_cli_writes_source_ptx_cubin_and_the_ptxas_report(tmp_path):
                           "--seq", "256", "--no-projections", "--dtype", "float16", "--target", "cuda",
                           "--arch", "sm_80", "-o", str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert "wmma tensor cores" in out.stdout and "0 B spilled" in out.stdout
+    assert "0 B spilled" in out.stdout
     for suffix in ("cu", "ptx", "cubin"):
         assert (tmp_path / f"attention.{suffix}").stat().st_size > 0
+    assert "wmma::mma_sync" in (tmp_path / "attention.cu").read_text()  # fp16: tensor cores
 
 
 def test_tuning_candidates_build_for_cuda():
@@ -207,12 +221,14 @@ def test_tuning_candidates_build_for_cuda():
     spec = core(seq_len=200, num_heads=4, head_dim=64, causal=True, dtype="float16")
     target = resolve_target("cuda", "sm_80")
     func = space.workload(spec, target)
-    for q_rows, kv_tile, kv_splits, warps, stages in ((32, 32, 1, 2, 2), (64, 64, 1, 4, 1), (16, 16, 4, 1, 2)):
+    # (q_rows, kv_tile, kv_splits, warps, stages), and whether wmma applies: 16 rows is the decode variant
+    for (q_rows, kv_tile, kv_splits, warps, stages), wmma in (((32, 32, 1, 2, 2), True), ((64, 64, 1, 4, 1), True),
+                                                              ((16, 16, 4, 1, 2), False)):
         values = dict(q_rows=q_rows, kv_tile=kv_tile, kv_splits=kv_splits, warps=warps, stages=stages)
         mod = space.candidate(func, spec, target, values).mod
         source = next(m.inspect_source() for m in measure.build_candidate(mod, target, None).mod.imports
                       if m.kind == "cuda")
-        assert ("wmma::mma_sync" in source) == cuda.tensor_cores(spec, values)
+        assert ("wmma::mma_sync" in source) == wmma, values
     (sampled,) = space.design_space(spec, target).generate_design_space(tvm.IRModule({"main": func}))
     assert sampled.get_sblock("flash") is not None  # MetaSchedule's design space schedules the template
 
@@ -232,9 +248,7 @@ def test_tuning_for_cuda_without_a_gpu_says_where_to_run(tmp_path):
 def test_kernels_on_the_gpu_match_the_oracle(name):
     spec = CONFIGS[name]
     kernel = tvmattn.compile(spec, "cuda", arch=f"sm_{tvm.cuda(0).compute_version.replace('.', '')}")
-    sizes = {dim: 300 for dim in spec.symbolic_dims}
-    result = check(kernel, sizes or None)
-    assert result.ok, result.line()
+    assert_matches_oracle(kernel, {dim: 300 for dim in spec.symbolic_dims})
 
 
 def test_gpu_check_script_dry_run():

@@ -16,8 +16,9 @@ import warnings
 
 import numpy as np
 import pytest
-import tvmattn
 from onnx_testing import kernels_used
+
+import tvmattn
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # collecting every node's cases warns about unrelated casts
@@ -32,11 +33,13 @@ DEFAULT_EXPANDED = {
     "test_attention_4d_gqa_expanded", "test_attention_4d_attn_mask_bool_4d_expanded",
     "test_attention_4d_attn_mask_3d_causal_expanded", "test_attention_4d_diff_heads_with_past_and_present_expanded",
     "test_attention_3d_gqa_causal_expanded", "test_attention_3d_softcap_expanded",
-    "test_attention_4d_with_qk_matmul_softmax_expanded", "test_attention_23_boolmask_fullymasked_row_nan_robustness_expanded",
+    "test_attention_4d_with_qk_matmul_softmax_expanded",
+    "test_attention_23_boolmask_fullymasked_row_nan_robustness_expanded",
     "test_attention_4d_causal_nonpad_attn_mask_composition_expanded", "test_attention_local_window_with_past_expanded",
     "test_attention_bidirectional_window_expanded", "test_attention_4d_softcap_neginf_mask_poison_expanded",
     "test_attention_4d_gqa_causal_nonpad_decode_fp16_expanded", "test_attention_4d_padded_kv_bf16_expanded",
-    "test_attention_3d_with_past_and_present_qk_matmul_bias_expanded", "test_attention_local_window_gqa_rank4_mask_expanded",
+    "test_attention_3d_with_past_and_present_qk_matmul_bias_expanded",
+    "test_attention_local_window_gqa_rank4_mask_expanded",
 }
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-import tvmattn
 from onnx_testing import kernels_used, ort_run
+
+import tvmattn
 from tvmattn.compiler.cli import main
 from tvmattn.compiler.onnx.export import export_onnx
 from tvmattn.compiler.verify import random_inputs

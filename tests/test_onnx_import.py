@@ -9,10 +9,11 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-import tvmattn
 from onnx import TensorProto as TP
 from onnx import helper as oh
 from onnx_testing import assert_matches_ort, kernels_used, ort_run, randn
+
+import tvmattn
 from tvmattn.compiler.cli import main
 from tvmattn.models.onnx_models import ATTENTIONS, BUILDERS
 
@@ -284,7 +285,8 @@ def test_shape_that_cannot_be_inferred_names_the_node():
     nodes = [oh.make_node("Slice", ["x", "start", "end"], ["q"]),
              oh.make_node("Attention", ["q", "k", "v"], ["y"], name="attn")]
     model = _model(nodes, [("x", TP.FLOAT, [2, 2, 3, D]), ("start", TP.INT64, [1]), ("end", TP.INT64, [1]),
-                           ("k", TP.FLOAT, [2, 2, 3, D]), ("v", TP.FLOAT, [2, 2, 3, D])], [("y", TP.FLOAT, [2, 2, 3, D])])
+                           ("k", TP.FLOAT, [2, 2, 3, D]), ("v", TP.FLOAT, [2, 2, 3, D])],
+                   [("y", TP.FLOAT, [2, 2, 3, D])])
     with pytest.raises(tvmattn.TvmAttnError, match="'attn'.*cannot be inferred"):
         tvmattn.import_onnx(model)
 

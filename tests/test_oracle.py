@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from tvmattn import AttentionSpec
 from tvmattn.compiler.oracle import allowed_keys, core, reference
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import assert_matches_oracle
+
 import tvmattn
 from tvmattn.compiler.cli import main
 from tvmattn.compiler.spec import AttentionSpec
@@ -25,7 +27,6 @@ from tvmattn.compiler.tuning.records import (
     read_file,
     spec_key,
 )
-from tvmattn.compiler.verify import check
 from tvmattn.schedules import cpu
 
 SPEC = AttentionSpec(seq_len=24, d_model=32, num_heads=2, causal=True, projections=False)
@@ -144,7 +145,7 @@ def test_compile_uses_the_record_and_says_so(tmp_path):
     assert not warned
     assert kernel.schedule.startswith("tuned record") and f"{FIRST.name}={OTHER[FIRST.name]}" in kernel.schedule
     assert "12.5 µs" in kernel.schedule and "test (local)" in kernel.schedule
-    assert check(kernel).ok
+    assert_matches_oracle(kernel)
     plain, _ = compile_quietly(SPEC, tmp_path, tuned=False)
     assert plain.schedule.startswith("default schedule") and "no tuning record" not in plain.schedule
     fresh, _ = compile_quietly(SPEC.replace(seq_len=25), tmp_path)
@@ -160,7 +161,7 @@ def test_stale_record_falls_back_to_the_default_schedule(tmp_path, knobs, reason
     kernel, warned = compile_quietly(SPEC, tmp_path)
     assert kernel.schedule.startswith("default schedule") and "stale" in kernel.schedule
     assert any(str(path) in w and "no longer applies" in w and reason in w for w in warned), warned
-    assert check(kernel).ok
+    assert_matches_oracle(kernel)
 
 
 def test_record_missing_a_new_knob_applies_with_its_default_and_warns(tmp_path):

@@ -13,6 +13,7 @@ import time
 import psutil
 import pytest
 from tvm import rpc
+
 from tvmattn.compiler.cli import main
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.target import resolve_target, target_key

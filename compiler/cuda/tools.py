@@ -16,6 +16,7 @@ from tvm import tirx
 from tvm.ir.expr import Expr as PrimExpr
 from tvm.s_tir.analysis import calculate_allocated_bytes, verify_gpu_code
 from tvm.target import Target
+
 from tvmattn.compiler.cuda.pipeline import compile_cuda, lower_cuda
 from tvmattn.compiler.errors import TvmAttnError
 

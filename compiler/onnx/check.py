@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.kernel import numpy_dtype
 from tvmattn.compiler.onnx.importer import GraphInput, ImportedModel

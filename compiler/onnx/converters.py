@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 import onnx
 from tvm import relax
+
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.onnx.kernels import Kernels, Mask, Sizes, attend, shape_of, static
 

@@ -16,6 +16,7 @@ import functools
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
 from tvmattn.compiler import variant
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.kernel import numpy_dtype
@@ -69,10 +70,10 @@ class _Builder:
         if spec.projections:
             x, x_kv = "x", "x_kv" if spec.is_cross else "x"
             q, k, v = (self.op("MatMul", src, w) for src, w in ((x, "w_q"), (x_kv, "w_k"), (x_kv, "w_v")))
-            o = self.op("MatMul", self.attention(q, k, v, "BSH"), "w_o")
+            self.op("MatMul", self.attention(q, k, v, "BSH"), "w_o")
         else:
-            o = self.attention("q", "k", "v", spec.layout)
-        self.nodes[-1].output[0] = "out"
+            self.attention("q", "k", "v", spec.layout)
+        self.nodes[-1].output[0] = "out"  # the last node's output is the model's
         out = helper.make_tensor_value_info("out", self.elem, list(spec.output_shape()))
         graph = helper.make_graph(self.nodes, "tvmattn_attention", inputs, [out], initializer=self.inits)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", self.opset)],

@@ -16,6 +16,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import numpy_helper
 from onnx.reference import ReferenceEvaluator
+
 from tvmattn.compiler.errors import TvmAttnError
 
 DEFAULT_DOMAINS = ("", "ai.onnx")

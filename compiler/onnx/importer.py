@@ -23,6 +23,7 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.target import Target
+
 from tvmattn.compiler.build import tvm_compile
 from tvmattn.compiler.errors import TvmAttnError, tvm_reason
 from tvmattn.compiler.kernel import numpy_dtype

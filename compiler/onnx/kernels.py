@@ -14,6 +14,7 @@ from tvm import relax, tirx
 from tvm.ir.expr import Expr as PrimExpr
 from tvm.sym import Analyzer
 from tvm.target import Target
+
 from tvmattn.compiler.build import schedule_attention
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.spec import AttentionSpec, Dim

@@ -32,6 +32,7 @@ import numpy as np
 import tvm
 from tvm import relax, tirx
 from tvm.relax.dpl import DFPattern, is_const, is_op, is_tuple_get_item, wildcard
+
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.onnx.kernels import Kernels, Mask, attend, shape_of
 
@@ -345,7 +346,8 @@ class _Match:
         if not begin or not isinstance(expr, tvm.ir.GenericConst):
             return {}
         keep = expr.value.numpy() != negate
-        if keep.ndim < 2 or keep.shape[-1] != keep.shape[-2] or not (keep == keep.reshape(-1, *keep.shape[-2:])[0]).all():
+        if (keep.ndim < 2 or keep.shape[-1] != keep.shape[-2]
+                or not (keep == keep.reshape(-1, *keep.shape[-2:])[0]).all()):
             return {}
         size = keep.shape[-1]
         if not np.array_equal(keep.reshape(-1, size, size)[0], np.tri(size, dtype=bool)):

@@ -26,6 +26,7 @@ from typing import Iterable, Sequence
 
 from tvm.s_tir import Schedule
 from tvm.target import Target
+
 from tvmattn import schedules
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import target_key

@@ -37,6 +37,7 @@ from tvm.s_tir.meta_schedule.runner.utils import alloc_argument_common
 from tvm.s_tir.meta_schedule.utils import get_global_func_on_rpc_session
 from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 from tvm.target import Target
+
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import cpu_cores

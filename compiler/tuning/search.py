@@ -25,6 +25,7 @@ from tvm.s_tir.meta_schedule.runner import RunnerResult
 from tvm.s_tir.meta_schedule.search_strategy import MeasureCandidate, PySearchStrategy
 from tvm.target import Target
 from tvm.tirx import PrimFunc
+
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.tuning.records import Record
 from tvmattn.compiler.tuning.space import KnobSpace, Point, candidate, relevant

@@ -22,6 +22,7 @@ from tvm.s_tir import Schedule
 from tvm.s_tir.meta_schedule.space_generator import ScheduleFn
 from tvm.target import Target
 from tvm.tirx import PrimFunc
+
 from tvmattn import schedules
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.schedules.knobs import Knob, sample

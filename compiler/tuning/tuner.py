@@ -32,6 +32,7 @@ from tvm.s_tir.meta_schedule.logging import get_logging_func
 from tvm.s_tir.meta_schedule.measure_callback import MeasureCallback
 from tvm.s_tir.meta_schedule.task_scheduler import TaskScheduler
 from tvm.s_tir.meta_schedule.tune_context import TuneContext, _normalize_mod
+
 from tvmattn import schedules
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.explain import trace
@@ -105,7 +106,8 @@ def instantiate(spec: AttentionSpec, sizes: dict[str, int]) -> AttentionSpec:
 def log_path(spec: AttentionSpec, target: Any = "cpu", arch: str | None = None,
              log_dir: str | Path | None = None) -> Path:
     """The file `tune` appends the records of ``spec`` to."""
-    return log_file(Path(log_dir).expanduser() if log_dir else user_dir(), target_key(resolve_target(target, arch)), spec)
+    directory = Path(log_dir).expanduser() if log_dir else user_dir()
+    return log_file(directory, target_key(resolve_target(target, arch)), spec)
 
 
 def tune(spec: AttentionSpec, target: Any = "cpu", *, trials: int = 64, at: Sequence[dict[str, int]] = (),
@@ -242,8 +244,8 @@ def _context(task: Task, strategy: KnobSearch, seed: int) -> TuneContext:
     ctx = TuneContext.__new__(TuneContext)
     ctx.__init_handle_by_constructor__(
         _ffi_api.TuneContext, _normalize_mod(task.func), task.target,
-        design_space(task.instance, task.target), strategy, "attention" + "".join(f"_{k}{v}" for k, v in task.at.items()),
-        cpu_cores(), seed, get_logging_func(logger))
+        design_space(task.instance, task.target), strategy,
+        "attention" + "".join(f"_{k}{v}" for k, v in task.at.items()), cpu_cores(), seed, get_logging_func(logger))
     _ffi_api.TuneContextInitialize(ctx)
     return ctx
 
