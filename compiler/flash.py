@@ -65,6 +65,7 @@ from typing import Mapping
 from tvm import tirx
 from tvm.ir.expr import Expr as PrimExpr
 from tvm.script import tirx as T
+
 from tvmattn.compiler import variant
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.variant import ACC, Operand

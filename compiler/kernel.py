@@ -26,7 +26,6 @@ from tvm.target import Target
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.spec import AttentionSpec
 
-
 # The generated CPU code uses aligned vector loads and stores on some arguments (TVM allocates with
 # this alignment): a less aligned pointer crashes the process, so such arrays are copied first.
 ALIGNMENT = 64

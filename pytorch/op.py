@@ -4,12 +4,11 @@ and `torch.export`."""
 
 from __future__ import annotations
 
-import tvm_ffi
 import torch
+import tvm_ffi
 
 from tvmattn.torch.cache import KERNELS
 from tvmattn.torch.plan import empty_output, kernel_inputs, padded_output, plan, unpad_output
-
 
 MAX_PLANS = 4096  # argument signatures remembered (a growing KV cache adds one per step)
 

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 
-from tvmattn.compiler import bench  # first: it tells the thread pools not to spin, before they start
-
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import tvmattn  # noqa: E402
 import tvmattn.torch as tt  # noqa: E402
+from tvmattn.compiler import bench  # first: it tells the thread pools not to spin, before they start
 from tvmattn.compiler.kernel import aligned_empty, host_tensor  # noqa: E402
 from tvmattn.compiler.target import cpu_cores  # noqa: E402
 from tvmattn.compiler.verify import random_inputs  # noqa: E402

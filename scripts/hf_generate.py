@@ -17,12 +17,11 @@ import statistics
 import sys
 import time
 
-from tvmattn.compiler import bench  # noqa: F401  first: it tells the thread pools not to spin
-
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import tvmattn.torch  # noqa: E402
+from tvmattn.compiler import bench  # noqa: F401  first: it tells the thread pools not to spin
 from tvmattn.compiler.target import cpu_cores  # noqa: E402
 
 

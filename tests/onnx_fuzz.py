@@ -78,8 +78,9 @@ def _embedding_model() -> onnx.ModelProto:
     """ids (B, n) → Gather of a (10, 8) table: out-of-range ids are a user's mistake, not a crash."""
     table = onnx.numpy_helper.from_array(np.arange(80, dtype=np.float32).reshape(10, 8) / 80, "table")
     node = helper.make_node("Gather", ["table", "ids"], ["out"], name="Gather_0", axis=0)
-    graph = helper.make_graph([node], "embedding", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["B", "n"])],
-                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["B", "n", 8])], [table])
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, ["B", "n"])
+    out = helper.make_tensor_value_info("out", TensorProto.FLOAT, ["B", "n", 8])
+    graph = helper.make_graph([node], "embedding", [ids], [out], [table])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -315,7 +316,8 @@ def _compare(ours: list, ref: list, probes: list | None) -> str:
             return "mismatch"
         if want.size == 0:
             continue
-        rows_want, rows_got = want.reshape(-1, want.shape[-1] if want.ndim else 1), got.reshape(-1, got.shape[-1] if got.ndim else 1)
+        width = want.shape[-1] if want.ndim else 1
+        rows_want, rows_got = want.reshape(-1, width), got.reshape(-1, width)
         documented = np.isnan(rows_want).all(axis=-1) & (rows_got == 0).all(axis=-1)  # a row that saw no key
         if probes is not None:  # a non-finite value the mask hides: the reference's NaN is its arithmetic
             zero, one = (np.asarray(p[i], np.float64).reshape(rows_want.shape) for p in probes)

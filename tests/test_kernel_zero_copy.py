@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import compiled
 
 import tvmattn
 from tvmattn.compiler.kernel import ALIGNMENT, aligned_empty
 from tvmattn.compiler.verify import TOLERANCE, errors, random_inputs
-
-from helpers import compiled
 
 SPEC = tvmattn.AttentionSpec(batch="b", seq_len="n", num_heads=2, head_dim=16, projections=False, causal=True)
 SIZES = {"b": 2, "n": 21}

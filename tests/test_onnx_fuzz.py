@@ -16,13 +16,13 @@ import sys
 
 import numpy as np
 import onnx
+import onnx_fuzz
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from onnx_testing import ort_run
 
 import tvmattn
-import onnx_fuzz
-from onnx_testing import ort_run
 from tvmattn.models import onnx_models
 
 FINE = {"clean error", "agrees"}

@@ -18,8 +18,6 @@ from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.onnx.kernels import OPAQUE
 
 
-
-
 def gather(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict) -> relax.Expr | None:
     """A bounds-checked ONNX Gather, or None where TVM's converter is right as it is (constants folded,
     shape values, a symbolic axis extent)."""
