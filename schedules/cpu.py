@@ -291,14 +291,19 @@ def _gemm(sch: Schedule, name: str, lanes: int, k: Mapping[str, KnobValue]) -> N
     width = int(sch.get(m).extent)
     # Row tiles stay inside one sequence: a tile crossing a batch boundary would make the
     # accumulator's region non-rectangular, and its write-back would cover rows it never computed.
-    r_task, r_out, r_in = sch.split(s, [None, k["gemm_block_rows"], k["gemm_rows"]])
+    extent = sch.get(s).extent
+    n_rows = int(extent) if isinstance(extent, tvm.tirx.IntImm) else None
+    rows_factor = _at_most(sch, k["gemm_rows"], n_rows)  # one token (decode): a one-row register tile
+    row_tiles = None if n_rows is None else -(-n_rows // _int(sch, rows_factor))
+    block_factor = _at_most(sch, k["gemm_block_rows"], row_tiles)
+    r_task, r_out, r_in = sch.split(s, [None, block_factor, rows_factor])
     lanes_m = _lanes_for(width, lanes)
     m_task, m_out, m_mid, m_vec = sch.split(
         m, [None, k["gemm_block_cols"], k["gemm_vecs"] if lanes_m == lanes else 1, lanes_m])
     # a task owns a block of rows × columns, so its panels of x and w stay in L2 across register tiles
     sch.reorder(b, r_task, m_task, r_out, m_out, c, r_in, m_mid, m_vec)
     sch.parallel(sch.fuse(b, r_task, m_task))
-    rows = _int(sch, k["gemm_rows"])
+    rows = _int(sch, rows_factor)
     _register_tile(sch, blk, m_out, lambda b_, s_, m_: (b_, s_ // rows, s_ % rows, m_),
                    (r_in, m_mid), m_vec, lanes_m, c)
     if acc_name != name:  # the cast to the storage dtype, per output element
