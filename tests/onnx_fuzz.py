@@ -10,7 +10,7 @@ reference evaluator on the same feed. `judge` says what happened:
                     and tvmattn with zeros (the query saw no key); and an entry the reference makes NaN
                     only through a non-finite input the mask hides (it adds the mask to scores it
                     computed), which equals the reference's output with that input made finite
-    overflow near the float32 limit    inf where the reference is finite but ≥ 1e30 (see OVERFLOW_SCALE)
+    outside float32's range   a difference where the reference's outputs reach 1e29 (OVERFLOW_SCALE)
     crash, hang, other exception, mismatch, nan swallowed, ran where every reference refused
 """
 
@@ -27,10 +27,13 @@ import onnx
 from onnx import TensorProto, helper
 
 TOLERANCE = 1e-4
-# tvmattn sums P·V before dividing by the row sum (as FlashAttention does): an output whose magnitude is
-# within a factor of the visible key count of float32's maximum overflows to inf where a reference that
-# normalises first stays finite. Outputs this large are the documented limit, reported on their own.
-OVERFLOW_SCALE = 1e30
+OUT_OF_RANGE = "outside float32's range"
+# Outputs this large come from inputs whose scores (q·k, ~|x|²) overflow float32: every implementation's
+# answer is then an artefact of its order of operations (tvmattn sums P·V before dividing by the row sum,
+# as FlashAttention does, and may overflow to inf where a normalise-first reference stays finite; a
+# finite mask fill such as finfo.min makes a reference average the hidden keys of a row whose visible
+# scores overflowed to -inf, where tvmattn gives the row no key). Such cases are tallied on their own.
+OVERFLOW_SCALE = 1e29
 MUTATIONS = ("truncate", "flip_byte", "attribute", "swap_inputs", "dangling_input", "input_dtype",
              "input_rank", "opset", "initializer_bytes", "feed_nan", "feed_inf", "feed_huge", "feed_empty",
              "feed_index", "feed_dtype", "feed_broadcast", "feed_none")
@@ -328,11 +331,9 @@ def _compare(ours: list, ref: list, probes: list | None) -> str:
             return "nan swallowed"
         if (np.isnan(got) & ~np.isnan(want)).any() or (np.isinf(want) & (got != want)).any():
             return "mismatch"
-        if (np.isinf(got) & np.isfinite(want)).any():
-            near_limit = np.abs(want[np.isinf(got) & np.isfinite(want)]).min() >= OVERFLOW_SCALE
-            return "overflow near the float32 limit" if near_limit else "mismatch"
         finite = np.isfinite(want)
         scale = max(np.max(np.abs(want[finite]), initial=0.0), 1e-30)
-        if finite.any() and np.max(np.abs(got[finite] - want[finite])) / scale > TOLERANCE:
-            return "mismatch"
+        if (np.isinf(got) & finite).any() or (
+                finite.any() and np.max(np.abs(got[finite] - want[finite])) / scale > TOLERANCE):
+            return OUT_OF_RANGE if scale >= OVERFLOW_SCALE else "mismatch"
     return "agrees"

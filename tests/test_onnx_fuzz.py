@@ -25,7 +25,7 @@ from onnx_testing import ort_run
 import tvmattn
 from tvmattn.models import onnx_models
 
-FINE = {"clean error", "agrees"}
+FINE = {"clean error", "agrees", onnx_fuzz.OUT_OF_RANGE}  # the last tallied apart: see OVERFLOW_SCALE
 
 
 @pytest.fixture(scope="module")
