@@ -101,7 +101,8 @@ def mask_allows(spec: AttentionSpec, mask_value: PrimExpr | None) -> PrimExpr | 
     if spec.attn_mask == "bool":
         return mask_value
     if spec.attn_mask == "additive":  # a -inf bias hides the key as a False would; a NaN bias shows
-        return mask_value != -tirx.infinity(ACC)
+        # not `!= -inf`: TVM compares floats ordered, and NaN != x is false there
+        return tirx.Or(mask_value > -tirx.infinity(ACC), tirx.isnan(mask_value))
     return None
 
 

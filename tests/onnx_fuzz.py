@@ -46,6 +46,7 @@ class Mutant:
     model: bytes
     feed: dict | None
     note: str = ""
+    poked: tuple[str, int] | None = None  # the feed entry a NaN/inf mutation set (input, flat index)
 
 
 # ---- base models: one per attention formulation the importer knows --------------------------------
@@ -163,25 +164,28 @@ def mutate(base: str, model: onnx.ModelProto, feed: dict, kind: str, rng: random
             init.raw_data = raw[:max(0, len(raw) - rng.choice([1, 3, 4]))]
             note = init.name
     else:
-        note = _mutate_feed(feed, kind, rng)
+        note, poked = _mutate_feed(feed, kind, rng)
         if kind == "feed_none":
             feed = None
+        return Mutant(base, kind, m.SerializeToString(), feed, note, poked)
     return Mutant(base, kind, m.SerializeToString(), feed, note)
 
 
-def _mutate_feed(feed: dict, kind: str, rng: random.Random) -> str:
+def _mutate_feed(feed: dict, kind: str, rng: random.Random) -> tuple[str, tuple[str, int] | None]:
     floats = [k for k, v in feed.items() if v.dtype.kind == "f"]
     ints = [k for k, v in feed.items() if v.dtype.kind in "iu"]
     name = rng.choice(floats or list(feed))
     a = feed[name]
     if kind in ("feed_nan", "feed_inf") and a.dtype.kind == "f":
-        a.flat[rng.randrange(a.size)] = np.nan if kind == "feed_nan" else rng.choice([np.inf, -np.inf])
+        at = rng.randrange(a.size)
+        a.flat[at] = np.nan if kind == "feed_nan" else rng.choice([np.inf, -np.inf])
+        return name, (name, at)
     elif kind == "feed_huge" and a.dtype.kind == "f":
         a *= np.float32(rng.choice([1e20, 1e30, 3e38]))
     elif kind == "feed_empty":
         axis = rng.randrange(a.ndim)
         feed[name] = np.take(a, [], axis=axis)
-        return f"{name} axis {axis}"
+        return f"{name} axis {axis}", None
     elif kind == "feed_index" and ints:
         name = rng.choice(ints)
         feed[name] = feed[name].copy()
@@ -190,7 +194,7 @@ def _mutate_feed(feed: dict, kind: str, rng: random.Random) -> str:
         feed[name] = a.astype(rng.choice([np.float64, np.int32, np.float16, np.bool_]))
     elif kind == "feed_broadcast":
         feed[name] = Broadcast(a.reshape(-1)[:1].copy(), (1 << 20, 1 << 20))  # a 4 TiB zero-stride view
-    return name
+    return name, None
 
 
 @dataclass
@@ -205,20 +209,21 @@ class Broadcast:
 
 
 # ---- running --------------------------------------------------------------------------------------
-def _probes(model: bytes, feed: dict | None) -> list | None:
-    """ONNX Runtime's outputs with every non-finite input entry replaced by 0, and by 1: an output entry
-    equal in both does not depend on those entries (the mask hides them from it)."""
+def _probes(model: bytes, feed: dict | None, poked: tuple[str, int] | None) -> list | None:
+    """ONNX Runtime's outputs with the non-finite entry a mutation set replaced by 0, and by 1: an output
+    entry equal in both does not depend on it (the mask hides it from that entry)."""
     import onnxruntime as ort
 
-    try:
-        if not feed or all(np.isfinite(v).all() for v in feed.values() if v.dtype.kind == "f"):
-            return None
-        session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
-        return [[np.asarray(o) for o in session.run(None, {k: np.where(np.isfinite(v), v, fill).astype(v.dtype)
-                                                           if v.dtype.kind == "f" else v for k, v in feed.items()})]
-                for fill in (0, 1)]
-    except Exception:  # noqa: BLE001 — no probe (a feed too large to look at): the judge is stricter
+    if poked is None:
         return None
+    name, at = poked
+    session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    outs = []
+    for fill in (0, 1):
+        changed = feed[name].copy()
+        changed.flat[at] = fill
+        outs.append([np.asarray(o) for o in session.run(None, {**feed, name: changed})])
+    return outs
 
 
 def _worker(jobs: mp.Queue, results: mp.Queue) -> None:
@@ -228,7 +233,7 @@ def _worker(jobs: mp.Queue, results: mp.Queue) -> None:
     import tvmattn
 
     while True:
-        model, feed = jobs.get()
+        model, feed, poked = jobs.get()
         if feed is not None:
             feed = {k: v.view() if isinstance(v, Broadcast) else v for k, v in feed.items()}
         refs = []
@@ -239,7 +244,11 @@ def _worker(jobs: mp.Queue, results: mp.Queue) -> None:
                 refs.append((name, [np.asarray(o) for o in make()]))
             except Exception as err:  # a reference that refuses the mutant says so
                 refs.append((name, f"{type(err).__name__}: {err}"[:200]))
-        results.put(("refs", refs, _probes(model, feed)))
+        try:
+            probes = _probes(model, feed, poked)
+        except Exception:  # noqa: BLE001 — ONNX Runtime refuses the model: no probe, a stricter judge
+            probes = None
+        results.put(("refs", refs, probes))
         try:
             imported = tvmattn.import_onnx(model)
             results.put(("ours", [np.asarray(o) for o in imported.run(feed)]))
@@ -265,7 +274,7 @@ class Sandbox:
     def run(self, mutant: Mutant) -> tuple[str, str]:
         if self.proc is None or not self.proc.is_alive():
             self._start()
-        self.jobs.put((mutant.model, mutant.feed))
+        self.jobs.put((mutant.model, mutant.feed, mutant.poked))
         try:
             _, refs, probes = self._get()
             kind, value = self._get()
