@@ -19,9 +19,20 @@ _REPR = re.compile(r"\b(?:ir|relax|tirx|s_tir)\.\w+\(span=.*")
 _NOISE = ("#", "File ", "Traceback", "Stack trace", "During handling", "The above exception", "^")
 
 
+# Internal messages whose meaning for the model is known.
+_MEANINGS = (("object has no attribute 'value'", "a size it needs as a number is symbolic in the model: give the "
+              "model's inputs static shapes"),
+             ("integer modulo by zero", "a size or a head count is 0"),
+             ("division by zero", "a size or a head count is 0"))
+
+
 def tvm_reason(err: BaseException) -> str:
-    """A TVM exception as one readable line: the last line that is not a traceback, printed IR or an
-    object's repr, with TVM's ``Check failed: (…) is false:`` prefix removed."""
+    """A TVM exception as one readable line: what it means where that is known, else the last line that
+    is not a traceback, printed IR or an object's repr, with TVM's ``Check failed: (…) is false:``
+    prefix removed."""
+    meaning = next((m for text, m in _MEANINGS if text in str(err)), None)
+    if meaning is not None:
+        return meaning
     lines = [line.strip() for line in str(err).splitlines()]
     lines = [line for line in lines if line and not line.startswith(_NOISE) and not line.startswith(("R.", "T."))]
     for line in reversed(lines):
