@@ -64,6 +64,21 @@ def test_compile_cpu_writes_the_library(capsys, tmp_path):
     (["verify", "--seq", "n", "--d-model", "16", "--at", "n=zero"], "--at 'n=zero'"),
     (["verify", "--seq", "8", "--d-model", "16", "--heads", "2", "--kv-heads", "3"], "multiple of num_kv_heads"),
     (["compile", "--seq", "8", "--d-model", "16", "--target", "cuda", "--arch", "volta"], "unknown CUDA arch"),
+    (["verify", "--seq", "0", "--d-model", "16"], "seq_len=0"),
+    (["verify", "--seq", "n-1", "--d-model", "16"], "symbolic size must be a name"),
+    (["verify", "--seq", "8", "--d-model", "16", "--heads", "2", "--scale", "-1"], "scale=-1"),
+    (["verify", "--seq", "8", "--d-model", "16", "--heads", "2", "--window", "0"], "window=0"),
+    (["verify", "--seq", "8", "--d-model", "16", "--heads", "2", "--causal-align", "bottom_right", "--kv-seq",
+      "4", "--no-projections", "--scale", "nan"], "scale=nan"),
+    (["import", "/nonexistent/model.onnx"], "cannot read ONNX model"),
+    (["import", "/etc/hostname"], "not an ONNX model"),
+    (["bench", "--seq", "8", "--d-model", "16", "--heads", "2", "--peers", "tensorflow"], "unknown peer"),
+    (["bench", "--suite", "huge"], "suite"),
+    (["tune", "--seq", "8", "--d-model", "16", "--heads", "2", "--trials", "0"], "--trials 0"),
+    (["tune", "--seq", "8", "--d-model", "16", "--heads", "2", "--device-key", "x"], "--device-key is for --rpc"),
+    (["tune", "--seq", "8", "--d-model", "16", "--heads", "2", "--rpc", "nohostport"], "HOST:PORT"),
+    (["export-onnx", "--seq", "8", "--d-model", "16", "--heads", "2", "--opset", "20"], "--opset 20"),
+    (["compile", "--seq", "8", "--d-model", "16", "--heads", "2", "-o", "/etc/hostname/out"], "Not a directory"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, words):
     code, out, err = run(capsys, *argv)
@@ -71,12 +86,18 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, words):
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
-def test_argparse_errors_are_one_line_too(capsys):
+@pytest.mark.parametrize("argv, words", [
+    (["verify", "--layout", "XYZW"], "--layout"), (["nosuch"], "invalid choice: 'nosuch'"), ([], "command"),
+    (["--foo", "verify"], "--foo"), (["verify", "--foo"], "--foo"), (["verify", "--heads", "x"], "--heads"),
+    (["verify", "--log-dir", "/etc/hostname"], "is a file"), (["tune", "--log-dir", "/etc/hostname"], "is a file"),
+    (["verify", "--causal-align", "middle"], "--causal-align"), (["bench", "--budget", "soon"], "--budget"),
+])
+def test_argparse_errors_are_one_line_too(capsys, argv, words):
     with pytest.raises(SystemExit) as exit_:
-        main(["verify", "--layout", "XYZW"])
+        main(argv)
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("tvmattn: error:") and err.count("\n") == 1
+    assert err.startswith("tvmattn: error:") and err.count("\n") == 1 and words in err
 
 
 def test_console_script_has_no_traceback():
