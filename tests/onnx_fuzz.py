@@ -336,13 +336,20 @@ def _compare(ours: list, ref: list, probes: list | None) -> str:
             hidden = (zero == one) & np.isnan(rows_want) & np.isfinite(rows_got)
             rows_want = np.where(hidden, zero, rows_want)
         want, got = rows_want[~documented], rows_got[~documented]
-        if (np.isnan(want) & ~np.isnan(got)).any():
-            return "nan swallowed"
-        if (np.isnan(got) & ~np.isnan(want)).any() or (np.isinf(want) & (got != want)).any():
-            return "mismatch"
         finite = np.isfinite(want)
         scale = max(np.max(np.abs(want[finite]), initial=0.0), 1e-30)
-        if (np.isinf(got) & finite).any() or (
-                finite.any() and np.max(np.abs(got[finite] - want[finite])) / scale > TOLERANCE):
-            return OUT_OF_RANGE if scale >= OVERFLOW_SCALE else "mismatch"
+        verdict = _disagreement(got, want, finite, scale)
+        if verdict is not None:
+            return OUT_OF_RANGE if scale >= OVERFLOW_SCALE else verdict
     return "agrees"
+
+
+def _disagreement(got: np.ndarray, want: np.ndarray, finite: np.ndarray, scale: float) -> str | None:
+    if (np.isnan(want) & ~np.isnan(got)).any():
+        return "nan swallowed"
+    if (np.isnan(got) & ~np.isnan(want)).any() or (np.isinf(want) & (got != want)).any():
+        return "mismatch"
+    if (np.isinf(got) & finite).any() or (
+            finite.any() and np.max(np.abs(got[finite] - want[finite])) / scale > TOLERANCE):
+        return "mismatch"
+    return None
