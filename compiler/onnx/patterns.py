@@ -443,10 +443,14 @@ def _hides_only(keep: np.ndarray, bias: np.ndarray) -> bool:
 
 
 def _keep(keep: np.ndarray, scores: tuple[int | None, ...]) -> tuple[Mask | None, dict]:
-    """A constant bool mask: nothing if it hides nothing, the spec's causal rule if it is one."""
-    if keep.all():
-        return None, {}
+    """A constant bool mask: nothing if it hides nothing, the spec's causal rule if it is one. One query
+    that sees every key of a mask spanning the keys is a decode step's causal mask (bottom-right: the
+    query sits after the whole cache), the same values either way."""
     n, n_kv = scores[-2], scores[-1]
+    if keep.all():
+        if n == 1 and n_kv is not None and n_kv > 1 and keep.shape[-1] == n_kv:
+            return None, {"causal": True, "causal_align": "bottom_right"}
+        return None, {}
     if keep.shape[-2:] == (n, n_kv) and n is not None and n_kv is not None:
         rows = keep.reshape(-1, n, n_kv)
         if (rows == rows[0]).all():
