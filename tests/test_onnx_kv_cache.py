@@ -201,3 +201,31 @@ def test_ms_multi_head_attention_packed(packing, past, causal):
         want = ort_run(apart, {"q": q, "k": k, "v": v, **feed})
         for got, ref in zip(imported.run(feed_packed), want, strict=True):
             np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_generate_script_tokens_equal_onnx_runtime(capsys):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "scripts" / "generate.py"
+    spec = importlib.util.spec_from_file_location("generate", path)
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    assert generate.main(["--tokens", "3", "--prompt", "5"]) == 0
+    assert "(equal;" in capsys.readouterr().out
+
+
+def test_ms_group_query_attention_shared_buffer_total_is_refused():
+    """A constant total_sequence_length other than past + S (ORT's shared past/present buffer)."""
+    node = oh.make_node("GroupQueryAttention", ["q", "k", "v", "pk", "pv", "sl", "tot"], ["y"], name="gqa",
+                        domain="com.microsoft", num_heads=H, kv_num_heads=H_KV)
+    graph = oh.make_graph([node], "g", [oh.make_tensor_value_info(*i) for i in (
+        ("q", TP.FLOAT, [1, 1, H * 16]), ("k", TP.FLOAT, [1, 1, H_KV * 16]), ("v", TP.FLOAT, [1, 1, H_KV * 16]),
+        ("pk", TP.FLOAT, [1, H_KV, 8, 16]), ("pv", TP.FLOAT, [1, H_KV, 8, 16]), ("sl", TP.INT32, [1]))],
+        [oh.make_tensor_value_info("y", TP.FLOAT, [1, 1, H * 16])],
+        [onnx.numpy_helper.from_array(np.array(6, np.int32), "tot")])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid(d, v) for d, v in MS])
+    model.ir_version = 10
+    with pytest.raises(TvmAttnError, match="^node 'gqa' .*total_sequence_length is 6, not the past length 8"):
+        tvmattn.import_onnx(model)

@@ -13,7 +13,8 @@ from typing import Any, Callable
 
 import numpy as np
 import onnx
-from tvm import relax
+import tvm
+from tvm import relax, tirx
 
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.onnx.kernels import Kernels, Mask, Sizes, attend, shape_of, static
@@ -452,7 +453,7 @@ def ms_group_query_attention(node: Node, inputs: list) -> list:
     _refuse(node, {k: (v.decode() if isinstance(v, bytes) else v) for k, v in a.items()},
             {"smooth_softmax": 0, "qk_output": 0, "sliding_window_cache": 0,
              "kv_cache_bit_width": 0, "k_quant_type": "NONE", "v_quant_type": "NONE"})
-    q, k, v, past_k, past_v, seqlens_k, _total, cos, sin, position_ids, attn_bias = _inputs(inputs, 17)[:11]
+    q, k, v, past_k, past_v, seqlens_k, total, cos, sin, position_ids, attn_bias = _inputs(inputs, 17)[:11]
     _unsupported(node, inputs, {11: "head_sink", 12: "k_scale", 13: "v_scale", 14: "q_norm_weight",
                                 15: "k_norm_weight", 16: "query_seqlens"})
     heads, kv_heads = a["num_heads"], a["kv_num_heads"]
@@ -481,6 +482,7 @@ def ms_group_query_attention(node: Node, inputs: list) -> list:
         q = rotary(node, q, cos, sin, positions, bool(a["rotary_interleaved"]), "query")
         k = rotary(node, k, cos, sin, positions, bool(a["rotary_interleaved"]), "key")
     q, k, v = bhsd(node, q), bhsd(node, k), bhsd(node, v)
+    _check_total(total, shape_of(past_k, "past_key")[2] if past_k is not None else 0, n_new)
     if past_k is not None:
         k, v = _write_at(node, past_k, k, first), _write_at(node, past_v, v, first)
     kv_lens = node.emit(relax.op.astype(lens, "int32"))
@@ -492,6 +494,19 @@ def ms_group_query_attention(node: Node, inputs: list) -> list:
                      softcap=float(a["softcap"]) if a["softcap"] else None,
                      **_causal(bool(a["causal"]), past_k, window))
     return [merge_heads(node, y, "BHSD"), k if node.wants(1) else None, v if node.wants(2) else None]
+
+
+def _check_total(total: relax.Expr | None, p_len, n_new) -> None:
+    """ORT's present holds max(past buffer, total_sequence_length) rows; tvmattn's the past buffer plus
+    the S new rows. A constant total_sequence_length must say the same (one computed at run time is
+    taken to: the usual export computes it as past length + S)."""
+    if not isinstance(total, tvm.ir.GenericConst):
+        return
+    value = int(np.asarray(total.value.numpy()).reshape(-1)[0])
+    sizes = [d if isinstance(d, int) else int(d.value) if isinstance(d, tirx.IntImm) else None for d in (p_len, n_new)]
+    if None not in sizes and value != sum(sizes):
+        raise TvmAttnError(f"total_sequence_length is {value}, not the past length {sizes[0]} plus the {sizes[1]} "
+                           f"new tokens: a shared past/present buffer is not supported")
 
 
 def _gqa_positions(node: Node, position_ids: relax.Expr | None, first: relax.Expr | None, batch,
