@@ -51,16 +51,23 @@ def cache_shape(model: Any, past: int, batch: int = 1) -> tuple[int, int, int, i
     return batch, getattr(cfg, "num_key_value_heads", None) or heads, past, cfg.hidden_size // heads
 
 
-def names(model: Any, past: bool) -> tuple[list[str], list[str]]:
+def names(model: Any, past: bool, attention_mask: bool = False) -> tuple[list[str], list[str]]:
+    """The exported graph's input and output names."""
     layers = range(model.config.num_hidden_layers)
     cache = [f"{kind}_{i}" for i in layers for kind in ("key", "value")]
-    return ["input_ids"] + ([f"past_{c}" for c in cache] if past else []), ["logits"] + [f"present_{c}"
-                                                                                          for c in cache]
+    inputs = ["input_ids"] + (["attention_mask"] if attention_mask else []) + ([f"past_{c}" for c in cache]
+                                                                              if past else [])
+    return inputs, ["logits"] + [f"present_{c}" for c in cache]
 
 
-def wrapper(model: Any) -> Any:
-    """A module taking (input_ids, past keys and values as plain tensors) and returning (logits,
-    present keys and values): the interface of an exported decoder."""
+def decode_sizes(past: int) -> dict[str, int]:
+    """`pin`'s sizes for a decode graph with a cache of ``past`` rows (and a mask over past + 1 keys)."""
+    return {"past": past, "total": past + 1, "past + 1": past + 1}
+
+
+def wrapper(model: Any, attention_mask: bool = False) -> Any:
+    """A module taking (input_ids, [attention_mask,] past keys and values as plain tensors) and
+    returning (logits, present keys and values): the interface of an exported decoder."""
     import torch
     from transformers import DynamicCache
 
@@ -70,10 +77,11 @@ def wrapper(model: Any) -> Any:
             self.model = model
 
         def forward(self, input_ids, *past):
+            mask, past = (past[0], past[1:]) if attention_mask else (None, past)
             cache = DynamicCache()
             for i in range(0, len(past), 2):
                 cache.update(past[i], past[i + 1], i // 2)
-            out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+            out = self.model(input_ids=input_ids, attention_mask=mask, past_key_values=cache, use_cache=True)
             present = []
             for layer in out.past_key_values.layers:
                 present += [layer.keys, layer.values]
@@ -82,29 +90,36 @@ def wrapper(model: Any) -> Any:
     return WithPast().eval()
 
 
-def export(model: Any, exporter: str, *, past: bool, seq: int | None = None, past_len: int = 5) -> onnx.ModelProto:
+def export(model: Any, exporter: str, *, past: bool, seq: int | None = None, past_len: int = 5, batch: int = 1,
+           attention_mask: bool = False) -> onnx.ModelProto:
     """The decoder as ``exporter`` ("dynamo" or "torchscript") writes it: with a cache input (``past``
-    symbolic, ``seq`` new tokens) or the prefill (``seq`` symbolic, from an empty cache)."""
+    symbolic, ``seq`` new tokens) or the prefill (``seq`` symbolic, from an empty cache); with
+    ``attention_mask`` (decode only) a (B, past + seq) 1/0 input, for batches with left padding."""
     import torch
 
-    inputs, outputs = names(model, past)
+    if attention_mask and not past:
+        raise ValueError("attention_mask is exported with the decode graph only")
+    inputs, outputs = names(model, past, attention_mask)
     seq = seq or (1 if past else 5)  # the traced sizes; the dynamo exporter's symbolic sizes start at 2
-    ids = torch.randint(0, VOCAB, (1, seq))
-    cache = [torch.randn(cache_shape(model, past_len)) for _ in inputs[1:]]
-    module = wrapper(model)
+    ids = torch.randint(0, VOCAB, (batch, seq))
+    cache = [torch.randn(cache_shape(model, past_len, batch)) for _ in inputs[1 + attention_mask:]]
+    mask = [torch.ones(batch, past_len + seq, dtype=torch.int64)] if attention_mask else []
+    module = wrapper(model, attention_mask)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         if exporter == "dynamo":
             size = torch.export.Dim("past" if past else "seq", min=2, max=200)
-            shapes = ({"input_ids": None, "past": tuple({2: size} for _ in cache)} if past
-                      else {"input_ids": {1: size}})
-            program = torch.onnx.export(module, (ids, *cache), dynamo=True, input_names=inputs,
+            shapes = ({"input_ids": None, "past": tuple([{1: size + seq}] * len(mask) + [{2: size}] * len(cache))}
+                      if past else {"input_ids": {1: size}})
+            program = torch.onnx.export(module, (ids, *mask, *cache), dynamo=True, input_names=inputs,
                                         output_names=outputs, dynamic_shapes=shapes, verbose=False)
             return program.model_proto
         if exporter == "torchscript":
             buffer = io.BytesIO()
             axes = {n: {2: "past"} for n in inputs[1:]} if past else {"input_ids": {1: "seq"}}
-            torch.onnx.export(module, (ids, *cache), buffer, dynamo=False, input_names=inputs,
+            if attention_mask:
+                axes["attention_mask"] = {1: "total"}
+            torch.onnx.export(module, (ids, *mask, *cache), buffer, dynamo=False, input_names=inputs,
                               output_names=outputs, dynamic_axes=axes)
             return onnx.load_model_from_string(buffer.getvalue())
     raise ValueError(f"unknown exporter {exporter!r}: dynamo or torchscript")
