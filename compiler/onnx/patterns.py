@@ -21,7 +21,9 @@ kernel indexes K/V head i // g instead). 3-D operands (B·h, n, d) are one head 
 
 A match is replaced only when the kernel provably computes the same values: scalar constant scales,
 softmax over the key axis, a mask that broadcasts to the scores, a fill that hides a key as -inf does.
-Anything else is left to TVM as imported, and its softmax is listed in the report.
+Anything else is left to TVM as imported, and its softmax is listed in the report with the reason
+(`rewrite`'s ``reasons``: the first check that failed, per Softmax node). A decode step (one query)
+whose constant mask shows it every key is bottom-right causal: the query follows the whole cache.
 """
 
 from __future__ import annotations
