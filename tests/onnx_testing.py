@@ -21,12 +21,16 @@ def kernels_used(imported: tvmattn.ImportedModel) -> int:
 
 
 def assert_matches_ort(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], attentions: int,
-                       tolerance: float = 1e-4) -> tvmattn.ImportedModel:
+                       tolerance: float = 1e-4, softmaxes: int | None = None) -> tvmattn.ImportedModel:
     """Import ``model``; every one of its ``attentions`` must be a tvmattn kernel, none left to TVM,
-    and every output must match ONNX Runtime's (error relative to the output's scale)."""
+    and every output must match ONNX Runtime's (error relative to the output's scale). ``softmaxes``:
+    how many Softmax nodes the report must list, every one on a kernel."""
     imported = tvmattn.import_onnx(model)
     assert kernels_used(imported) == attentions, str(imported.report)
     assert not imported.report.left_to_tvm, str(imported.report)
+    if softmaxes is not None:
+        fates = imported.report.softmaxes
+        assert len(fates) == softmaxes and all(f.kernel for f in fates), str(imported.report)
     for feed in feeds:
         for got, want in zip(imported.run(feed), ort_run(model, feed)):
             _, error = errors(got, want)

@@ -224,6 +224,7 @@ def test_decomposed_attention_with_minus_inf_mask_is_replaced():
     assert imported.report.replacements[0].spec.attn_mask == "bool"
     assert "pattern: decomposed attention" in str(imported.report)
     assert "Softmax_3" in str(imported.report)  # names the ONNX nodes it replaced
+    assert [(f.node, f.kernel) for f in imported.report.softmaxes] == [("Softmax_3", "tvmattn_attention0")]
 
 
 def test_inexact_match_is_left_to_tvm_and_reported():
@@ -232,7 +233,9 @@ def test_inexact_match_is_left_to_tvm_and_reported():
     imported = tvmattn.import_onnx(model)
     assert kernels_used(imported) == 0
     assert imported.report.left_to_tvm == ["Softmax_3"]
-    assert "left to TVM: softmax at Softmax_3" in str(imported.report)
+    fate, = imported.report.softmaxes  # the report says why, per Softmax node
+    assert fate.node == "Softmax_3" and fate.kernel is None and "fill -10" in fate.reason
+    assert "softmax Softmax_3: left to TVM: the mask's fill -10" in str(imported.report)
     feed = _decomposed_feed(np.random.default_rng(11))
     np.testing.assert_allclose(imported.run(feed)[0], ort_run(model, feed)[0], rtol=1e-5, atol=1e-5)
 
@@ -272,11 +275,11 @@ def test_unsupported_op_names_the_node(tmp_path, capsys):
 
 def test_unsupported_attribute_value_names_the_node():
     node = oh.make_node("GroupQueryAttention", ["q", "k", "v", "", "", "sl", "t"], ["y"], name="gqa",
-                        domain="com.microsoft", num_heads=2, kv_num_heads=2, do_rotary=1)
+                        domain="com.microsoft", num_heads=2, kv_num_heads=2, smooth_softmax=1)
     model = _model([node], [("q", TP.FLOAT, [1, 3, 2 * D]), ("k", TP.FLOAT, [1, 3, 2 * D]),
                             ("v", TP.FLOAT, [1, 3, 2 * D]), ("sl", TP.INT32, [1]), ("t", TP.INT32, [])],
                    [("y", TP.FLOAT, [1, 3, 2 * D])], MS)
-    with pytest.raises(tvmattn.TvmAttnError, match="'gqa'.*do_rotary=1 is not supported"):
+    with pytest.raises(tvmattn.TvmAttnError, match="'gqa'.*smooth_softmax=1 is not supported"):
         tvmattn.import_onnx(model)
 
 

@@ -41,22 +41,61 @@ class GraphInput:
     dtype: str
 
 
+@dataclass(frozen=True)
+class SoftmaxFate:
+    """What became of one Softmax node of the model as given."""
+
+    node: str
+    kernel: str | None  # the tvmattn kernel that computes it, or None
+    reason: str = ""  # why not, where ``kernel`` is None
+
+    def line(self) -> str:
+        return f"softmax {self.node}: " + (f"on {self.kernel}" if self.kernel else f"left to TVM: {self.reason}")
+
+
 @dataclass
 class ImportReport:
-    """Which attention subgraphs of the model became which tvmattn kernels."""
+    """Which attention subgraphs of the model became which tvmattn kernels, and every Softmax's fate."""
 
     model: str
     target: str
     replacements: list[Replacement]
     left_to_tvm: list[str] = field(default_factory=list)  # softmax nodes TVM computes as it imported them
     seconds: float = 0.0
+    softmaxes: list[SoftmaxFate] = field(default_factory=list)  # every Softmax of the graph, in graph order
+
+    @property
+    def softmaxes_on_kernels(self) -> int:
+        return sum(f.kernel is not None for f in self.softmaxes)
 
     def __str__(self) -> str:
         lines = [f"{self.model}: {len(self.replacements)} attention(s) on tvmattn kernels, target {self.target}, "
                  f"imported and compiled in {self.seconds:.2f} s"]
         lines += [f"  {i}. {r.line()}" for i, r in enumerate(self.replacements, 1)]
-        lines += [f"  left to TVM: softmax at {where}" for where in self.left_to_tvm]
+        if self.softmaxes:
+            lines.append(f"  {self.softmaxes_on_kernels} of {len(self.softmaxes)} Softmax node(s) on tvmattn kernels:")
+            lines += [f"    {f.line()}" for f in self.softmaxes]
+        named = {f.node for f in self.softmaxes}
+        lines += [f"  left to TVM: softmax at {where}" for where in self.left_to_tvm if where not in named]
         return "\n".join(lines)
+
+
+def _softmax_fates(softmax_nodes: list[str], replacements: list[Replacement], remaining: list[str],
+                   reasons: dict[str, str]) -> list[SoftmaxFate]:
+    """Each Softmax node → the kernel it is on, or why it is not."""
+    fates = []
+    for name in softmax_nodes:
+        on = [r for r in replacements if name in r.nodes]
+        if on:
+            best = next((r for r in on if r.spec.output == "attn"), on[0])
+            fates.append(SoftmaxFate(name, best.kernel))
+        elif name in reasons:
+            fates.append(SoftmaxFate(name, None, reasons[name]))
+        elif name in remaining:
+            fates.append(SoftmaxFate(name, None, patterns.NOT_ATTENTION))
+        else:
+            fates.append(SoftmaxFate(name, None, "its value is a constant or unused: folded or removed at import"))
+    return fates
 
 
 @dataclass
@@ -143,11 +182,13 @@ def _import(model: Any, target: Any, arch: str | None) -> ImportedModel:
     start = time.perf_counter()
     tgt = resolve_target(target, arch)
     proto = graph.name_nodes(graph.load(model))
+    softmax_nodes = [n.name for n in proto.graph.node if n.op_type == "Softmax" and n.domain in graph.DEFAULT_DOMAINS]
     proto = graph.fold_static(proto, keep=[(n.domain, n.op_type) for n in proto.graph.node if find(n)])
     kernels = Kernels(tgt)
     importer = _Importer(proto, kernels)
     mod = importer.convert()
-    mod = patterns.rewrite(mod, kernels, importer.provenance)
+    reasons: dict[str, str] = {}
+    mod = patterns.rewrite(mod, kernels, importer.provenance, reasons)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -155,9 +196,10 @@ def _import(model: Any, target: Any, arch: str | None) -> ImportedModel:
         except Exception as err:
             raise TvmAttnError(f"TVM could not compile the imported model for {tgt.kind.name}: "
                                f"{tvm_reason(err)}") from err
-    report = ImportReport(proto.graph.name or "model", tgt.kind.name, list(kernels.replacements),
-                          patterns.remaining_softmax(mod, importer.provenance),
-                          time.perf_counter() - start)
+    remaining = patterns.remaining_softmax(mod, importer.provenance)
+    report = ImportReport(proto.graph.name or "model", tgt.kind.name, list(kernels.replacements), remaining,
+                          time.perf_counter() - start,
+                          _softmax_fates(softmax_nodes, kernels.replacements, remaining, reasons))
     return ImportedModel(tgt, executable, _graph_inputs(proto), [o.name for o in proto.graph.output], report)
 
 

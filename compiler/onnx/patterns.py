@@ -21,7 +21,9 @@ kernel indexes K/V head i // g instead). 3-D operands (B·h, n, d) are one head 
 
 A match is replaced only when the kernel provably computes the same values: scalar constant scales,
 softmax over the key axis, a mask that broadcasts to the scores, a fill that hides a key as -inf does.
-Anything else is left to TVM as imported, and its softmax is listed in the report.
+Anything else is left to TVM as imported, and its softmax is listed in the report with the reason
+(`rewrite`'s ``reasons``: the first check that failed, per Softmax node). A decode step (one query)
+whose constant mask shows it every key is bottom-right causal: the query follows the whole cache.
 """
 
 from __future__ import annotations
@@ -106,16 +108,23 @@ class AttentionPattern:
         self.guard_rule = _op("equal", _op("max", self.guard_bias), is_const())
 
 
-def rewrite(mod: tvm.IRModule, kernels: Kernels, provenance: dict) -> tvm.IRModule:
+def rewrite(mod: tvm.IRModule, kernels: Kernels, provenance: dict,
+            reasons: dict[str, str] | None = None) -> tvm.IRModule:
     """Every decomposed attention of ``mod``'s main function that provably matches → a tvmattn kernel.
 
     The pattern that includes the head merge runs first, so a kernel writes its output in the merged
-    layout where it can; then the bare chain; then softmax weights still used after those.
+    layout where it can; then the bare chain; then softmax weights still used after those. ``reasons``
+    receives, per softmax (its ONNX node), why a chain around it matched the pattern but was kept.
     """
     for root in ROOTS:
-        mod = _Rewriter(mod, AttentionPattern(root), kernels, provenance).run()
+        mod = _Rewriter(mod, AttentionPattern(root), kernels, provenance,
+                        reasons if reasons is not None else {}).run()
         mod = relax.transform.DeadCodeElimination(["main"])(mod)
     return mod
+
+
+NOT_ATTENTION = ("no softmax(Q·Kᵀ …)·V chain around it: not an attention (a classifier's softmax), or a form "
+                 "the patterns do not know")
 
 
 def remaining_softmax(mod: tvm.IRModule, provenance: dict) -> list[str]:
@@ -126,9 +135,11 @@ def remaining_softmax(mod: tvm.IRModule, provenance: dict) -> list[str]:
 
 @relax.expr_functor.mutator
 class _Rewriter(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, pattern: AttentionPattern, kernels: Kernels, provenance: dict) -> None:
+    def __init__(self, mod: tvm.IRModule, pattern: AttentionPattern, kernels: Kernels, provenance: dict,
+                 reasons: dict[str, str]) -> None:
         super().__init__(mod)
         self.mod, self.pattern, self.kernels, self.provenance = mod, pattern, kernels, provenance
+        self.reasons = reasons
         self.var2val = relax.analysis.get_var2val(mod["main"])
         self.matches = self._maximal_matches()
 
@@ -196,11 +207,13 @@ class _Match:
         return self.r.visit_expr(self.m[pattern])
 
     def replace(self) -> relax.Expr | None:
+        """The kernel call, or None (the reason recorded under the softmax's node) where TVM keeps it."""
         try:
             return self._replace()
-        except _NoMatch:
-            return None
-        except TvmAttnError:  # a shape or dtype the kernel does not take: TVM keeps the chain
+        except (_NoMatch, TvmAttnError) as err:  # TvmAttnError: a shape or dtype the kernel does not take
+            softmax = self.r.provenance.get(self.m[self.p.softmax])
+            if softmax:
+                self.r.reasons[softmax] = str(err)
             return None
 
     def _replace(self) -> relax.Expr:
@@ -209,9 +222,10 @@ class _Match:
         v = k if weights else self._operand(self.p.v, self.p.v_perm, self.p.v_rep)  # a weights kernel reads no v
         rank = q.rank
         if k.rank != rank or v.rank != rank or rank not in (3, 4) or k.group != v.group:
-            raise _NoMatch
+            raise _NoMatch(f"q, k, v of ranks {q.rank}, {k.rank}, {v.rank} (head groups {k.group}, {v.group}): "
+                           f"the kernel takes 3-D or 4-D operands of one rank")
         if self.m[self.p.softmax].attrs.axis not in (-1, rank - 1):
-            raise _NoMatch
+            raise _NoMatch(f"softmax over axis {self.m[self.p.softmax].attrs.axis}, not the key axis")
         options = {"scale": self._scale()}
         cap = self._softcap()
         if cap is not None:
@@ -222,7 +236,8 @@ class _Match:
         bshd = rank == 4 and q.bshd and k.bshd and v.bshd
         operands = [x.src for x in (q, k, v)] if bshd else [x.bhsd(self.bb) for x in (q, k, v)]
         if str(self.m[self.p.root].ty.dtype) != str(operands[0].ty.dtype):
-            raise _NoMatch
+            raise _NoMatch(f"the attention output is {self.m[self.p.root].ty.dtype}, its operands "
+                           f"{operands[0].ty.dtype}")
         out, = attend(self.bb, self.r.kernels, *operands, layout="BSHD" if bshd else "BHSD", mask=mask,
                       nodes=self._nodes(), source=SOURCE, outputs=("weights" if weights else "attn",),
                       **options)
@@ -240,7 +255,7 @@ class _Match:
         """K from the scores' right operand kᵀ (…, d_k, n_kv)."""
         if self.p.kt_perm not in self.m:  # kᵀ came from elsewhere: the kernel reads its transpose
             if self.p.k_perm in self.m or self.p.k_rep in self.m:
-                raise _NoMatch
+                raise _NoMatch("kᵀ is not a transpose of the keys' last two axes")
             src = self.leaf(self.p.k)
             rank = len(shape_of(src, "k"))
             return _Operand(src, tuple(range(rank - 2)) + (rank - 1, rank - 2))
@@ -250,7 +265,7 @@ class _Match:
             return self._operand(self.p.k, self.p.k_perm, self.p.k_rep)
         if outer == (0, 2, 3, 1) and self.p.k_perm not in self.m and self.p.k_rep not in self.m:
             return _Operand(self.leaf(self.p.k), (0, 2, 1, 3))  # kᵀ straight from (B, n_kv, h, d)
-        raise _NoMatch
+        raise _NoMatch(f"kᵀ is a permutation {outer} the kernel cannot read as K")
 
     def _group(self, reshape: relax.Call) -> int:
         """g of a head repetition (B, h_kv, n, d) → (B, h_kv, g, n, d) → (B, h_kv·g, n, d), which makes
@@ -259,18 +274,18 @@ class _Match:
         broadcast = self.r.var2val.get(reshape.args[0], reshape.args[0])
         expand = self.r.var2val.get(broadcast.args[0], broadcast.args[0])
         if [int(a) for a in expand.attrs.axis] != [2]:
-            raise _NoMatch
+            raise _NoMatch("K/V are expanded along another axis than GQA's head repetition")
         src = shape_of(expand.args[0], "a repeated K/V")
         wide = shape_of(broadcast, "a repeated K/V")
         out = shape_of(reshape, "a repeated K/V")
         if len(src) != 4 or len(wide) != 5 or len(out) != 4 or not isinstance(wide[2], tirx.IntImm):
-            raise _NoMatch
+            raise _NoMatch("K/V are broadcast in a way that is not GQA's head repetition")
         b, h_kv, n, d = src
         analyzer = tvm.sym.Analyzer()
         if not all(analyzer.can_prove_equal(x, y) for x, y in zip(
                 (wide[0], wide[1], wide[3], wide[4], out[0], out[1], out[2], out[3]),
                 (b, h_kv, n, d, b, h_kv * wide[2], n, d))):
-            raise _NoMatch
+            raise _NoMatch("K/V are reshaped in a way that is not GQA's head repetition")
         return int(wide[2].value)
 
     # ---- scale, softcap, mask ------------------------------------------------------------------------
@@ -287,7 +302,7 @@ class _Match:
         if self.p.cap_in not in self.m:
             return None
         if self.p.cap_out not in self.m or _scalar(self.m[self.p.cap_in]) != _scalar(self.m[self.p.cap_out]):
-            raise _NoMatch
+            raise _NoMatch("c·tanh(s / c') with c ≠ c' is not a soft cap")
         return _scalar(self.m[self.p.cap_in])
 
     def _mask(self) -> tuple[Mask | None, dict, np.ndarray | None]:
@@ -310,8 +325,10 @@ class _Match:
 
     def _select_mask(self, cond: relax.Expr, fill: float,
                      negate: bool) -> tuple[Mask | None, dict, np.ndarray | None]:
-        if str(cond.ty.dtype) != "bool" or fill > _HUGE_NEGATIVE:
-            raise _NoMatch  # a moderate fill gives a fully masked row uniform weights, not what a mask does
+        if str(cond.ty.dtype) != "bool":
+            raise _NoMatch(f"where() on a {cond.ty.dtype} condition")
+        if fill > _HUGE_NEGATIVE:  # a moderate fill gives a fully masked row uniform weights, not what a mask does
+            raise _NoMatch(f"the mask's fill {fill:g} does not hide a key (it must be -inf or ≤ -1e30)")
         if isinstance(cond, tvm.ir.GenericConst):
             keep = cond.value.numpy() != negate
             if _hides_only(keep, np.where(keep, 0.0, fill)):
@@ -375,19 +392,19 @@ class _Match:
         if self.p.guard not in self.m:
             return
         if np.any(self.m[self.p.zero].value.numpy() != 0):
-            raise _NoMatch
+            raise _NoMatch("the weights' guard writes a value other than 0")
         guard = self.m[self.p.guard]
         if isinstance(guard, tvm.ir.GenericConst):
             if keep is None:
-                raise _NoMatch
+                raise _NoMatch("a constant weights guard on a mask known only at run time")
             no_key = ~keep.any(axis=-1, keepdims=True)
             if not np.array_equal(*np.broadcast_arrays(guard.value.numpy(), no_key)):
-                raise _NoMatch
+                raise _NoMatch("the weights' guard zeroes other rows than those whose mask hides every key")
             return
         rule = self.p.guard_rule.extract_matched_expr(self.r.var2val.get(guard, guard), self.r.var2val)
         if (rule is None or self.p.bias not in self.m or not rule[self.p.guard_bias].same_as(self.m[self.p.bias])
                 or not _reduces_last_axis(self.r.var2val.get(guard, guard), self.r.var2val)):
-            raise _NoMatch
+            raise _NoMatch("the weights' guard is not 'the row's mask hides every key'")
 
     # ---- output --------------------------------------------------------------------------------------
     def _merge(self, out: relax.Expr, rank: int, bshd: bool, weights: bool) -> relax.Expr:
@@ -417,7 +434,7 @@ class _NoMatch(Exception):
 def _scalar(const: tvm.ir.GenericConst) -> float:
     values = const.value.numpy()
     if values.size != 1:
-        raise _NoMatch
+        raise _NoMatch(f"a scale or cap of {values.size} values, not one number")
     return float(values.reshape(()))
 
 
@@ -428,10 +445,14 @@ def _hides_only(keep: np.ndarray, bias: np.ndarray) -> bool:
 
 
 def _keep(keep: np.ndarray, scores: tuple[int | None, ...]) -> tuple[Mask | None, dict]:
-    """A constant bool mask: nothing if it hides nothing, the spec's causal rule if it is one."""
-    if keep.all():
-        return None, {}
+    """A constant bool mask: nothing if it hides nothing, the spec's causal rule if it is one. One query
+    that sees every key of a mask spanning the keys is a decode step's causal mask (bottom-right: the
+    query sits after the whole cache), the same values either way."""
     n, n_kv = scores[-2], scores[-1]
+    if keep.all():
+        if n == 1 and n_kv is not None and n_kv > 1 and keep.shape[-1] == n_kv:
+            return None, {"causal": True, "causal_align": "bottom_right"}
+        return None, {}
     if keep.shape[-2:] == (n, n_kv) and n is not None and n_kv is not None:
         rows = keep.reshape(-1, n, n_kv)
         if (rows == rows[0]).all():
