@@ -59,7 +59,7 @@ def lowering_passes(spec: AttentionSpec, target: Target) -> tvm.transform.Pass:
     """tvmattn's own passes, run on the scheduled module before TVM's pipeline."""
     seq = [passes.skip_masked_key_tiles(spec)]
     if is_cpu(target):
-        seq.append(passes.polynomial_exp())
+        seq += [passes.pad_query_tiles(), passes.peel_key_tails(), passes.polynomial_exp()]
     return tvm.transform.Sequential(seq)
 
 
@@ -69,12 +69,25 @@ def lower(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
         return lower_cuda(mod, target)
     bound = target if target.host is not None else target.with_host(target)
     mod = tvm.tirx.transform.BindTarget(bound)(mod)
-    return tvm.tirx.get_default_tir_pipeline(target)[0](mod)
+    return (_cpu_pipeline() if is_cpu(target) else tvm.tirx.get_default_tir_pipeline(target))[0](mod)
+
+
+def _cpu_pipeline():
+    """TVM's default TIR pipeline, then `passes.tighten_guarded_loops` (it must follow buffer compaction)."""
+    pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("default")
+    return tvm.transform.Sequential([pipeline, passes.tighten_guarded_loops()]), finalize_host, finalize_device
+
+
+CPU_PIPELINE = "tvmattn-cpu"
+tvm.tirx.register_tir_pipeline(CPU_PIPELINE, _cpu_pipeline)
 
 
 def tvm_compile(mod: tvm.IRModule, target: Target) -> tvm.runtime.Executable:
-    """`tvm.compile`, with tvmattn's TIR pipeline for CUDA (`compiler.cuda.pipeline`): for kernels and models."""
-    return compile_cuda(mod, target) if target.kind.name == "cuda" else tvm.compile(mod, target)
+    """`tvm.compile`, with tvmattn's TIR pipelines (CUDA: `compiler.cuda.pipeline`; CPU: TVM's, then
+    `passes.tighten_guarded_loops`): for kernels and models."""
+    if target.kind.name == "cuda":
+        return compile_cuda(mod, target)
+    return tvm.compile(mod, target, tir_pipeline=CPU_PIPELINE if is_cpu(target) else "default")
 
 
 def build_module(mod: tvm.IRModule, spec: AttentionSpec, target: Target) -> tvm.runtime.Executable:

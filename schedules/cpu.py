@@ -332,7 +332,10 @@ def _vectorize(sch: Schedule, loop, extent: int | None, lanes: int) -> None:
     """Vectorise ``loop`` by the widest vector (at most ``lanes``) dividing its extent; split off if longer."""
     if extent is None:
         extent_expr = sch.get(loop).extent
-        extent = int(extent_expr.value) if hasattr(extent_expr, "value") else lanes  # symbolic: tail predicate
+        if not hasattr(extent_expr, "value"):  # symbolic: whole vectors, and a tail predicate
+            sch.vectorize(sch.split(loop, [None, lanes])[1])  # (the tail peeled: passes.peel_key_tails)
+            return
+        extent = int(extent_expr.value)
     width = _lanes_for(extent, lanes)
     if width == 1:
         return

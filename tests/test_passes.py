@@ -77,3 +77,43 @@ def test_skipping_keeps_results(field):
     """Each mask kind with the pass on equals the oracle (the pass is on in every build)."""
     spec = AttentionSpec(batch=2, seq_len=77, num_heads=2, head_dim=16, projections=False, **field)
     assert_matches_oracle(compiled(spec))
+
+
+# ---- symbolic lengths: tails padded or peeled, guards tightened after compaction -----------------
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kv", [None, "m"])
+def test_symbolic_kernel_matches_oracle_at_tail_lengths(causal, kv):
+    """One symbolic kernel at n = 1, below a tile, at a tile and off it (query and key tails)."""
+    spec = AttentionSpec(seq_len="n", kv_seq_len=kv, num_heads=2, head_dim=64, causal=causal, projections=False)
+    kernel = compiled(spec)
+    for n in (1, 5, 16, 17, 33, 100):
+        sizes = {"n": n, "m": n + 7} if kv else {"n": n}
+        assert_matches_oracle(kernel, sizes)
+
+
+def test_symbolic_micro_kernels_have_no_per_lane_predicates():
+    """The query-tail predicate is gone from the tile's stages (they vectorise) and the causal key
+    loops are counted loops again (no `sees_keys` branch left after compaction)."""
+    spec = AttentionSpec(seq_len="n", num_heads=2, head_dim=64, causal=True, projections=False)
+    mod, _ = schedule_attention(spec, CPU)
+    lowered = lower(mod, CPU).script()
+    assert "sees_keys" not in lowered
+    assert "alloc_local((4,), \"float32x16\")" in lowered  # the QKᵀ register tile stays in registers
+    tile_loops = [line for line in lowered.splitlines() if "_s in " in line]  # scalarised vector loops
+    assert len(tile_loops) <= 1  # only probs' polynomial exp, as in the static kernel
+
+
+def test_decode_with_a_symbolic_cache_builds_and_matches_oracle():
+    spec = AttentionSpec(seq_len=1, kv_seq_len="m", num_heads=8, head_dim=64, projections=False,
+                         causal=True, causal_align="bottom_right")
+    kernel = compiled(spec)
+    for m in (1, 15, 16, 17, 100):
+        assert_matches_oracle(kernel, {"m": m})
+
+
+def test_symbolic_window_and_padding_build():
+    """Guards whose bounds read kv_lens or a window's floordiv still build and match."""
+    spec = AttentionSpec(batch=2, seq_len="n", num_heads=3, num_kv_heads=1, head_dim=16, causal=True,
+                         causal_align="bottom_right", window=36, key_padding=True, layout="BSHD",
+                         projections=False)
+    assert_matches_oracle(compiled(spec), {"n": 37})
