@@ -31,7 +31,6 @@ from tvmattn.compiler import variant
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.te_attention import KEY_STAGE
 
-
 GUARD_NAME = "sees_keys"  # the flag `skip_masked_key_tiles` guards a key loop's body with
 
 
