@@ -1,11 +1,7 @@
-"""One compiled kernel per kind of call and length bucket; the batch size is symbolic.
+"""One compiled kernel per kind of call; batch and lengths are symbolic, so it serves every shape.
 
-Why buckets and not symbolic lengths: in this TVM build the CPU schedule of a kernel with a symbolic
-query length runs 13× slower at (1, 8, 512, 64) and 90× slower for a decode step (one query, 1024
-keys) than the same kernel with static lengths (padded tiles and predicated loops; symbolic batch
-costs nothing). So a call's lengths are rounded up to a bucket (`bucket`), the kernel is compiled
-for the bucket, and shorter keys are hidden with ``key_padding`` (kv_lens): a KV cache that grows by
-one token per step reaches a new kernel only at each bucket boundary.
+A one-query call (a decode step) has its own kernel with a static query length of 1: the CPU schedule
+then computes the dot products along the head width and splits a long cache over the cores.
 """
 
 from __future__ import annotations
@@ -25,9 +21,7 @@ class KernelKey:
 
     device: str  # "cpu" or "cuda:0"
     dtype: str
-    q_len: int  # a bucket (`bucket`) the call's query length is padded to
-    kv_len: int  # likewise for the keys
-    key_padding: bool  # keys past the call's length are padding, hidden by kv_lens
+    q_len: int | None  # 1 for a one-query call (decode), None: symbolic
     heads: int
     kv_heads: int
     head_dim: int
@@ -39,17 +33,12 @@ class KernelKey:
     mask_dims: str  # the mask axes (of "bhst") that are not broadcast
 
     def spec(self) -> AttentionSpec:
-        return AttentionSpec(batch="b", seq_len=self.q_len, kv_seq_len=self.kv_len, num_heads=self.heads,
+        return AttentionSpec(batch="b", seq_len="n" if self.q_len is None else self.q_len, kv_seq_len="m",
+                             num_heads=self.heads,
                              num_kv_heads=self.kv_heads, head_dim=self.head_dim, v_head_dim=self.v_head_dim,
                              causal=self.causal, causal_align="top_left", layout=self.layout, dtype=self.dtype,
-                             key_padding=self.key_padding, projections=False, scale=self.scale, attn_mask=self.mask,
+                             projections=False, scale=self.scale, attn_mask=self.mask,
                              attn_mask_dims=self.mask_dims if self.mask else "bhst")
-
-
-def bucket(n: int) -> int:
-    """The static length a length-n call runs at: the next power of two up to 256 (a decode step's one
-    query is 1), then the next multiple of 256 (at most a third more work past 512)."""
-    return 1 << (n - 1).bit_length() if n <= 256 else -(-n // 256) * 256
 
 
 class KernelCache:

@@ -8,7 +8,7 @@ import torch
 import tvm_ffi
 
 from tvmattn.torch.cache import KERNELS
-from tvmattn.torch.plan import empty_output, kernel_inputs, padded_output, plan, unpad_output
+from tvmattn.torch.plan import empty_output, kernel_inputs, plan
 
 MAX_PLANS = 4096  # argument signatures remembered (a growing KV cache adds one per step)
 
@@ -23,19 +23,17 @@ def run_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a
         p = plan(query, key, value, attn_mask, is_causal, scale, enable_gqa)
         if len(KERNELS.plans) >= MAX_PLANS:
             KERNELS.plans.clear()
-        known = KERNELS.plans[signature] = (p, p.key, None if p.is_empty else KERNELS.get(p.key))
-    p, kkey, kernel = known
+        known = KERNELS.plans[signature] = (p, None if p.is_empty else KERNELS.get(p.key))
+    p, kernel = known
     out, result = empty_output(p, query)
     if kernel is None:  # no query, or no key to see: zeros, as for a fully masked row
         return result.zero_()
-    args = kernel_inputs(p, kkey, query, key, value, attn_mask)
-    target = padded_output(p, kkey, out)
+    args = kernel_inputs(p, query, key, value, attn_mask)
     if query.device.type == "cuda":
         with tvm_ffi.use_torch_stream():  # on torch's current stream, ordered with the ops around it
-            kernel.run(*args, target)
+            kernel.run(*args, out)
     else:
-        kernel.run(*args, target)
-    unpad_output(p, target, out)
+        kernel.run(*args, out)
     return result
 
 

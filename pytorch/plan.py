@@ -13,7 +13,7 @@ import torch
 
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.kernel import ALIGNMENT
-from tvmattn.torch.cache import KernelKey, bucket
+from tvmattn.torch.cache import KernelKey
 
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -45,9 +45,8 @@ class Plan:
 
     @property
     def key(self) -> KernelKey:
-        """The kernel this call runs on (real calls only: the buckets need concrete lengths)."""
-        q_pad, kv_pad = bucket(self.q_len), bucket(self.kv_len)
-        return KernelKey(self.device, self.dtype, q_pad, kv_pad, kv_pad != self.kv_len, self.heads, self.kv_heads,
+        """The kernel this call runs on: lengths symbolic, except a one-query call's."""
+        return KernelKey(self.device, self.dtype, 1 if self.q_len == 1 else None, self.heads, self.kv_heads,
                          self.head_dim, self.v_head_dim, self.layout, self.causal, self.scale, self.mask,
                          self.mask_dims)
 
@@ -91,17 +90,13 @@ def plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
                 bool(is_causal), None if scale is None else float(scale), mask_kind, mask_dims)
 
 
-def kernel_inputs(p: Plan, kernel_key: KernelKey, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def kernel_inputs(p: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attn_mask: torch.Tensor | None) -> list[torch.Tensor]:
-    """The kernel's (B, …) inputs: views of the tensors where their memory order and the lengths allow
-    (no copy), else copies padded to the kernel's lengths; then kv_lens and the mask."""
-    q = _flat(_with_heads(query), p, kernel_key.q_len)
-    k, v = (_flat(_with_heads(t), p, kernel_key.kv_len) for t in (key, value))
-    tensors = [q, k, v]
-    if kernel_key.key_padding:
-        tensors.append(torch.full((p.batch,), p.kv_len, dtype=torch.int32, device=query.device))
+    """The kernel's (B, …) inputs: views of the tensors where their memory order allows (no copy), else
+    contiguous copies; then the mask."""
+    tensors = [_flat(_with_heads(t), p) for t in (query, key, value)]
     if attn_mask is not None:
-        tensors.append(_flat_mask(attn_mask, p, kernel_key))
+        tensors.append(_flat_mask(attn_mask, p))
     return tensors
 
 
@@ -113,19 +108,6 @@ def empty_output(p: Plan, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         return out, out.view(*p.lead, p.q_len, p.heads, p.v_head_dim).transpose(-3, -2)
     out = query.new_empty((p.batch, p.heads, p.q_len, p.v_head_dim))
     return out, out.view(*query.shape[:-1], p.v_head_dim)
-
-
-def padded_output(p: Plan, kernel_key: KernelKey, out: torch.Tensor) -> torch.Tensor:
-    """``out`` itself when the queries need no padding, else a (B, …) buffer of the kernel's length."""
-    if kernel_key.q_len == p.q_len:
-        return out
-    axis = 1 if p.layout == "BSHD" else 2
-    return out.new_empty(out.shape[:axis] + (kernel_key.q_len,) + out.shape[axis + 1:])
-
-
-def unpad_output(p: Plan, padded: torch.Tensor, out: torch.Tensor) -> None:
-    if padded is not out:
-        out.copy_(padded.narrow(1 if p.layout == "BSHD" else 2, 0, p.q_len))
 
 
 # ---- checks ----------------------------------------------------------------------------------------
@@ -192,15 +174,14 @@ def _is_bshd(t: torch.Tensor) -> bool:
     return t.transpose(-3, -2).is_contiguous()
 
 
-def _flat(t: torch.Tensor, p: Plan, length: int) -> torch.Tensor:
-    """(…, h, n, e) as the kernel's (B, h, length, e) (or (B, length, h, e)), padded when n < length."""
+def _flat(t: torch.Tensor, p: Plan) -> torch.Tensor:
+    """(…, h, n, e) as the kernel's (B, h, n, e) (or (B, n, h, e))."""
     h, n, e = t.shape[-3:]
     bshd = p.layout == "BSHD"
-    flat = t.transpose(-3, -2).reshape(p.batch, n, h, e) if bshd else t.contiguous().reshape(p.batch, h, n, e)
-    return _aligned(flat) if n == length else _padded(flat, 1 if bshd else 2, length)
+    return _aligned(t.transpose(-3, -2).reshape(p.batch, n, h, e) if bshd else t.contiguous().reshape(p.batch, h, n, e))
 
 
-def _flat_mask(mask: torch.Tensor, p: Plan, kernel_key: KernelKey) -> torch.Tensor:
+def _flat_mask(mask: torch.Tensor, p: Plan) -> torch.Tensor:
     """The mask as the kernel's (B|1, h|1, L|1, S|1), 1 on the axes it broadcasts along."""
     n_lead = len(p.lead)
     m = mask[(None,) * (n_lead + 3 - mask.dim())]
@@ -212,18 +193,7 @@ def _flat_mask(mask: torch.Tensor, p: Plan, kernel_key: KernelKey) -> torch.Tens
         m = m.expand(*p.lead, *m.shape[n_lead:])
     m = m.reshape(-1, *m.shape[n_lead:]) if n_lead else m.unsqueeze(0)
     m = m.to(torch.float32 if p.mask == "additive" else torch.bool)
-    # padded query rows are dropped and padded keys hidden by kv_lens: what the padding holds is moot
-    for axis, (real, length) in ((2, (p.q_len, kernel_key.q_len)), (3, (p.kv_len, kernel_key.kv_len))):
-        if m.shape[axis] == real != length:
-            m = _padded(m, axis, length)
     return _aligned(m.contiguous())
-
-
-def _padded(t: torch.Tensor, axis: int, length: int) -> torch.Tensor:
-    """A copy of ``t`` with ``axis`` zero-padded to ``length``."""
-    out = t.new_zeros(t.shape[:axis] + (length,) + t.shape[axis + 1:])
-    out.narrow(axis, 0, t.shape[axis]).copy_(t)
-    return out
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

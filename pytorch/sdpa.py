@@ -20,8 +20,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     ``enable_gqa`` lets h be a multiple of h_kv.
 
     One kernel is compiled on first use per (device, dtype, heads, head sizes, memory order, mask
-    kind and broadcast, causal, scale, length bucket) and serves every batch size; lengths between
-    buckets are padded (a copy of the inputs; see `tvmattn.torch.cache.bucket`).
+    kind and broadcast, causal, scale, one query or more) and serves every batch size and length.
 
     Where it differs from PyTorch:
       - a query row that sees no key (all masked, or S = 0) gives zeros, as torch 2.13 does (older
