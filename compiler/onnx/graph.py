@@ -9,7 +9,7 @@ and in which the attention patterns can read a scale or a causal mask.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -123,6 +123,49 @@ def fold_static(model: onnx.ModelProto, keep: Iterable[tuple[str, str]] = ()) ->
     del out.graph.initializer[:]
     out.graph.initializer.extend(numpy_helper.from_array(np.asarray(v), name) for name, v in consts.items()
                                  if name in needed)
+    return out
+
+
+def symbolic_shapes(model: onnx.ModelProto) -> dict[str, tuple[int | str, ...]]:
+    """Every tensor's shape as ONNX shape inference (with data propagation) and the exporter's value_info
+    give it: a size, a named size or an expression of named sizes (the dynamo exporter writes
+    ``s27*s77``), or "" for a dimension nobody could size. The importer states these shapes to TVM,
+    whose converters lose them across shape arithmetic (Shape → Gather → Concat → Reshape)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception:  # load() already ran strict inference; a failure here leaves TVM to its own shapes
+        return {}
+    shapes = {}
+    for info in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
+        t = info.type.tensor_type
+        if info.type.HasField("tensor_type") and t.HasField("shape"):
+            shapes[info.name] = tuple(d.dim_value if d.HasField("dim_value") else d.dim_param for d in t.shape.dim)
+    return shapes
+
+
+def bind_shapes(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int | str]]) -> onnx.ModelProto:
+    """A copy with the graph inputs in ``shapes`` given those dimensions (a size, or a name: symbolic)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    inputs = {i.name: i for i in out.graph.input}
+    for name, dims in shapes.items():
+        if name not in inputs:
+            raise TvmAttnError(f"shapes names {name!r}, which is not an input of the model (its inputs are "
+                               f"{', '.join(inputs)})")
+        shape = inputs[name].type.tensor_type.shape
+        if len(shape.dim) and len(shape.dim) != len(dims):
+            raise TvmAttnError(f"shapes gives input {name!r} {len(dims)} dimensions; it has {len(shape.dim)}")
+        del shape.dim[:]
+        for d in dims:
+            if isinstance(d, str) and d.isdigit():
+                d = int(d)
+            if isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d > 0:
+                shape.dim.add().dim_value = int(d)
+            elif isinstance(d, str) and d.isidentifier():
+                shape.dim.add().dim_param = d
+            else:
+                raise TvmAttnError(f"shapes gives input {name!r} the dimension {d!r}: use a positive size or a "
+                                   f"name (symbolic), e.g. {{{name!r}: (1, 'n')}}")
     return out
 
 

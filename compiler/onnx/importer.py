@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import numpy as np
 import onnx
 import tvm
-from tvm import relax
+from tvm import relax, tirx
 from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.target import Target
 
@@ -30,7 +30,7 @@ from tvmattn.compiler.kernel import numpy_dtype
 from tvmattn.compiler.onnx import checks, graph, patterns
 from tvmattn.compiler.onnx.converters import Node, find
 from tvmattn.compiler.onnx.kernels import Kernels, Replacement
-from tvmattn.compiler.onnx.shape_ops import SHAPE_FIXES
+from tvmattn.compiler.onnx.shape_ops import SHAPE_FIXES, state_shape
 from tvmattn.compiler.target import is_cpu, resolve_target
 
 
@@ -172,6 +172,15 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
         self.provenance: dict[relax.Expr, str] = {}
         self._by_name = {n.name: n for n in model.graph.node}
         self._current: onnx.NodeProto | None = None
+        self._shapes = graph.symbolic_shapes(model)
+        self._symbols: dict[str, tirx.Var] = {}  # the graph inputs' named sizes, as TVM's importer made them
+
+    def _parse_graph_input(self, graph_proto: onnx.GraphProto) -> None:
+        super()._parse_graph_input(graph_proto)
+        for var in self._inputs.values():
+            if isinstance(var, relax.Var) and isinstance(var.ty, relax.TensorType) and \
+                    isinstance(var.ty.shape, relax.ShapeExpr):
+                self._symbols.update({d.name: d for d in var.ty.shape.values if isinstance(d, tirx.Var)})
 
     def convert(self) -> tvm.IRModule:
         opset = graph.opset_of(self.model) or 1
@@ -211,8 +220,9 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
                 sym = checks.gather(self.bb, node.name, list(inputs), attrs)
             if sym is None:
                 sym = super()._convert_operator(op_name, inputs, attrs, opset)
-            else:
-                sym = self.bb.normalize(sym)
+            sym = self.bb.normalize(sym)
+            if node is not None and len(node.output) == 1:
+                sym = state_shape(self.bb, sym, self._shapes.get(node.output[0]), self._symbols)
             if node is not None:
                 self.provenance[sym] = node.name
             return sym
