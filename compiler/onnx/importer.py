@@ -27,7 +27,7 @@ from tvm.target import Target
 from tvmattn.compiler.build import tvm_compile
 from tvmattn.compiler.errors import TvmAttnError, tvm_reason
 from tvmattn.compiler.kernel import numpy_dtype
-from tvmattn.compiler.onnx import checks, graph, patterns
+from tvmattn.compiler.onnx import checks, graph, ops, patterns  # noqa: F401 (ops fills the converters' table)
 from tvmattn.compiler.onnx.converters import Node, find
 from tvmattn.compiler.onnx.kernels import Kernels, Replacement
 from tvmattn.compiler.onnx.shape_ops import SHAPE_FIXES, state_shape
