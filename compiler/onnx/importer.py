@@ -15,7 +15,7 @@ import io
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -130,24 +130,40 @@ class ImportedModel:
         return args
 
 
-def import_onnx(model: Any, target: Any = "cpu", *, arch: str | None = None) -> ImportedModel:
-    """Import an ONNX model (a path, bytes or ModelProto), compile it for ``target``, attention on tvmattn."""
+def import_onnx(model: Any, target: Any = "cpu", *, arch: str | None = None,
+                shapes: Mapping[str, Sequence[int | str]] | None = None) -> ImportedModel:
+    """Import an ONNX model (a path, bytes or ModelProto), compile it for ``target``, attention on tvmattn.
+
+    ``shapes`` binds graph inputs' dimensions (input name → sizes or names, e.g. ``{"input_ids": (1, "n")}``):
+    a size makes it static, a name keeps it symbolic. Dimensions the model leaves dynamic stay symbolic.
+    """
     try:
-        return _import(model, target, arch)
+        return _import(model, target, arch, shapes or {})
     except UnicodeDecodeError:  # protobuf decodes string fields when they are first read
         raise TvmAttnError("the ONNX model is corrupt: one of its names or string attributes is not valid "
                            "UTF-8; re-export it") from None
 
 
-def _import(model: Any, target: Any, arch: str | None) -> ImportedModel:
+def _import(model: Any, target: Any, arch: str | None, shapes: Mapping[str, Sequence[int | str]]) -> ImportedModel:
     start = time.perf_counter()
     tgt = resolve_target(target, arch)
-    proto = graph.name_nodes(graph.load(model))
+    proto = graph.load(model)
+    if shapes:
+        proto = graph.bind_shapes(proto, shapes)
+        try:  # the bound sizes must fit the graph, as ONNX Runtime would find when it runs
+            onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
+        except Exception as err:  # onnx raises several error types
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise TvmAttnError(f"the shapes given do not fit the model ({first})") from None
+    proto = graph.name_nodes(graph.name_dims(proto))
     proto = graph.fold_static(proto, keep=[(n.domain, n.op_type) for n in proto.graph.node if find(n)])
     kernels = Kernels(tgt)
     importer = _Importer(proto, kernels)
-    mod = importer.convert()
-    mod = patterns.rewrite(mod, kernels, importer.provenance)
+    try:
+        mod = importer.convert()
+        mod = patterns.rewrite(mod, kernels, importer.provenance)
+    except TvmAttnError as err:
+        raise TvmAttnError(str(err) + _binding_hint(str(err), _graph_inputs(proto))) from None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -222,13 +238,25 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
                 sym = super()._convert_operator(op_name, inputs, attrs, opset)
             sym = self.bb.normalize(sym)
             if node is not None and len(node.output) == 1:
-                sym = state_shape(self.bb, sym, self._shapes.get(node.output[0]), self._symbols)
+                sym = state_shape(self.bb, sym, self._shapes.get(node.output[0]), self._symbols, node.output[0])
             if node is not None:
                 self.provenance[sym] = node.name
             return sym
         outs = convert(Node(node, self.bb, self.kernels), list(inputs))
         outs = [o if o is not None else outs[0] for o in outs[:max(len(node.output), 1)]]
         return outs[0] if len(outs) == 1 else relax.Tuple(outs)
+
+
+def _binding_hint(message: str, inputs: list[GraphInput]) -> str:
+    """For a size that must be static but is symbolic in the model: how to bind the inputs' sizes."""
+    symbolic = [i for i in inputs if any(isinstance(d, str) for d in i.shape)]
+    if "not a number" not in message or not symbolic:
+        return ""
+    first = symbolic[0]
+    sizes = [d if isinstance(d, int) else 1 for d in first.shape]
+    return (f"; bind the model's dynamic sizes (inputs {', '.join(f'{i.name} {_pretty(i.shape)}' for i in symbolic)}):"
+            f" import_onnx(model, shapes={{{first.name!r}: {tuple(sizes)}}}) or tvmattn import --shape "
+            f"{first.name}={'x'.join(map(str, sizes))}")
 
 
 def _graph_inputs(model: onnx.ModelProto) -> list[GraphInput]:

@@ -79,10 +79,11 @@ def dimension(text: int | str, symbols: dict[str, tirx.Var]) -> tirx.PrimExpr | 
 
 
 def state_shape(bb: relax.BlockBuilder, value: relax.Expr, dims: tuple[int | str, ...] | None,
-                symbols: dict[str, tirx.Var]) -> relax.Expr:
+                symbols: dict[str, tirx.Var], name: str) -> relax.Expr:
     """``value`` with the inferred shape ``dims`` where TVM lost its shape (or rank), or sized a dimension
     with a size of its own making (``range_len_0`` for a Range's length) that shape inference says in
-    terms of the inputs; dimensions nothing sizes become fresh sizes, bound when the model runs."""
+    terms of the inputs; dimensions nothing sizes become fresh sizes named after the tensor ``name``
+    (``q_dim1``), bound when the model runs."""
     ty = value.ty
     if dims is None or not isinstance(ty, relax.TensorType) or ty.ndim not in (-1, len(dims)):
         return value
@@ -94,7 +95,8 @@ def state_shape(bb: relax.BlockBuilder, value: relax.Expr, dims: tuple[int | str
         if all(a.same_as(b) for a, b in zip(shape, ty.shape.values)):
             return value
     else:
-        shape = [d if d is not None else tirx.Var(f"dim{i}", "int64") for i, d in enumerate(stated)]
+        label = "".join(c if c.isalnum() else "_" for c in name)
+        shape = [d if d is not None else tirx.Var(f"{label}_dim{i}", "int64") for i, d in enumerate(stated)]
     if not isinstance(value, relax.Var):  # legalization reaches only calls bound to variables
         value = bb.emit(value)
     return bb.match_cast(value, relax.TensorType(shape, ty.dtype))
