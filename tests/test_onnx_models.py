@@ -140,7 +140,8 @@ def _ort_optimized(family: str) -> onnx.ModelProto:
             pytest.skip(f"ONNX Runtime's transformer optimizer fails on {family}: {str(err)[:160]}")
         finally:
             logging.disable(logging.NOTSET)
-        return optimized.model
+        optimized.save_model_to_file(path)  # saving adds the com.microsoft opset import
+        return onnx.load(path)
 
 
 def feeds(model: onnx.ModelProto, family: str, shapes: list[tuple[int, int]]) -> list[dict[str, np.ndarray]]:

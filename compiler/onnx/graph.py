@@ -49,11 +49,11 @@ def load(model: Any) -> onnx.ModelProto:
     if external:  # bytes or a ModelProto: there is no folder to read the side files from
         raise TvmAttnError(f"the model keeps its weights in external data ({external[0]!r}): import it from "
                            f"its path, import_onnx('model.onnx'), so the side files are read next to it")
-    proto = _ort_ops_in_their_domain(proto)
+    checked = _ort_ops_in_their_domain(proto)
     try:
         # a model over protobuf's 2 GB limit is checked from its file (weights in side files are not read)
         big = isinstance(model, (str, os.PathLike)) and proto.ByteSize() >= _PROTOBUF_LIMIT
-        onnx.checker.check_model(os.fspath(model) if big else proto)
+        onnx.checker.check_model(os.fspath(model) if big and checked is proto else checked)
     except (onnx.checker.ValidationError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise TvmAttnError(f"not a valid ONNX model ({first}): re-export it, or check it with "
@@ -61,7 +61,7 @@ def load(model: Any) -> onnx.ModelProto:
     if not proto.graph.node:
         raise TvmAttnError("the ONNX graph has no nodes: is the file complete?")
     try:  # ONNX Runtime rejects a graph whose shapes or types contradict each other; so do we, by name
-        onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
+        onnx.shape_inference.infer_shapes(checked, check_type=True, strict_mode=True, data_prop=True)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, ValueError, RuntimeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise TvmAttnError(f"the model's shapes or types are inconsistent ({first}): re-export it, or check "
@@ -70,7 +70,8 @@ def load(model: Any) -> onnx.ModelProto:
 
 
 # Contrib ops ONNX Runtime registers in the ONNX domain (its transformer optimizer writes them there for
-# Llama-like models); ONNX's checker knows no such op, so they move to com.microsoft, ORT's same op.
+# Llama-like models): ONNX's checker knows no such op, so it checks a copy with them in com.microsoft,
+# a domain it does not look into; the model keeps them where ONNX Runtime finds them.
 _ORT_OPS_IN_ONNX_DOMAIN = {"SimplifiedLayerNormalization"}
 
 

@@ -74,9 +74,10 @@ def rms_normalization(node: Node, inputs: list) -> list:
     return [_rms_norm(node, x, scale, float(a["epsilon"]), a["axis"])]
 
 
-@converter("com.microsoft", "SimplifiedLayerNormalization")
+@converter("", "SimplifiedLayerNormalization")
 def simplified_layer_normalization(node: Node, inputs: list) -> list:
-    """ORT SimplifiedLayerNormalization: Y = X / √(mean(X², axes ≥ axis) + ε) · scale (RMSNorm)."""
+    """ORT SimplifiedLayerNormalization (a contrib op ORT registers in the ONNX domain):
+    Y = X / √(mean(X², axes ≥ axis) + ε) · scale (RMSNorm)."""
     a = node.attrs({"axis": -1, "epsilon": 1e-5, "stash_type": 1})
     x, scale = _inputs(inputs, 2)
     _refuse_outputs(node, {1: "inv_std_var"})
