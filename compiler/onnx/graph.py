@@ -145,16 +145,13 @@ def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
 def fold_static(model: onnx.ModelProto, keep: Iterable[tuple[str, str]] = ()) -> onnx.ModelProto:
     """Evaluate every node whose inputs are constants or static shapes; keep (domain, op) pairs in ``keep``.
 
-    Constants consumed by the remaining nodes become initializers. Nothing is folded when ONNX shape
-    inference fails on the model: TVM's importer then sees it as given.
+    Constants consumed by the remaining nodes become initializers. The static sizes are those ONNX
+    shape inference finds; where it fails, TVM's importer sees the model as given.
     """
     keep = set(keep)
     opset = opset_of(model) or 1
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    except Exception:  # onnx raises several error types; an uninferable model is simply not folded
-        return model
-    shapes = _known_dims(inferred.graph)
+    shapes = {name: tuple(d if isinstance(d, int) else None for d in dims)
+              for name, dims in symbolic_shapes(model, onnx_only=True).items()}
     consts: dict[str, np.ndarray] = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     partial: dict[str, tuple[int | None, ...]] = {}  # outputs of Shape nodes with some dimensions unknown
     kept: list[onnx.NodeProto] = []
@@ -177,7 +174,7 @@ def fold_static(model: onnx.ModelProto, keep: Iterable[tuple[str, str]] = ()) ->
     return out
 
 
-def symbolic_shapes(model: onnx.ModelProto) -> dict[str, tuple[int | str, ...]]:
+def symbolic_shapes(model: onnx.ModelProto, onnx_only: bool = False) -> dict[str, tuple[int | str, ...]]:
     """Every tensor's shape in terms of the graph inputs' sizes: a size, a named size, an expression of
     named sizes (``batch*seq``), or a name of no input's (unsized). The importer states these shapes to
     TVM, whose converters lose them across shape arithmetic (Shape → Gather → Concat → Reshape, Range).
@@ -185,9 +182,13 @@ def symbolic_shapes(model: onnx.ModelProto) -> dict[str, tuple[int | str, ...]]:
     Symbolic shape inference (ONNX Runtime's, as onnxslim ships it: sympy over the named sizes) sizes
     what ONNX's own inference leaves unknown in TorchScript exports (a Range to a Shape value, a
     Reshape to a Concat of them); ONNX's (with data propagation, and the exporter's value_info) is the
-    fallback where it fails or leaves a dimension unknown.
+    fallback where it fails or leaves a dimension unknown. Symbolic inference merges sizes it cannot
+    tell apart (``auto_merge``): right for the shapes stated to TVM, which the model checks when it runs,
+    but not for a size baked into a constant, so `fold_static` asks for ONNX's alone (``onnx_only``).
     """
     shapes = _shapes_of(_quietly(lambda: onnx.shape_inference.infer_shapes(model, data_prop=True)))
+    if onnx_only:
+        return shapes
     symbolic = _shapes_of(_quietly(lambda: _symbolic_inference(model)))
     named = {d.dim_param for i in model.graph.input for d in i.type.tensor_type.shape.dim if d.dim_param}
     for name, dims in symbolic.items():
@@ -279,16 +280,6 @@ def name_dims(model: onnx.ModelProto) -> onnx.ModelProto:
                 dim.dim_param = name
                 taken.add(name)
     return out
-
-
-def _known_dims(graph: onnx.GraphProto) -> dict[str, tuple[int | None, ...]]:
-    """The shapes shape inference found, None for a dimension it could not size."""
-    shapes = {}
-    for info in list(graph.input) + list(graph.value_info) + list(graph.output):
-        t = info.type.tensor_type
-        if t.HasField("shape"):
-            shapes[info.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim)
-    return shapes
 
 
 def _fold(node: onnx.NodeProto, consts: dict[str, np.ndarray], shapes: dict[str, tuple[int | None, ...]],
