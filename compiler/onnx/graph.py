@@ -179,7 +179,7 @@ def symbolic_shapes(model: onnx.ModelProto, onnx_only: bool = False) -> dict[str
     named sizes (``batch*seq``), or a name of no input's (unsized). The importer states these shapes to
     TVM, whose converters lose them across shape arithmetic (Shape → Gather → Concat → Reshape, Range).
 
-    Symbolic shape inference (ONNX Runtime's, as onnxslim ships it: sympy over the named sizes) sizes
+    Symbolic shape inference (ONNX Runtime's, sympy over the named sizes; see `_SYMBOLIC_INFERENCE`) sizes
     what ONNX's own inference leaves unknown in TorchScript exports (a Range to a Shape value, a
     Reshape to a Concat of them); ONNX's (with data propagation, and the exporter's value_info) is the
     fallback where it fails or leaves a dimension unknown. Symbolic inference merges sizes it cannot
@@ -189,7 +189,7 @@ def symbolic_shapes(model: onnx.ModelProto, onnx_only: bool = False) -> dict[str
     shapes = _shapes_of(_quietly(lambda: onnx.shape_inference.infer_shapes(model, data_prop=True)))
     if onnx_only:
         return shapes
-    symbolic = _shapes_of(_quietly(lambda: _symbolic_inference(model)))
+    symbolic = _shapes_of(_symbolic_inference(model))
     named = {d.dim_param for i in model.graph.input for d in i.type.tensor_type.shape.dim if d.dim_param}
     for name, dims in symbolic.items():
         if name not in shapes or all(not isinstance(d, str) or _names_only(d, named) for d in dims):
@@ -197,10 +197,23 @@ def symbolic_shapes(model: onnx.ModelProto, onnx_only: bool = False) -> dict[str
     return shapes
 
 
-def _symbolic_inference(model: onnx.ModelProto) -> onnx.ModelProto:
-    from onnxslim.third_party.symbolic_shape_infer import SymbolicShapeInference
+# ONNX Runtime's symbolic shape inference: its own module where ONNX Runtime is installed (the original,
+# which ORT's transformer tools run), else onnxslim's copy (pure Python, a dependency of tvmattn).
+_SYMBOLIC_INFERENCE = ("onnxruntime.tools.symbolic_shape_infer", "onnxslim.third_party.symbolic_shape_infer")
 
-    return SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+
+def _symbolic_inference(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    import importlib
+
+    for module in _SYMBOLIC_INFERENCE:
+        try:
+            inference = importlib.import_module(module).SymbolicShapeInference
+        except ImportError:
+            continue
+        inferred = _quietly(lambda: inference.infer_shapes(model, auto_merge=True))
+        if inferred is not None:
+            return inferred
+    return None
 
 
 def _quietly(infer) -> onnx.ModelProto | None:
