@@ -30,7 +30,7 @@ from tvmattn.compiler.kernel import numpy_dtype
 from tvmattn.compiler.onnx import checks, graph, ops, patterns  # noqa: F401 (ops fills the converters' table)
 from tvmattn.compiler.onnx.converters import Node, find
 from tvmattn.compiler.onnx.kernels import Kernels, Replacement
-from tvmattn.compiler.onnx.shape_ops import SHAPE_FIXES, state_shape
+from tvmattn.compiler.onnx.shape_ops import BROADCASTING, SHAPE_FIXES, state_broadcast, state_shape
 from tvmattn.compiler.target import is_cpu, resolve_target
 
 
@@ -230,6 +230,8 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
         self._current = node
         convert = find(node) if node is not None else None
         if convert is None:
+            if op_name in BROADCASTING and node is not None and len(node.output) == 1:
+                inputs = state_broadcast(self.bb, list(inputs), self._shapes.get(node.output[0]), self._symbols)
             fix = SHAPE_FIXES.get(op_name)
             sym = fix(list(inputs)) if fix is not None else None
             if op_name == "Gather" and node is not None and is_cpu(self.kernels.target):

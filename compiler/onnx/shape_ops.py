@@ -22,6 +22,7 @@ from typing import Callable
 
 import tvm
 from tvm import relax, tirx
+from tvm.sym import Analyzer
 
 ShapeFix = Callable[[list], relax.Expr | None]
 
@@ -105,3 +106,40 @@ def state_shape(bb: relax.BlockBuilder, value: relax.Expr, dims: tuple[int | str
 def _in_terms_of(dim: tirx.PrimExpr, known: set) -> bool:
     """Whether ``dim`` is a number or an expression of the graph inputs' sizes only."""
     return all(any(v.same_as(k) for k in known) for v in tirx.analysis.undefined_vars(dim))
+
+
+# Elementwise ops that broadcast their inputs (ONNX's multidirectional broadcasting).
+BROADCASTING = {"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Where", "Equal", "Less", "LessOrEqual", "Greater",
+                "GreaterOrEqual", "And", "Or", "Xor", "Max", "Min", "Sum", "Mean", "BitShift"}
+
+
+def state_broadcast(bb: relax.BlockBuilder, inputs: list, dims: tuple[int | str, ...] | None,
+                    symbols: dict[str, tirx.Var]) -> list:
+    """The inputs of a broadcasting op with each dimension that is not 1 stated as the output's, where
+    TVM cannot prove them equal: a TorchScript export bakes a traced length (5) into one operand while
+    the other keeps the named one (seq); the result's shape is then unknown to TVM, which cannot lower
+    the op. Shape inference knows the output; the cast checks the sizes agree when the model runs."""
+    stated = [dimension(d, symbols) for d in dims] if dims is not None else None
+    if stated is None or any(d is None for d in stated):
+        return inputs
+    analyzer = Analyzer()
+    out = []
+    for value in inputs:
+        ty = getattr(value, "ty", None)
+        if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+            out.append(value)
+            continue
+        have = list(ty.shape.values)
+        want = stated[len(stated) - len(have):] if len(have) <= len(stated) else None
+        if want is None:
+            out.append(value)
+            continue
+        shape = [h if (isinstance(h, tirx.IntImm) and h.value == 1) or analyzer.can_prove_equal(h, w) else w
+                 for h, w in zip(have, want)]
+        if all(a.same_as(b) for a, b in zip(shape, have)):
+            out.append(value)
+            continue
+        if not isinstance(value, relax.Var):
+            value = bb.emit(value)
+        out.append(bb.match_cast(value, relax.TensorType(shape, ty.dtype)))
+    return out
