@@ -157,13 +157,24 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_shapes(items: list[str] | None) -> dict[str, tuple[int | str, ...]]:
+    """``--shape input_ids=1xn`` → {"input_ids": (1, "n")}."""
+    shapes = {}
+    for item in items or []:
+        name, sep, dims = item.rpartition("=")
+        if not sep or not name or not dims:
+            raise TvmAttnError(f"--shape {item!r}: write NAME=DIMS, e.g. --shape input_ids=1xn")
+        shapes[name] = tuple(int(d) if d.isdigit() else d for d in dims.split("x"))
+    return shapes
+
+
 def cmd_import(args: argparse.Namespace) -> int:
     from tvmattn.compiler.onnx.check import compare_with_ort, random_feed
     from tvmattn.compiler.onnx.graph import load
     from tvmattn.compiler.onnx.importer import import_onnx
 
     model = load(args.model)
-    imported = import_onnx(model, args.target, arch=args.arch)
+    imported = import_onnx(model, args.target, arch=args.arch, shapes=parse_shapes(args.shape))
     print(imported.report)
     if args.output:
         out = Path(args.output)
@@ -328,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="run on seeded random inputs and compare with ONNX Runtime")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--at", action="append", help="sizes of named dimensions for --check, e.g. --at seq=128 (default 4)")
+    p.add_argument("--shape", action="append", help="bind an input's dimensions (sizes or names), e.g. "
+                   "--shape input_ids=1xn (repeatable)")
     p.set_defaults(run=cmd_import)
 
     p = sub.add_parser("export-onnx", help="write the attention layer as a standard ONNX model with its weights")

@@ -8,8 +8,10 @@ and in which the attention patterns can read a scale or a causal mask.
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Any, Iterable
+import re
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -24,6 +26,7 @@ DEFAULT_DOMAINS = ("", "ai.onnx")
 _NOT_FOLDABLE = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli",
                  "Multinomial", "If", "Loop", "Scan", "Dropout"}
 _FOLD_LIMIT_BYTES = 64 << 20  # a folded value larger than this stays a computation
+_PROTOBUF_LIMIT = 2**31 - 1  # a serialised ModelProto must stay under it
 
 
 def load(model: Any) -> onnx.ModelProto:
@@ -39,10 +42,18 @@ def load(model: Any) -> onnx.ModelProto:
         except OSError as err:
             raise TvmAttnError(f"cannot read ONNX model {os.fspath(model)!r}: {err.strerror}") from None
         proto = _parse(data, repr(os.fspath(model)))
+        _load_external_data(proto, os.path.dirname(os.path.abspath(model)))
     else:
         raise TvmAttnError(f"import_onnx takes a path, bytes or an onnx.ModelProto, not {type(model).__name__}")
+    external = _external_files(proto)
+    if external:  # bytes or a ModelProto: there is no folder to read the side files from
+        raise TvmAttnError(f"the model keeps its weights in external data ({external[0]!r}): import it from "
+                           f"its path, import_onnx('model.onnx'), so the side files are read next to it")
+    checked = _ort_ops_in_their_domain(proto)
     try:
-        onnx.checker.check_model(proto)
+        # a model over protobuf's 2 GB limit is checked from its file (weights in side files are not read)
+        big = isinstance(model, (str, os.PathLike)) and proto.ByteSize() >= _PROTOBUF_LIMIT
+        onnx.checker.check_model(os.fspath(model) if big and checked is proto else checked)
     except (onnx.checker.ValidationError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise TvmAttnError(f"not a valid ONNX model ({first}): re-export it, or check it with "
@@ -50,12 +61,52 @@ def load(model: Any) -> onnx.ModelProto:
     if not proto.graph.node:
         raise TvmAttnError("the ONNX graph has no nodes: is the file complete?")
     try:  # ONNX Runtime rejects a graph whose shapes or types contradict each other; so do we, by name
-        onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
+        onnx.shape_inference.infer_shapes(checked, check_type=True, strict_mode=True, data_prop=True)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, ValueError, RuntimeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise TvmAttnError(f"the model's shapes or types are inconsistent ({first}): re-export it, or check "
                            f"it with onnx.shape_inference.infer_shapes(model, strict_mode=True)") from None
     return proto
+
+
+# Contrib ops ONNX Runtime registers in the ONNX domain (its transformer optimizer writes them there for
+# Llama-like models): ONNX's checker knows no such op, so it checks a copy with them in com.microsoft,
+# a domain it does not look into; the model keeps them where ONNX Runtime finds them.
+_ORT_OPS_IN_ONNX_DOMAIN = {"SimplifiedLayerNormalization"}
+
+
+def _ort_ops_in_their_domain(model: onnx.ModelProto) -> onnx.ModelProto:
+    moved = [n for n in model.graph.node if n.domain in DEFAULT_DOMAINS and n.op_type in _ORT_OPS_IN_ONNX_DOMAIN]
+    if not moved:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for node in out.graph.node:
+        if node.domain in DEFAULT_DOMAINS and node.op_type in _ORT_OPS_IN_ONNX_DOMAIN:
+            node.domain = "com.microsoft"
+    if opset_of(out, "com.microsoft") is None:
+        out.opset_import.add(domain="com.microsoft", version=1)
+    return out
+
+
+def _external_files(model: onnx.ModelProto) -> list[str]:
+    """The side files of the initializers still stored as external data."""
+    return [next((e.value for e in t.external_data if e.key == "location"), "?")
+            for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+
+
+def _load_external_data(model: onnx.ModelProto, folder: str) -> None:
+    """Read the weights a model saved with external data keeps in side files (relative to ``folder``)."""
+    for location in dict.fromkeys(_external_files(model)):
+        if not os.path.isfile(os.path.join(folder, location)):
+            raise TvmAttnError(f"the model's weights are in the external data file {location!r}, which is not "
+                               f"in {folder!r}: copy it next to the .onnx file (as it was saved)")
+    try:
+        onnx.external_data_helper.load_external_data_for_model(model, folder)
+    except (OSError, ValueError, onnx.checker.ValidationError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise TvmAttnError(f"cannot read the model's external data in {folder!r} ({first}): the side file is "
+                           f"truncated or does not belong to this model") from None
 
 
 def _parse(data: bytes, where: str) -> onnx.ModelProto:
@@ -94,16 +145,13 @@ def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
 def fold_static(model: onnx.ModelProto, keep: Iterable[tuple[str, str]] = ()) -> onnx.ModelProto:
     """Evaluate every node whose inputs are constants or static shapes; keep (domain, op) pairs in ``keep``.
 
-    Constants consumed by the remaining nodes become initializers. Nothing is folded when ONNX shape
-    inference fails on the model: TVM's importer then sees it as given.
+    Constants consumed by the remaining nodes become initializers. The static sizes are those ONNX
+    shape inference finds; where it fails, TVM's importer sees the model as given.
     """
     keep = set(keep)
     opset = opset_of(model) or 1
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    except Exception:  # onnx raises several error types; an uninferable model is simply not folded
-        return model
-    shapes = _known_dims(inferred.graph)
+    shapes = {name: tuple(d if isinstance(d, int) else None for d in dims)
+              for name, dims in symbolic_shapes(model, onnx_only=True).items()}
     consts: dict[str, np.ndarray] = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     partial: dict[str, tuple[int | None, ...]] = {}  # outputs of Shape nodes with some dimensions unknown
     kept: list[onnx.NodeProto] = []
@@ -126,14 +174,125 @@ def fold_static(model: onnx.ModelProto, keep: Iterable[tuple[str, str]] = ()) ->
     return out
 
 
-def _known_dims(graph: onnx.GraphProto) -> dict[str, tuple[int | None, ...]]:
-    """The shapes shape inference found, None for a dimension it could not size."""
-    shapes = {}
-    for info in list(graph.input) + list(graph.value_info) + list(graph.output):
-        t = info.type.tensor_type
-        if t.HasField("shape"):
-            shapes[info.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim)
+def symbolic_shapes(model: onnx.ModelProto, onnx_only: bool = False) -> dict[str, tuple[int | str, ...]]:
+    """Every tensor's shape in terms of the graph inputs' sizes: a size, a named size, an expression of
+    named sizes (``batch*seq``), or a name of no input's (unsized). The importer states these shapes to
+    TVM, whose converters lose them across shape arithmetic (Shape → Gather → Concat → Reshape, Range).
+
+    Symbolic shape inference (ONNX Runtime's, sympy over the named sizes; see `_SYMBOLIC_INFERENCE`) sizes
+    what ONNX's own inference leaves unknown in TorchScript exports (a Range to a Shape value, a
+    Reshape to a Concat of them); ONNX's (with data propagation, and the exporter's value_info) is the
+    fallback where it fails or leaves a dimension unknown. Symbolic inference merges sizes it cannot
+    tell apart (``auto_merge``): right for the shapes stated to TVM, which the model checks when it runs,
+    but not for a size baked into a constant, so `fold_static` asks for ONNX's alone (``onnx_only``).
+    """
+    shapes = _shapes_of(_quietly(lambda: onnx.shape_inference.infer_shapes(model, data_prop=True)))
+    if onnx_only:
+        return shapes
+    symbolic = _shapes_of(_symbolic_inference(model))
+    named = {d.dim_param for i in model.graph.input for d in i.type.tensor_type.shape.dim if d.dim_param}
+    for name, dims in symbolic.items():
+        if name not in shapes or all(not isinstance(d, str) or _names_only(d, named) for d in dims):
+            shapes[name] = dims
     return shapes
+
+
+# ONNX Runtime's symbolic shape inference: its own module where ONNX Runtime is installed (the original,
+# which ORT's transformer tools run), else onnxslim's copy (pure Python, a dependency of tvmattn).
+_SYMBOLIC_INFERENCE = ("onnxruntime.tools.symbolic_shape_infer", "onnxslim.third_party.symbolic_shape_infer")
+
+
+def _symbolic_inference(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    import importlib
+
+    for module in _SYMBOLIC_INFERENCE:
+        try:
+            inference = importlib.import_module(module).SymbolicShapeInference
+        except ImportError:
+            continue
+        inferred = _quietly(lambda: inference.infer_shapes(model, auto_merge=True))
+        if inferred is not None:
+            return inferred
+    return None
+
+
+def _quietly(infer) -> onnx.ModelProto | None:
+    """``infer()``, or None where it fails (load() already ran strict inference: the model is sound),
+    without the inference's log lines."""
+    logging.disable(logging.WARNING)
+    try:
+        return infer()
+    except Exception:  # both inferences raise many types on ops or cases they do not cover
+        return None
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def _shapes_of(model: onnx.ModelProto | None) -> dict[str, tuple[int | str, ...]]:
+    if model is None:
+        return {}
+    shapes = {}
+    for info in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output):
+        t = info.type.tensor_type
+        if info.type.HasField("tensor_type") and t.HasField("shape"):
+            shapes[info.name] = tuple(d.dim_value if d.HasField("dim_value") else d.dim_param for d in t.shape.dim)
+    return shapes
+
+
+def _names_only(expr: str, named: set[str]) -> bool:
+    """Whether every name in the dimension expression ``expr`` is a graph input's named size."""
+    return all(word in named for word in re.findall(r"[A-Za-z_][A-Za-z_0-9]*", expr))
+
+
+def bind_shapes(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int | str]]) -> onnx.ModelProto:
+    """A copy with the graph inputs in ``shapes`` given those dimensions (a size, or a name: symbolic)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    inputs = {i.name: i for i in out.graph.input}
+    for name, dims in shapes.items():
+        if name not in inputs:
+            raise TvmAttnError(f"shapes names {name!r}, which is not an input of the model (its inputs are "
+                               f"{', '.join(inputs)})")
+        shape = inputs[name].type.tensor_type.shape
+        if len(shape.dim) and len(shape.dim) != len(dims):
+            raise TvmAttnError(f"shapes gives input {name!r} {len(dims)} dimensions; it has {len(shape.dim)}")
+        del shape.dim[:]
+        for d in dims:
+            if isinstance(d, str) and d.isdigit():
+                d = int(d)
+            if isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d > 0:
+                shape.dim.add().dim_value = int(d)
+            elif isinstance(d, str) and d.isidentifier():
+                shape.dim.add().dim_param = d
+            else:
+                raise TvmAttnError(f"shapes gives input {name!r} the dimension {d!r}: use a positive size or a "
+                                   f"name (symbolic), e.g. {{{name!r}: (1, 'n')}}")
+    return out
+
+
+def name_dims(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy in which every unnamed dynamic dimension of a graph input has a name of its own
+    (``input_ids_1``): TVM's importer reads every unnamed dimension as one and the same size. An input of
+    unknown rank is a TvmAttnError saying how to bind its shape."""
+    initializers = {t.name for t in model.graph.initializer}
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    taken = {d.dim_param for i in out.graph.input for d in i.type.tensor_type.shape.dim}
+    for info in out.graph.input:
+        if info.name in initializers or not info.type.HasField("tensor_type"):
+            continue
+        if not info.type.tensor_type.HasField("shape"):
+            raise TvmAttnError(f"input {info.name!r} has no shape (not even a rank): bind it, "
+                               f"import_onnx(model, shapes={{{info.name!r}: (1, 'n')}}) or tvmattn import "
+                               f"--shape {info.name}=1xn")
+        for axis, dim in enumerate(info.type.tensor_type.shape.dim):
+            if not dim.HasField("dim_value") and not dim.dim_param:
+                name = "".join(c if c.isalnum() else "_" for c in f"{info.name}_{axis}")
+                while name in taken:
+                    name += "_"
+                dim.dim_param = name
+                taken.add(name)
+    return out
 
 
 def _fold(node: onnx.NodeProto, consts: dict[str, np.ndarray], shapes: dict[str, tuple[int | None, ...]],

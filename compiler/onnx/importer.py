@@ -15,22 +15,22 @@ import io
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import onnx
 import tvm
-from tvm import relax
+from tvm import relax, tirx
 from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.target import Target
 
 from tvmattn.compiler.build import tvm_compile
 from tvmattn.compiler.errors import TvmAttnError, tvm_reason
 from tvmattn.compiler.kernel import numpy_dtype
-from tvmattn.compiler.onnx import checks, graph, patterns
+from tvmattn.compiler.onnx import checks, graph, ops, patterns  # noqa: F401 (ops fills the converters' table)
 from tvmattn.compiler.onnx.converters import Node, find
 from tvmattn.compiler.onnx.kernels import Kernels, Replacement
-from tvmattn.compiler.onnx.shape_ops import SHAPE_FIXES
+from tvmattn.compiler.onnx.shape_ops import BROADCASTING, SHAPE_FIXES, state_broadcast, state_shape
 from tvmattn.compiler.target import is_cpu, resolve_target
 
 
@@ -169,26 +169,42 @@ class ImportedModel:
         return args
 
 
-def import_onnx(model: Any, target: Any = "cpu", *, arch: str | None = None) -> ImportedModel:
-    """Import an ONNX model (a path, bytes or ModelProto), compile it for ``target``, attention on tvmattn."""
+def import_onnx(model: Any, target: Any = "cpu", *, arch: str | None = None,
+                shapes: Mapping[str, Sequence[int | str]] | None = None) -> ImportedModel:
+    """Import an ONNX model (a path, bytes or ModelProto), compile it for ``target``, attention on tvmattn.
+
+    ``shapes`` binds graph inputs' dimensions (input name → sizes or names, e.g. ``{"input_ids": (1, "n")}``):
+    a size makes it static, a name keeps it symbolic. Dimensions the model leaves dynamic stay symbolic.
+    """
     try:
-        return _import(model, target, arch)
+        return _import(model, target, arch, shapes or {})
     except UnicodeDecodeError:  # protobuf decodes string fields when they are first read
         raise TvmAttnError("the ONNX model is corrupt: one of its names or string attributes is not valid "
                            "UTF-8; re-export it") from None
 
 
-def _import(model: Any, target: Any, arch: str | None) -> ImportedModel:
+def _import(model: Any, target: Any, arch: str | None, shapes: Mapping[str, Sequence[int | str]]) -> ImportedModel:
     start = time.perf_counter()
     tgt = resolve_target(target, arch)
-    proto = graph.name_nodes(graph.load(model))
+    proto = graph.load(model)
+    if shapes:
+        proto = graph.bind_shapes(proto, shapes)
+        try:  # the bound sizes must fit the graph, as ONNX Runtime would find when it runs
+            onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
+        except Exception as err:  # onnx raises several error types
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise TvmAttnError(f"the shapes given do not fit the model ({first})") from None
+    proto = graph.name_nodes(graph.name_dims(proto))
     softmax_nodes = [n.name for n in proto.graph.node if n.op_type == "Softmax" and n.domain in graph.DEFAULT_DOMAINS]
     proto = graph.fold_static(proto, keep=[(n.domain, n.op_type) for n in proto.graph.node if find(n)])
     kernels = Kernels(tgt)
     importer = _Importer(proto, kernels)
-    mod = importer.convert()
     reasons: dict[str, str] = {}
-    mod = patterns.rewrite(mod, kernels, importer.provenance, reasons)
+    try:
+        mod = importer.convert()
+        mod = patterns.rewrite(mod, kernels, importer.provenance, reasons)
+    except TvmAttnError as err:
+        raise TvmAttnError(str(err) + _binding_hint(str(err), _graph_inputs(proto))) from None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -214,6 +230,15 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
         self.provenance: dict[relax.Expr, str] = {}
         self._by_name = {n.name: n for n in model.graph.node}
         self._current: onnx.NodeProto | None = None
+        self._shapes = graph.symbolic_shapes(model)
+        self._symbols: dict[str, tirx.Var] = {}  # the graph inputs' named sizes, as TVM's importer made them
+
+    def _parse_graph_input(self, graph_proto: onnx.GraphProto) -> None:
+        super()._parse_graph_input(graph_proto)
+        for var in self._inputs.values():
+            if isinstance(var, relax.Var) and isinstance(var.ty, relax.TensorType) and \
+                    isinstance(var.ty.shape, relax.ShapeExpr):
+                self._symbols.update({d.name: d for d in var.ty.shape.values if isinstance(d, tirx.Var)})
 
     def convert(self) -> tvm.IRModule:
         opset = graph.opset_of(self.model) or 1
@@ -247,20 +272,35 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
         self._current = node
         convert = find(node) if node is not None else None
         if convert is None:
+            if op_name in BROADCASTING and node is not None and len(node.output) == 1:
+                inputs = state_broadcast(self.bb, list(inputs), self._shapes.get(node.output[0]), self._symbols)
             fix = SHAPE_FIXES.get(op_name)
             sym = fix(list(inputs)) if fix is not None else None
             if op_name == "Gather" and node is not None and is_cpu(self.kernels.target):
                 sym = checks.gather(self.bb, node.name, list(inputs), attrs)
             if sym is None:
                 sym = super()._convert_operator(op_name, inputs, attrs, opset)
-            else:
-                sym = self.bb.normalize(sym)
+            sym = self.bb.normalize(sym)
+            if node is not None and len(node.output) == 1:
+                sym = state_shape(self.bb, sym, self._shapes.get(node.output[0]), self._symbols, node.output[0])
             if node is not None:
                 self.provenance[sym] = node.name
             return sym
         outs = convert(Node(node, self.bb, self.kernels), list(inputs))
         outs = [o if o is not None else outs[0] for o in outs[:max(len(node.output), 1)]]
         return outs[0] if len(outs) == 1 else relax.Tuple(outs)
+
+
+def _binding_hint(message: str, inputs: list[GraphInput]) -> str:
+    """For a size that must be static but is symbolic in the model: how to bind the inputs' sizes."""
+    symbolic = [i for i in inputs if any(isinstance(d, str) for d in i.shape)]
+    if "not a number" not in message or not symbolic:
+        return ""
+    first = symbolic[0]
+    sizes = [d if isinstance(d, int) else 1 for d in first.shape]
+    return (f"; bind the model's dynamic sizes (inputs {', '.join(f'{i.name} {_pretty(i.shape)}' for i in symbolic)}):"
+            f" import_onnx(model, shapes={{{first.name!r}: {tuple(sizes)}}}) or tvmattn import --shape "
+            f"{first.name}={'x'.join(map(str, sizes))}")
 
 
 def _graph_inputs(model: onnx.ModelProto) -> list[GraphInput]:

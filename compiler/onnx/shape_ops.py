@@ -2,6 +2,11 @@
 
 Each returns None to let TVM's own converter handle the node (every case it already gets right).
 
+Beyond single ops, TVM's converters lose shapes across the shape arithmetic of dynamic-shape exports
+(a Reshape to a Concat of Shape values gives a tensor of unknown shape, and the next Reshape or
+LayerNormalization then fails). ONNX shape inference knows those shapes, in terms of the graph
+inputs' named sizes; `state_shape` tells TVM with a ``match_cast`` (checked when the model runs).
+
 Expand   a constant target shape on data with symbolic dimensions (TorchScript's
          ``mask.expand(bsz, heads, -1, -1)``): the stock converter reads every data dimension as a number.
 Reshape  a scalar of shape arithmetic (``batch * heads`` from Shape → Squeeze → Mul, as the dynamo
@@ -11,10 +16,13 @@ Reshape  a scalar of shape arithmetic (``batch * heads`` from Shape → Squeeze 
 
 from __future__ import annotations
 
+import ast
+import operator
 from typing import Callable
 
 import tvm
 from tvm import relax, tirx
+from tvm.sym import Analyzer
 
 ShapeFix = Callable[[list], relax.Expr | None]
 
@@ -45,3 +53,93 @@ def reshape(inputs: list) -> relax.Expr | None:
 
 
 SHAPE_FIXES: dict[str, ShapeFix] = {"Expand": expand, "Reshape": reshape}
+
+
+_ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: tirx.floordiv}
+
+
+def dimension(text: int | str, symbols: dict[str, tirx.Var]) -> tirx.PrimExpr | None:
+    """An inferred dimension as a TIR expression over the graph inputs' named sizes (``symbols``), or None
+    where it is unsized or names a size no input has."""
+    if isinstance(text, int):
+        return tirx.IntImm("int64", text)
+
+    def build(e: ast.expr) -> tirx.PrimExpr:
+        if isinstance(e, ast.Constant) and isinstance(e.value, int):
+            return tirx.IntImm("int64", e.value)
+        if isinstance(e, ast.Name) and e.id in symbols:
+            return symbols[e.id]
+        if isinstance(e, ast.BinOp) and type(e.op) in _ARITHMETIC:
+            return _ARITHMETIC[type(e.op)](build(e.left), build(e.right))
+        raise ValueError(text)
+
+    try:
+        return build(ast.parse(text.replace("/", "//").replace("////", "//"), mode="eval").body)
+    except (SyntaxError, ValueError):
+        return None
+
+
+def state_shape(bb: relax.BlockBuilder, value: relax.Expr, dims: tuple[int | str, ...] | None,
+                symbols: dict[str, tirx.Var], name: str) -> relax.Expr:
+    """``value`` with the inferred shape ``dims`` where TVM lost its shape (or rank), or sized a dimension
+    with a size of its own making (``range_len_0`` for a Range's length) that shape inference says in
+    terms of the inputs; dimensions nothing sizes become fresh sizes named after the tensor ``name``
+    (``q_dim1``), bound when the model runs."""
+    ty = value.ty
+    if dims is None or not isinstance(ty, relax.TensorType) or ty.ndim not in (-1, len(dims)):
+        return value
+    stated = [dimension(d, symbols) for d in dims]
+    if isinstance(ty.shape, relax.ShapeExpr):
+        known = set(symbols.values())
+        shape = [s if s is not None and not _in_terms_of(d, known) else d
+                 for d, s in zip(ty.shape.values, stated)]
+        if all(a.same_as(b) for a, b in zip(shape, ty.shape.values)):
+            return value
+    else:
+        label = "".join(c if c.isalnum() else "_" for c in name)
+        shape = [d if d is not None else tirx.Var(f"{label}_dim{i}", "int64") for i, d in enumerate(stated)]
+    if not isinstance(value, relax.Var):  # legalization reaches only calls bound to variables
+        value = bb.emit(value)
+    return bb.match_cast(value, relax.TensorType(shape, ty.dtype))
+
+
+def _in_terms_of(dim: tirx.PrimExpr, known: set) -> bool:
+    """Whether ``dim`` is a number or an expression of the graph inputs' sizes only."""
+    return all(any(v.same_as(k) for k in known) for v in tirx.analysis.undefined_vars(dim))
+
+
+# Elementwise ops that broadcast their inputs (ONNX's multidirectional broadcasting).
+BROADCASTING = {"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Where", "Equal", "Less", "LessOrEqual", "Greater",
+                "GreaterOrEqual", "And", "Or", "Xor", "Max", "Min", "Sum", "Mean", "BitShift"}
+
+
+def state_broadcast(bb: relax.BlockBuilder, inputs: list, dims: tuple[int | str, ...] | None,
+                    symbols: dict[str, tirx.Var]) -> list:
+    """The inputs of a broadcasting op with each dimension that is not 1 stated as the output's, where
+    TVM cannot prove them equal: a TorchScript export bakes a traced length (5) into one operand while
+    the other keeps the named one (seq); the result's shape is then unknown to TVM, which cannot lower
+    the op. Shape inference knows the output; the cast checks the sizes agree when the model runs."""
+    stated = [dimension(d, symbols) for d in dims] if dims is not None else None
+    if stated is None or any(d is None for d in stated):
+        return inputs
+    analyzer = Analyzer()
+    out = []
+    for value in inputs:
+        ty = getattr(value, "ty", None)
+        if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+            out.append(value)
+            continue
+        have = list(ty.shape.values)
+        want = stated[len(stated) - len(have):] if len(have) <= len(stated) else None
+        if want is None:
+            out.append(value)
+            continue
+        shape = [h if (isinstance(h, tirx.IntImm) and h.value == 1) or analyzer.can_prove_equal(h, w) else w
+                 for h, w in zip(have, want)]
+        if all(a.same_as(b) for a, b in zip(shape, have)):
+            out.append(value)
+            continue
+        if not isinstance(value, relax.Var):
+            value = bb.emit(value)
+        out.append(bb.match_cast(value, relax.TensorType(shape, ty.dtype)))
+    return out

@@ -1,0 +1,201 @@
+"""Whole Hugging Face models, as their exporters write them, imported and checked against ONNX Runtime.
+
+Families (random weights from small configs, 2 layers, d = 64): GPT-2, BERT (with a padding mask),
+Llama (GQA + rotary), Qwen2 (GQA), T5 (encoder-decoder, relative bias), ViT. Exporters: torch's
+TorchScript exporter, its dynamo exporter at its default opset and at opset 23 (RotaryEmbedding,
+RMSNormalization), and ONNX Runtime's transformer optimizer over one of those (contrib ops). Batch and
+sequence stay symbolic; every model runs at two shapes and all its attention must be on tvmattn
+kernels. The default run takes three combinations, one per front-end feature; ``-m slow`` the matrix.
+An exporter that itself fails on a family is skipped with its reason: that is not ours to fix.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import logging
+import os
+import tempfile
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from onnx_testing import assert_matches_ort, kernels_used  # noqa: E402
+
+VOCAB, D, HEADS, LAYERS = 128, 64, 4, 2
+DECODERS = {"gpt2", "llama", "qwen2"}
+ATTENTIONS = {"t5": 3 * LAYERS}  # encoder, decoder and cross attention per layer; others one per layer
+ORT_MODEL_TYPE = {"gpt2": "gpt2", "bert": "bert", "vit": "vit", "t5": "t5", "llama": "gpt2", "qwen2": "gpt2"}
+
+
+def build(family: str) -> torch.nn.Module:
+    """The family's model with random weights, wrapped to take its inputs positionally and return one
+    tensor (logits or the last hidden state), in eval mode."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=2 * D, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, max_position_embeddings=64)
+    auto, eager = transformers.AutoModelForCausalLM, {"attn_implementation": "eager"}
+    if family == "gpt2":
+        model = auto.from_config(transformers.GPT2Config(vocab_size=VOCAB, n_embd=D, n_layer=LAYERS, n_head=HEADS,
+                                                         n_positions=64), **eager)
+    elif family == "llama":
+        model = auto.from_config(transformers.LlamaConfig(**common, num_key_value_heads=2), **eager)
+    elif family == "qwen2":
+        model = auto.from_config(transformers.Qwen2Config(**common, num_key_value_heads=2), **eager)
+    elif family == "bert":
+        model = transformers.AutoModel.from_config(transformers.BertConfig(**common), **eager)
+    elif family == "t5":
+        model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=VOCAB, d_model=D, d_kv=D // HEADS, d_ff=2 * D, num_layers=LAYERS, num_heads=HEADS,
+            decoder_start_token_id=0))
+    else:
+        model = transformers.AutoModel.from_config(transformers.ViTConfig(
+            hidden_size=D, intermediate_size=2 * D, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+            image_size=32, patch_size=8), **eager)
+    return _Wrapper(model, family).eval()
+
+
+class _Wrapper(torch.nn.Module):
+    """Exporting the model itself adds stray inputs and cache outputs; this keeps the usual graph."""
+
+    def __init__(self, model: torch.nn.Module, family: str) -> None:
+        super().__init__()
+        self.model, self.family = model, family
+
+    def forward(self, x, y=None):
+        if self.family == "vit":
+            return self.model(pixel_values=x).last_hidden_state
+        if self.family == "bert":
+            return self.model(input_ids=x, attention_mask=y).last_hidden_state
+        if self.family == "t5":
+            return self.model(input_ids=x, decoder_input_ids=y, use_cache=False).logits
+        return self.model(input_ids=x, use_cache=False).logits
+
+
+def example(family: str, batch: int, seq: int, seed: int = 0) -> tuple[np.ndarray, ...]:
+    """Inputs at (batch, seq): token ids (BERT with a padding mask hiding its last keys, T5 with a
+    shorter decoder input) or images for ViT."""
+    rng = np.random.default_rng(seed)
+    if family == "vit":
+        return (rng.standard_normal((batch, 3, 32, 32)).astype(np.float32),)
+    ids = rng.integers(0, VOCAB, (batch, seq))
+    if family == "bert":
+        mask = np.ones((batch, seq), np.int64)
+        mask[0, seq - 2:] = 0
+        return ids, mask
+    if family == "t5":
+        return ids, rng.integers(0, VOCAB, (batch, seq - 1))
+    return (ids,)
+
+
+@functools.cache
+def export(family: str, exporter: str) -> onnx.ModelProto:
+    """The family exported by ``exporter`` (torchscript, dynamo, dynamo23, ort), once per session."""
+    if exporter == "ort":
+        return _ort_optimized(family)
+    model, args = build(family), tuple(torch.from_numpy(a) for a in example(family, 2, 8))
+    names = ["pixel_values"] if family == "vit" else \
+        {"bert": ["input_ids", "attention_mask"], "t5": ["input_ids", "decoder_input_ids"]}.get(family, ["input_ids"])
+    axes = [{0: "batch"}] if family == "vit" else [{0: "batch", 1: "seq" if i == 0 or family == "bert" else "dseq"}
+                                                   for i in range(len(names))]
+    buffer = io.BytesIO()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            if exporter == "torchscript":
+                torch.onnx.export(model, args, buffer, dynamo=False, input_names=names, output_names=["out"],
+                                  dynamic_axes=dict(zip(names, axes)), opset_version=17)
+                return onnx.load_from_string(buffer.getvalue())
+            shapes = tuple({axis: torch.export.Dim.DYNAMIC for axis in a} for a in axes)
+            program = torch.onnx.export(model, args, dynamo=True, input_names=names, output_names=["out"],
+                                        dynamic_shapes=shapes, opset_version=23 if exporter == "dynamo23" else None)
+        except Exception as err:  # the exporter's own failure, not tvmattn's
+            pytest.skip(f"torch's {exporter} exporter fails on {family}: {str(err).strip().splitlines()[-1][:160]}")
+        return program.model_proto
+
+
+def _ort_optimized(family: str) -> onnx.ModelProto:
+    """ONNX Runtime's transformer optimizer over the TorchScript export where that exporter works
+    (its fusions expect that graph), else over the dynamo export."""
+    from onnxruntime.transformers import optimizer
+
+    try:
+        source = export(family, "torchscript")
+    except pytest.skip.Exception:
+        source = export(family, "dynamo")
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = os.path.join(tmp, "model.onnx")
+        onnx.save(source, path)
+        logging.disable(logging.WARNING)
+        try:
+            optimized = optimizer.optimize_model(path, model_type=ORT_MODEL_TYPE[family], num_heads=HEADS,
+                                                 hidden_size=D, opt_level=0)
+        except Exception as err:  # the optimizer's own failure
+            pytest.skip(f"ONNX Runtime's transformer optimizer fails on {family}: {str(err)[:160]}")
+        finally:
+            logging.disable(logging.NOTSET)
+        optimized.save_model_to_file(path)  # saving adds the com.microsoft opset import
+        return onnx.load(path)
+
+
+def feeds(model: onnx.ModelProto, family: str, shapes: list[tuple[int, int]]) -> list[dict[str, np.ndarray]]:
+    names = [i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
+    out = []
+    for batch, seq in shapes:
+        arrays = example(family, batch, seq, seed=batch * 100 + seq)
+        dtypes = {i.name: onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type) for i in model.graph.input}
+        out.append({n: a.astype(dtypes[n]) for n, a in zip(names, arrays)})
+    return out
+
+
+def check(family: str, exporter: str) -> None:
+    model = export(family, exporter)
+    rotary23 = exporter == "dynamo23" and family in {"llama", "qwen2"}
+    # ONNX Runtime 1.32 rejects the dynamo exporter's opset-23 RotaryEmbedding at batch 2 (its cos/sin
+    # cache shape): the two shapes there vary the length; batch 2 is checked against PyTorch
+    shapes = [(1, 5), (1, 8)] if rotary23 else [(1, 5), (2, 8)]
+    imported = assert_matches_ort(model, feeds(model, family, shapes), ATTENTIONS.get(family, LAYERS))
+    if rotary23:
+        feed, = feeds(model, family, [(2, 8)])
+        with torch.no_grad():
+            want = build(family)(*(torch.from_numpy(a) for a in feed.values())).numpy()
+        got = imported.run(feed)[0]
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    assert kernels_used(imported) == ATTENTIONS.get(family, LAYERS)
+
+
+@pytest.mark.parametrize("family, exporter", [("gpt2", "dynamo"), ("llama", "dynamo23"), ("bert", "ort")])
+def test_model_as_exported(family, exporter):
+    check(family, exporter)
+
+
+MATRIX = [(f, e) for f in ("gpt2", "bert", "llama", "qwen2", "t5", "vit")
+          for e in ("torchscript", "dynamo", "dynamo23", "ort")]
+
+
+# T5 from the TorchScript exporter imports with its 6 attentions matched, but the replaced graph differs
+# from ONNX Runtime by ~0.7 (the same graph without the pattern rewrite matches at 1e-6, and so does the
+# same export after ORT's optimizer). There P·V (BHSD) has a second consumer, Shape → Gather for the
+# head merge's sizes; exposing P·V as a graph output returns the kernel's BSHD tensor in its place, so
+# that consumer likely reads the kernel's layout: patterns.py's replacement, to be fixed there
+_KNOWN = {("t5", "torchscript"): pytest.mark.xfail(strict=True, reason="patterns.py replaces T5-TorchScript's "
+                                                                      "attention with a kernel that differs")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, exporter", [pytest.param(*c, marks=_KNOWN.get(c, ())) for c in MATRIX if c not in
+                                              {("gpt2", "dynamo"), ("llama", "dynamo23"), ("bert", "ort")}])
+def test_model_matrix(family, exporter):
+    check(family, exporter)
+
+
+def test_ort_optimized_bert_has_the_contrib_ops():
+    """The optimizer output the default test imports is the one the issue reported failing."""
+    ops = {n.op_type for n in export("bert", "ort").graph.node if n.domain == "com.microsoft"}
+    assert {"EmbedLayerNormalization", "SkipLayerNormalization", "Attention"} <= ops

@@ -1,0 +1,201 @@
+"""The operators real exports contain that TVM's importer lacks (compiler/onnx/ops.py), one graph per op
+and attribute case, against ONNX Runtime at two shapes with symbolic batch and sequence; binding input
+shapes (``shapes=``, ``--shape``); models saved with external data.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import pytest
+from onnx import TensorProto as TP
+from onnx_testing import assert_matches_ort, ort_run, randn
+
+import tvmattn
+from tvmattn.compiler.cli import main
+
+H, HEADS, D = 16, 2, 8  # hidden size, heads, head size
+MS = (("", 17), ("com.microsoft", 1))
+SHAPES = [(1, 3), (2, 5)]  # (batch, seq) at which each model runs
+
+
+def _model(node: onnx.NodeProto, inputs, outputs, initializers=(), opsets=MS) -> onnx.ModelProto:
+    """One node's model; ``outputs`` are (name, dtype, rank): shape inference sizes them."""
+    graph = oh.make_graph([node], "g", [oh.make_tensor_value_info(*i) for i in inputs],
+                          [oh.make_tensor_value_info(name, dtype, [None] * rank) for name, dtype, rank in outputs],
+                          [onnx.numpy_helper.from_array(a, n) for n, a in initializers])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid(d, v) for d, v in opsets])
+    model.ir_version = 10
+    return model
+
+
+def _feeds(model: onnx.ModelProto, make) -> list[dict[str, np.ndarray]]:
+    return [make(np.random.default_rng(b * 10 + n), b, n) for b, n in SHAPES]
+
+
+def _hidden(rng, b, n, *names):
+    return {name: randn(rng, b, n, H) for name in names}
+
+
+GAMMA, BETA, BIAS = (np.random.default_rng(i).standard_normal(H).astype(np.float32) for i in range(3))
+X3 = ("x", TP.FLOAT, ["b", "n", H])
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("simplified", [False, True])
+def test_skip_layer_normalization(simplified, with_bias):
+    """Output 0 and the residual sum (output 3, which the next SkipLayerNormalization reads)."""
+    op = "SkipSimplifiedLayerNormalization" if simplified else "SkipLayerNormalization"
+    weights = [("gamma", GAMMA)] + ([] if simplified else [("beta", BETA)])
+    ins = ["x", "skip"] + [n for n, _ in weights] + (["bias"] if with_bias else [])
+    node = oh.make_node(op, ins, ["y", "", "", "sum"], domain="com.microsoft", epsilon=1e-5)
+    model = _model(node, [X3, ("skip", TP.FLOAT, ["b", "n", H])], [("y", TP.FLOAT, 3), ("sum", TP.FLOAT, 3)],
+                   weights + ([("bias", BIAS)] if with_bias else []))
+    assert_matches_ort(model, _feeds(model, lambda r, b, n: _hidden(r, b, n, "x", "skip")), attentions=0)
+
+
+@pytest.mark.parametrize("op, opset", [("SimplifiedLayerNormalization", 17), ("RMSNormalization", 23)])
+def test_rms_normalization(op, opset):
+    """Both in the ONNX domain: ONNX Runtime registers its SimplifiedLayerNormalization there."""
+    node = oh.make_node(op, ["x", "gamma"], ["y"], epsilon=1e-6)
+    model = _model(node, [X3], [("y", TP.FLOAT, 3)], [("gamma", GAMMA)], (("", opset),))
+    assert_matches_ort(model, _feeds(model, lambda r, b, n: _hidden(r, b, n, "x")), attentions=0)
+
+
+@pytest.mark.parametrize("segments", [False, True])
+def test_embed_layer_normalization(segments):
+    """BERT's embeddings with a padding mask: the output, mask_index (valid keys per sequence) and the sum."""
+    rng = np.random.default_rng(7)
+    tables = [("word", randn(rng, 30, H)), ("position", randn(rng, 16, H))] + \
+        ([("segment", randn(rng, 2, H))] if segments else [])
+    ins = ["ids", "segment_ids" if segments else "", "word", "position", "segment" if segments else "",
+           "gamma", "beta", "mask"]
+    node = oh.make_node("EmbedLayerNormalization", ins, ["y", "mask_index", "sum"], domain="com.microsoft",
+                        epsilon=1e-12)
+    ids = [("ids", TP.INT32, ["b", "n"]), ("mask", TP.INT32, ["b", "n"])] + \
+        ([("segment_ids", TP.INT32, ["b", "n"])] if segments else [])
+    model = _model(node, ids, [("y", TP.FLOAT, 3), ("mask_index", TP.INT32, 1), ("sum", TP.FLOAT, 3)],
+                   tables + [("gamma", GAMMA), ("beta", BETA)])
+
+    def feed(r, b, n):
+        mask = np.ones((b, n), np.int32)
+        mask[0, n - 1:] = 0
+        out = {"ids": r.integers(0, 30, (b, n)).astype(np.int32), "mask": mask}
+        return out | ({"segment_ids": r.integers(0, 2, (b, n)).astype(np.int32)} if segments else {})
+
+    assert_matches_ort(model, _feeds(model, feed), attentions=0)
+
+
+@pytest.mark.parametrize("op, bias, attrs", [("Gelu", False, {}), ("BiasGelu", True, {}), ("FastGelu", True, {}),
+                                             ("QuickGelu", False, {"alpha": 1.5})])
+def test_gelus(op, bias, attrs):
+    node = oh.make_node(op, ["x"] + (["bias"] if bias else []), ["y"], domain="com.microsoft", **attrs)
+    model = _model(node, [X3], [("y", TP.FLOAT, 3)], [("bias", BIAS)] if bias else [])
+    assert_matches_ort(model, _feeds(model, lambda r, b, n: {"x": 3 * randn(r, b, n, H)}), attentions=0)
+
+
+def _caches(positions: int, rotary: int) -> tuple[np.ndarray, np.ndarray]:
+    angles = np.arange(positions)[:, None] / 10000 ** (np.arange(rotary // 2)[None, :] * 2 / rotary)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+# rotary_embedding_dim 0: the whole head; 4 of 8: the rest passes through
+@pytest.mark.parametrize("rank, rotary_dim, interleaved", [(4, 0, 0), (4, 4, 1), (3, 0, 1), (3, 4, 0)])
+def test_onnx_rotary_embedding(rank, rotary_dim, interleaved):
+    """Opset 23, caches indexed by position_ids (as the dynamo exporter writes it with position ids)."""
+    cos, sin = _caches(16, rotary_dim or D)
+    x = ("x", TP.FLOAT, ["b", HEADS, "n", D] if rank == 4 else ["b", "n", HEADS * D])
+    node = oh.make_node("RotaryEmbedding", ["x", "cos", "sin", "pos"], ["y"], interleaved=interleaved,
+                        rotary_embedding_dim=rotary_dim, **({"num_heads": HEADS} if rank == 3 else {}))
+    model = _model(node, [x, ("pos", TP.INT64, ["b", "n"])], [("y", TP.FLOAT, rank)], [("cos", cos), ("sin", sin)],
+                   (("", 23),))
+
+    def feed(r, b, n):
+        shape = (b, HEADS, n, D) if rank == 4 else (b, n, HEADS * D)
+        return {"x": randn(r, *shape), "pos": r.integers(0, 16, (b, n))}
+
+    assert_matches_ort(model, _feeds(model, feed), attentions=0)
+
+
+@pytest.mark.parametrize("offset", [False, True])  # position_ids (B, S), or (1,): the first position
+@pytest.mark.parametrize("interleaved", [0, 1])
+def test_ms_rotary_embedding(interleaved, offset):
+    cos, sin = _caches(16, D)
+    node = oh.make_node("RotaryEmbedding", ["x", "pos", "cos", "sin"], ["y"], domain="com.microsoft",
+                        interleaved=interleaved, num_heads=HEADS)
+    pos = ("pos", TP.INT64, [1] if offset else ["b", "n"])
+    model = _model(node, [("x", TP.FLOAT, ["b", "n", HEADS * D]), pos], [("y", TP.FLOAT, 3)],
+                   [("cos", cos), ("sin", sin)])
+
+    def feed(r, b, n):
+        return {"x": randn(r, b, n, HEADS * D),
+                "pos": np.array([3]) if offset else r.integers(0, 16, (b, n))}
+
+    assert_matches_ort(model, _feeds(model, feed), attentions=0)
+
+
+def test_unsupported_norm_output_is_one_error():
+    node = oh.make_node("SkipLayerNormalization", ["x", "x", "gamma"], ["y", "mean"], domain="com.microsoft",
+                        name="sln")
+    model = _model(node, [X3], [("y", TP.FLOAT, 3), ("mean", TP.FLOAT, 3)], [("gamma", GAMMA)])
+    with pytest.raises(tvmattn.TvmAttnError, match="'sln'.*output 'mean'.*not supported"):
+        tvmattn.import_onnx(model)
+
+
+# ---- binding shapes ------------------------------------------------------------------------------------
+def _gelu_model(dims) -> onnx.ModelProto:
+    node = oh.make_node("Gelu", ["x"], ["y"], domain="com.microsoft")
+    return _model(node, [("x", TP.FLOAT, dims)], [("y", TP.FLOAT, 3)])
+
+
+def test_shapes_bind_an_input():
+    model = _gelu_model(["b", "n", H])
+    imported = tvmattn.import_onnx(model, shapes={"x": (1, "n", H)})
+    assert imported.inputs[0].shape == (1, "n", H)
+    for n in (3, 7):
+        x = randn(np.random.default_rng(n), 1, n, H)
+        np.testing.assert_allclose(imported.run({"x": x})[0], ort_run(model, {"x": x})[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(tvmattn.TvmAttnError, match="input 'x' has shape"):
+        imported.run({"x": randn(np.random.default_rng(0), 2, 3, H)})
+
+
+def test_unnamed_dimensions_get_names_of_their_own():
+    """TVM's importer would read both unnamed sizes as one."""
+    model = _gelu_model([None, None, H])
+    imported = tvmattn.import_onnx(model)
+    x = randn(np.random.default_rng(0), 2, 5, H)
+    np.testing.assert_allclose(imported.run({"x": x})[0], ort_run(model, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shapes, match", [({"y": (1, 2)}, "'y', which is not an input"),
+                                           ({"x": (1, 2)}, "gives input 'x' 2 dimensions; it has 3"),
+                                           ({"x": (1, -3, H)}, "dimension -3")])
+def test_bad_shapes_are_one_error(shapes, match):
+    with pytest.raises(tvmattn.TvmAttnError, match=match):
+        tvmattn.import_onnx(_gelu_model(["b", "n", H]), shapes=shapes)
+
+
+def test_cli_shape_binds_inputs(tmp_path, capsys):
+    onnx.save(_gelu_model(["b", "n", H]), str(tmp_path / "m.onnx"))
+    assert main(["import", str(tmp_path / "m.onnx"), "--shape", f"x=1xnx{H}", "--check", "--at", "n=5"]) == 0
+    assert "PASS" in capsys.readouterr().out
+
+
+# ---- external data -------------------------------------------------------------------------------------
+def test_external_data_imports_from_its_path(tmp_path):
+    weights = np.random.default_rng(0).standard_normal((64, H)).astype(np.float32)  # past the threshold
+    node = oh.make_node("Gather", ["table", "ids"], ["y"])
+    model = _model(node, [("ids", TP.INT64, ["b", "n"])], [("y", TP.FLOAT, 3)], [("table", weights)])
+    onnx.save(model, str(tmp_path / "m.onnx"), save_as_external_data=True, location="m.data", size_threshold=0)
+    imported = tvmattn.import_onnx(str(tmp_path / "m.onnx"))
+    ids = np.array([[1, 63, 5]])
+    np.testing.assert_array_equal(imported.run({"ids": ids})[0], weights[ids])
+    with pytest.raises(tvmattn.TvmAttnError, match="external data.*import it from its path"):
+        tvmattn.import_onnx(onnx.load(str(tmp_path / "m.onnx"), load_external_data=False))
+    (tmp_path / "m.data").write_bytes((tmp_path / "m.data").read_bytes()[:100])
+    with pytest.raises(tvmattn.TvmAttnError, match="side file is truncated"):
+        tvmattn.import_onnx(str(tmp_path / "m.onnx"))
+    (tmp_path / "m.data").unlink()
+    with pytest.raises(tvmattn.TvmAttnError, match="external data file 'm.data', which is not in"):
+        tvmattn.import_onnx(str(tmp_path / "m.onnx"))
