@@ -179,17 +179,8 @@ MATRIX = [(f, e) for f in ("gpt2", "bert", "llama", "qwen2", "t5", "vit")
           for e in ("torchscript", "dynamo", "dynamo23", "ort")]
 
 
-# T5 from the TorchScript exporter imports with its 6 attentions matched, but the replaced graph differs
-# from ONNX Runtime by ~0.7 (the same graph without the pattern rewrite matches at 1e-6, and so does the
-# same export after ORT's optimizer). There P·V (BHSD) has a second consumer, Shape → Gather for the
-# head merge's sizes; exposing P·V as a graph output returns the kernel's BSHD tensor in its place, so
-# that consumer likely reads the kernel's layout: patterns.py's replacement, to be fixed there
-_KNOWN = {("t5", "torchscript"): pytest.mark.xfail(strict=True, reason="patterns.py replaces T5-TorchScript's "
-                                                                      "attention with a kernel that differs")}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("family, exporter", [pytest.param(*c, marks=_KNOWN.get(c, ())) for c in MATRIX if c not in
+@pytest.mark.parametrize("family, exporter", [c for c in MATRIX if c not in
                                               {("gpt2", "dynamo"), ("llama", "dynamo23"), ("bert", "ort")}])
 def test_model_matrix(family, exporter):
     check(family, exporter)

@@ -412,9 +412,11 @@ class _Match:
         if rank == 3:
             n, _, seq, width = shape_of(out, "the attention output")
             out = self.bb.emit(relax.op.reshape(out, [n, seq, width]))
-        if self.p.root is self.p.out or weights:
+        if weights:
             return out
-        axes = tuple(int(a) for a in self.m[self.p.root].attrs.axes)  # of the (B, h, n, d_v) product
+        # the permutation the replaced expression applies to the (B, h, n, d_v) product: none for P·V itself
+        axes = (tuple(int(a) for a in self.m[self.p.root].attrs.axes) if self.p.root is not self.p.out
+                else tuple(range(rank)))
         if bshd:  # the kernel wrote (B, n, h, d_v): axis a of the product is axis BSHD[a] of ``out``
             axes = tuple((0, 2, 1, 3)[a] for a in axes)
         if axes == tuple(range(len(axes))):
