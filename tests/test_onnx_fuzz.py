@@ -118,6 +118,18 @@ def _assert_refused_or_equal(model: onnx.ModelProto) -> None:
         assert np.max(np.abs(g - w)) <= 1e-4 * np.max(np.abs(w)), "a rewrite changed what the graph computes"
 
 
+def test_a_product_with_a_second_consumer_keeps_its_layout():
+    """P·V also read elsewhere (T5's TorchScript export reads its shape for the head merge): the kernel's
+    BSHD output must be permuted back where it stands in for the (B, h, n, d_v) product."""
+    model = onnx.ModelProto()
+    model.CopyFrom(BERT)
+    merge = next(n for n in model.graph.node if n.name == "Transpose_31")
+    model.graph.output.append(onnx.helper.make_tensor_value_info(merge.input[0], onnx.TensorProto.FLOAT, [1, 2, 8, 8]))
+    got, want = tvmattn.import_onnx(model).run(BERT_FEED), ort_run(model, BERT_FEED)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and np.max(np.abs(g - w)) <= 1e-4 * np.max(np.abs(w))
+
+
 # ---- each class of the issue, one line each ------------------------------------------------------
 def _attention_node(domain: str, op: str, **attrs) -> onnx.ModelProto:
     from onnx import TensorProto, helper

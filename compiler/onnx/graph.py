@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import tempfile
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -210,10 +211,22 @@ def _symbolic_inference(model: onnx.ModelProto) -> onnx.ModelProto | None:
             inference = importlib.import_module(module).SymbolicShapeInference
         except ImportError:
             continue
-        inferred = _quietly(lambda: inference.infer_shapes(model, auto_merge=True))
+        with tempfile.TemporaryDirectory() as scratch:
+            inferred = _quietly(lambda: _in(scratch, lambda: inference.infer_shapes(model, auto_merge=True)))
         if inferred is not None:
             return inferred
     return None
+
+
+def _in(folder: str, call):
+    """``call()`` with ``folder`` as the working directory: where the inference gives up it saves its
+    partial model as sym_shape_infer_temp.onnx in the working directory, which is the user's."""
+    here = os.getcwd()
+    os.chdir(folder)
+    try:
+        return call()
+    finally:
+        os.chdir(here)
 
 
 def _quietly(infer) -> onnx.ModelProto | None:
