@@ -12,7 +12,7 @@ from tvm.target import Target
 from tvmattn import schedules
 from tvmattn.compiler import passes
 from tvmattn.compiler.cuda.pipeline import compile_cuda, lower_cuda
-from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.errors import TvmAttnError, tvm_reason
 from tvmattn.compiler.flash import FlashTiles, flash_attention
 from tvmattn.compiler.kernel import CompiledAttention
 from tvmattn.compiler.layer import layer_around
@@ -96,7 +96,7 @@ def build_module(mod: tvm.IRModule, spec: AttentionSpec, target: Target) -> tvm.
         return tvm_compile(mod, target)
     except Exception as err:  # a TVM failure here is our bug, but the user gets a sentence first
         raise TvmAttnError(f"TVM could not build this kernel for {target.kind.name} "
-                           f"({spec.describe()}): {str(err).strip().splitlines()[-1]}") from err
+                           f"({spec.describe()}): {tvm_reason(err)}") from err
 
 
 def build_serial(spec: AttentionSpec, tiles: FlashTiles) -> CompiledAttention:

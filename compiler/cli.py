@@ -12,7 +12,7 @@ import time
 import warnings
 from pathlib import Path
 
-from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.errors import TvmAttnError, first_line
 from tvmattn.compiler.spec import AttentionSpec
 
 # spec flag → AttentionSpec field; `None` defaults mean "not given" so a preset's value stands.
@@ -374,8 +374,7 @@ def main(argv: list[str] | None = None) -> int:
 def _one_line(err: BaseException) -> str:
     if isinstance(err, MemoryError):
         return "out of memory: use smaller inputs, or free memory on this machine"
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+    return first_line(err)
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:

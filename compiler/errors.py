@@ -19,6 +19,12 @@ _REPR = re.compile(r"\b(?:ir|relax|tirx|s_tir)\.\w+\(span=.*")
 _NOISE = ("#", "File ", "Traceback", "Stack trace", "During handling", "The above exception", "^")
 
 
+def first_line(err: BaseException) -> str:
+    """An exception's first line (a checker's or parser's own sentence), or its type's name."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 # Internal messages whose meaning for the model is known.
 _MEANINGS = (("object has no attribute 'value'", "a size it needs as a number is symbolic in the model: give the "
               "model's inputs static shapes"),

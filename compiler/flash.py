@@ -68,7 +68,7 @@ from tvm.script import tirx as T
 
 from tvmattn.compiler import variant
 from tvmattn.compiler.spec import AttentionSpec
-from tvmattn.compiler.variant import ACC, Operand
+from tvmattn.compiler.variant import ACC, Operand, size_expr
 
 LOG2E = math.log2(math.e)
 NEG_INF = -tirx.infinity(ACC)
@@ -129,7 +129,7 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
         variant, past the keys or past this instance's last tile): as the TE's logits, in base 2."""
         mask_value = tirx.BufferLoad(attn_mask, variant.mask_index(spec, b, head(kvh, row), row // g, t)) \
             if spec.attn_mask else None
-        seen = variant.sees(spec, row // g, t, kv_len, _expr(n), mask_value, tirx.Not(past_last_tile), t < n_kv)
+        seen = variant.sees(spec, row // g, t, kv_len, size_expr(n), mask_value, tirx.Not(past_last_tile), t < n_kv)
         return tirx.Select(seen, variant.logit(spec, score, mask_value, factor=LOG2E), NEG_INF)
 
     def tile_gemm_macro():
@@ -326,8 +326,8 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                 P = T.sblock_alloc_buffer((R, Tk), dt, scope=at("P"))  # not with S: TVM's cache_read of a
                 # buffer allocated in the block that is its scope loses the buffer
                 row0 = T.meta_var(vtile * R)
-                kv_len = T.meta_var(kv_lens[vb] if padded else _expr(n_kv))
-                j_lo, j_hi = T.meta_var(_key_tiles(spec, tiles, row0, vsplit, kv_len, _expr(n), _expr(n_kv)))
+                kv_len = T.meta_var(kv_lens[vb] if padded else size_expr(n_kv))
+                j_lo, j_hi = T.meta_var(_key_tiles(spec, tiles, row0, vsplit, kv_len, size_expr(n), size_expr(n_kv)))
                 for r, e in T.grid(R, d_k):
                     with T.sblock("q_load"):
                         vr, ve = T.axis.remap("SS", [r, e])
@@ -374,6 +374,3 @@ def _key_tiles(spec: AttentionSpec, tiles: FlashTiles, row0, split, kv_len, n, n
         hi = tirx.min(hi, tirx.floordiv(t_hi + Tk - 1, Tk))
     return lo, hi
 
-
-def _expr(x) -> PrimExpr:
-    return tirx.const(x, "int32") if isinstance(x, int) else x

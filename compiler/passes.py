@@ -76,20 +76,13 @@ class _KeyLoopRanges:
 
     def visit(self, stmt) -> bool:
         """Collect the new loop ranges; False if some key stage could not be analysed."""
-        loops: list[For] = []
         ok = [True]
 
-        def on_for(node, visitor):
-            loops.append(node)
-            visitor.default_visit(node)
-            loops.pop()
-
-        def on_realize(node, visitor):
+        def on_block(node: SBlockRealize, loops: list[For]) -> None:
             if KEY_STAGE in node.block.annotations:
                 ok[0] &= self._analyse(node, loops)
-            visitor.default_visit(node)
 
-        tvm_ffi.structural_visit(stmt, [(For, on_for), (SBlockRealize, on_realize)])
+        _visit_blocks(stmt, on_block)
         return ok[0]
 
     def _analyse(self, realize: SBlockRealize, loops: list[For]) -> bool:
@@ -125,6 +118,22 @@ class _KeyLoopRanges:
             hi = tirx.min(hi, tirx.floordiv(t_hi - r_set.min_value + (c - 1), c))
         self.bounds.add(key_loop.loop_var, self.analyzer.simplify(lo), self.analyzer.simplify(hi))
         return True
+
+
+def _visit_blocks(stmt, on_block) -> None:
+    """Call ``on_block(realize, loops)`` for every block of ``stmt``, with the loops around it, outermost first."""
+    loops: list[For] = []
+
+    def on_for(node, visitor):
+        loops.append(node)
+        visitor.default_visit(node)
+        loops.pop()
+
+    def on_realize(node, visitor):
+        on_block(node, loops)
+        visitor.default_visit(node)
+
+    tvm_ffi.structural_visit(stmt, [(For, on_for), (SBlockRealize, on_realize)])
 
 
 class _LoopBounds:
@@ -255,20 +264,13 @@ def pad_query_tiles() -> tvm.transform.Pass:
         params = list(func.params)
         users: list = []  # (buffer, outermost loop of a block reading or writing it)
         tops: dict = {}  # block -> its outermost loop
-        loops: list[For] = []
 
-        def on_for(node, visitor):
-            loops.append(node)
-            visitor.default_visit(node)
-            loops.pop()
-
-        def on_realize(node, visitor):
+        def on_block(node: SBlockRealize, loops: list[For]) -> None:
             top = loops[0].loop_var if loops else None
             tops[node.block] = top
             users.extend((region.source, top) for region in list(node.block.reads) + list(node.block.writes))
-            visitor.default_visit(node)
 
-        tvm_ffi.structural_visit(func.body, [(For, on_for), (SBlockRealize, on_realize)])
+        _visit_blocks(func.body, on_block)
         analyzer = Analyzer()
 
         def local(buffer, top) -> bool:

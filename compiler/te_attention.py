@@ -32,7 +32,7 @@ from tvm.ir.expr import Expr as PrimExpr
 
 from tvmattn.compiler import variant
 from tvmattn.compiler.spec import AttentionSpec, Dim
-from tvmattn.compiler.variant import ACC, Operand
+from tvmattn.compiler.variant import ACC, Operand, size_expr
 
 KEY_STAGE = "tvmattn.key_stage"
 
@@ -105,11 +105,11 @@ def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: d
         inputs.append(kv_lens)
         kv_len = lambda b: kv_lens[b]  # noqa: E731
     else:
-        kv_len = lambda b: _as_expr(n_kv)  # noqa: E731
+        kv_len = lambda b: size_expr(n_kv)  # noqa: E731
     mask_at = _attn_mask(spec, dim, inputs)
 
     def visible(b, i, s, t):
-        return variant.sees(spec, s, t, kv_len(b), _as_expr(n), mask_at(b, i, s, t))
+        return variant.sees(spec, s, t, kv_len(b), size_expr(n), mask_at(b, i, s, t))
 
     e = te.reduce_axis((0, spec.d_k), "e")
     scores = te.compute(  # (B, h, n, n_kv)
@@ -181,9 +181,6 @@ def _attn_mask(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor]) -> R
     inputs.append(m)
     return lambda b, i, s, t: m[tuple(variant.mask_index(spec, b, i, s, t))]
 
-
-def _as_expr(x) -> PrimExpr:
-    return tirx.const(x, "int32") if isinstance(x, int) else x
 
 
 def linear(x: te.Tensor, w: te.Tensor, name: str) -> te.Tensor:

@@ -36,6 +36,11 @@ ACC = "float32"  # accumulation dtype of every formulation, whatever the input d
 MASK_AXES = "bhst"  # batch, head, query, key: the axes of the scores an attn_mask may vary along
 
 
+def size_expr(x: int | PrimExpr) -> PrimExpr:
+    """A size as the rules read it: a static int as an int32 constant, a symbolic one as it is."""
+    return tirx.const(x, "int32") if isinstance(x, int) else x
+
+
 # ---- position rules ------------------------------------------------------------------------------
 def has_position_rules(spec: AttentionSpec) -> bool:
     """Whether the spec hides keys by position (causal, window, padding)."""

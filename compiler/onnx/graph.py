@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 from onnx import numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.errors import TvmAttnError, first_line
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
 # Ops whose value is not a function of their inputs, or which hold subgraphs: never folded.
@@ -56,7 +56,7 @@ def load(model: Any) -> onnx.ModelProto:
         big = isinstance(model, (str, os.PathLike)) and proto.ByteSize() >= _PROTOBUF_LIMIT
         onnx.checker.check_model(os.fspath(model) if big and checked is proto else checked)
     except (onnx.checker.ValidationError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         raise TvmAttnError(f"not a valid ONNX model ({first}): re-export it, or check it with "
                            f"onnx.checker.check_model") from None
     if not proto.graph.node:
@@ -64,7 +64,7 @@ def load(model: Any) -> onnx.ModelProto:
     try:  # ONNX Runtime rejects a graph whose shapes or types contradict each other; so do we, by name
         onnx.shape_inference.infer_shapes(checked, check_type=True, strict_mode=True, data_prop=True)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, ValueError, RuntimeError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         raise TvmAttnError(f"the model's shapes or types are inconsistent ({first}): re-export it, or check "
                            f"it with onnx.shape_inference.infer_shapes(model, strict_mode=True)") from None
     return proto
@@ -105,7 +105,7 @@ def _load_external_data(model: onnx.ModelProto, folder: str) -> None:
     try:
         onnx.external_data_helper.load_external_data_for_model(model, folder)
     except (OSError, ValueError, onnx.checker.ValidationError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         raise TvmAttnError(f"cannot read the model's external data in {folder!r} ({first}): the side file is "
                            f"truncated or does not belong to this model") from None
 

@@ -25,7 +25,7 @@ from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.target import Target
 
 from tvmattn.compiler.build import tvm_compile
-from tvmattn.compiler.errors import TvmAttnError, tvm_reason
+from tvmattn.compiler.errors import TvmAttnError, first_line, tvm_reason
 from tvmattn.compiler.kernel import numpy_dtype
 from tvmattn.compiler.onnx import checks, graph, ops, patterns  # noqa: F401 (ops fills the converters' table)
 from tvmattn.compiler.onnx.converters import Node, find
@@ -192,7 +192,7 @@ def _import(model: Any, target: Any, arch: str | None, shapes: Mapping[str, Sequ
         try:  # the bound sizes must fit the graph, as ONNX Runtime would find when it runs
             onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
         except Exception as err:  # onnx raises several error types
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            first = first_line(err)
             raise TvmAttnError(f"the shapes given do not fit the model ({first})") from None
     proto = graph.name_nodes(graph.name_dims(proto))
     softmax_nodes = [n.name for n in proto.graph.node if n.op_type == "Softmax" and n.domain in graph.DEFAULT_DOMAINS]
@@ -336,8 +336,4 @@ def _run_failure(err: Exception, args: list[np.ndarray]) -> str:
     if "bad_alloc" in text or isinstance(err, MemoryError):
         return (f"the model ran out of memory (its inputs alone hold {_gib(sum(a.nbytes for a in args))}): "
                 f"use smaller inputs or a machine with more memory")
-    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith(("File ", "  "))]
-    detail = lines[-1] if lines else type(err).__name__
-    for prefix in ("TVMError: ", "ValueError: ", "RuntimeError: ", "AssertionError: "):
-        detail = detail.removeprefix(prefix)
-    return f"the model rejected its inputs: {detail}"
+    return f"the model rejected its inputs: {tvm_reason(err)}"
