@@ -10,6 +10,7 @@ import tvm
 from tvm.target import Target
 
 from tvmattn import schedules
+from tvmattn.schedules.ops import ScheduleFunctions
 from tvmattn.compiler import passes
 from tvmattn.compiler.cuda.pipeline import compile_cuda, lower_cuda
 from tvmattn.compiler.errors import TvmAttnError, tvm_reason
@@ -59,7 +60,7 @@ def lowering_passes(spec: AttentionSpec, target: Target) -> tvm.transform.Pass:
     """tvmattn's own passes, run on the scheduled module before TVM's pipeline."""
     seq = [passes.skip_masked_key_tiles(spec)]
     if is_cpu(target):
-        seq += [passes.pad_query_tiles(), passes.peel_key_tails(), passes.polynomial_exp()]
+        seq += [passes.pad_query_tiles(), passes.peel_key_tails(), passes.polynomial_math()]
     return tvm.transform.Sequential(seq)
 
 
@@ -88,6 +89,26 @@ def tvm_compile(mod: tvm.IRModule, target: Target) -> tvm.runtime.Executable:
     if target.kind.name == "cuda":
         return compile_cuda(mod, target)
     return tvm.compile(mod, target, tir_pipeline=CPU_PIPELINE if is_cpu(target) else "default")
+
+
+def compile_model(mod: tvm.IRModule, target: Target) -> tuple[tvm.runtime.Executable, dict[str, str]]:
+    """A Relax module (an imported model) compiled for ``target``, and the schedule rule that took each
+    of its PrimFuncs (function name → rule). CPU: Relax's CPU pipeline with `schedules.ops` after operator fusion (TVM's
+    schedules none); CUDA: Relax's, which applies dlight's GPU rules."""
+    if not is_cpu(target):
+        return tvm_compile(mod, target), {}
+    from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
+
+    scheduler = ScheduleFunctions(target)
+
+    @tvm.transform.module_pass(opt_level=0, name="tvmattn.RelaxCpuPipeline")
+    def pipeline(m: tvm.IRModule, _ctx) -> tvm.IRModule:
+        with target:
+            return tvm.transform.Sequential(
+                cpu_generic.library_dispatch_passes(target) + cpu_generic.legalize_passes(target) + [scheduler]
+                + cpu_generic.dataflow_lower_passes(target) + cpu_generic.finalize_passes(target))(m)
+
+    return tvm.compile(mod, target, relax_pipeline=pipeline, tir_pipeline=CPU_PIPELINE), scheduler.rule_of
 
 
 def build_module(mod: tvm.IRModule, spec: AttentionSpec, target: Target) -> tvm.runtime.Executable:

@@ -264,6 +264,8 @@ class _Parser(argparse.ArgumentParser):
 def cmd_bench(args: argparse.Namespace) -> int:
     from tvmattn.compiler import bench
 
+    if args.model:
+        return _bench_model(args)
     specs = bench.suite(args.suite) if args.suite else [spec_from_args(args)]
     peers = tuple(p for p in args.peers.split(",") if p) if args.peers is not None else tuple(bench.PEERS)
     unknown = set(peers) - set(bench.PEERS)
@@ -281,6 +283,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bench.write_json(results, peak, args.json)
     if args.plot:
         bench.plot(results, args.plot)
+    return 0
+
+
+def _bench_model(args: argparse.Namespace) -> int:
+    from tvmattn.compiler.onnx.bench import bench_model
+    from tvmattn.compiler.onnx.check import random_feed
+    from tvmattn.compiler.onnx.graph import load
+    from tvmattn.compiler.onnx.importer import import_onnx
+
+    model = load(args.model)
+    imported = import_onnx(model, args.target, arch=args.arch, shapes=parse_shapes(args.shape))
+    print(imported.report, flush=True)
+    feed = random_feed(imported.inputs, parse_sizes(args.at), args.seed)
+    print(bench_model(model, imported, feed, args.budget, Path(args.model).name).table())
     return 0
 
 
@@ -303,7 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--at", action="append", help="values of symbolic sizes, e.g. --at n=100 (default 1, 37, 128)")
     p.set_defaults(run=cmd_verify)
 
-    p = sub.add_parser("bench", help="time tvmattn against PyTorch, ONNX Runtime and NumPy in one process")
+    p = sub.add_parser("bench", help="time tvmattn against PyTorch, ONNX Runtime and NumPy in one process; "
+                       "with a model.onnx: the imported model against ONNX Runtime")
+    p.add_argument("model", nargs="?", help="an .onnx file: bench the whole model instead of one attention")
+    p.add_argument("--shape", action="append", help="(model) bind an input's dimensions, e.g. --shape input_ids=1x128")
+    p.add_argument("--at", action="append", help="(model) sizes of named dimensions, e.g. --at seq=128 (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="(model) seed of the random inputs")
     add_spec_flags(p)
     add_target_flags(p)
     add_log_flags(p)

@@ -1,4 +1,4 @@
-"""TIR passes tvmattn runs on a scheduled attention PrimFunc before TVM lowers it.
+"""TIR passes tvmattn runs on scheduled PrimFuncs (attention kernels, model functions) before TVM lowers them.
 
 skip_masked_key_tiles  Tighten every key loop to the keys its queries can see (causal, window,
                        padding), so fully masked key tiles are never computed. TE reductions have fixed
@@ -7,10 +7,13 @@ skip_masked_key_tiles  Tighten every key loop to the keys its queries can see (c
 pad_query_tiles        Drop the query-tail predicates (``s < n``) of the stages computed inside a query
                        tile: the tail tile computes all its rows (the padding rows are never stored), so
                        the register tiles and per-row loops vectorise also when n is symbolic.
+clamp_row_tails        For a register tile of a GEMM with a row tail (``row < M``, M symbolic): the tile's
+                       compute drops the test and reads row min(row, M - 1) of its inputs; only the store
+                       of the tile keeps the test.
 peel_key_tails         In a loop of symbolic extent whose blocks test a tail (``t < n_kv``, from a split by
                        a constant factor), run the iterations before the tail without the tests.
-polynomial_exp         Replace fp32 ``exp`` by a vectorisable polynomial (LLVM would otherwise call
-                       scalar ``expf`` per lane).
+polynomial_math        Replace fp32 ``exp``, ``sigmoid``, ``tanh``, ``erf`` and small integer powers by
+                       vectorisable polynomials (LLVM would otherwise call scalar libm per lane).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import tvm_ffi
 from tvm import tirx
 from tvm.ir.expr import Call
 from tvm.ir.expr import Expr as PrimExpr
-from tvm.s_tir import SBlockRealize
+from tvm.ir.expr import TensorLoad
+from tvm.s_tir import SBlock, SBlockRealize
 from tvm.sym import Analyzer, IntervalSet
 from tvm.sym.pattern import detect_linear_equation
 from tvm.tirx import For, ForKind, PrimFunc
@@ -31,6 +35,7 @@ from tvmattn.compiler import variant
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.te_attention import KEY_STAGE
 
+PADDED_AXES = "tvmattn.padded_axes"  # block annotation: iterators whose tail its inputs are padded for
 GUARD_NAME = "sees_keys"  # the flag `skip_masked_key_tiles` guards a key loop's body with
 
 
@@ -94,13 +99,13 @@ class _KeyLoopRanges:
         if "v_s" not in iters or (self.spec.key_padding and "v_b" not in iters):
             return False
         (s_iter, s), (t_iter, t) = iters["v_s"], iters["v_t"]
-        depends = [i for i, loop in enumerate(loops) if _uses(t, loop.loop_var)]
+        depends = [i for i, loop in enumerate(loops) if uses(t, loop.loop_var)]
         if not depends:
             return True  # a single key: nothing to skip
         key_loop, inside = loops[depends[0]], loops[depends[0]:]
         b = iters["v_b"][1] if "v_b" in iters else None
-        if (key_loop.kind != ForKind.SERIAL or _uses(s, key_loop.loop_var)
-                or (b is not None and any(_uses(b, lp.loop_var) for lp in inside))):
+        if (key_loop.kind != ForKind.SERIAL or uses(s, key_loop.loop_var)
+                or (b is not None and any(uses(b, lp.loop_var) for lp in inside))):
             return False  # queries (or the batch) would move while the key loop runs
         coeffs = detect_linear_equation(t, [key_loop.loop_var])
         if len(coeffs) != 2 or not isinstance(coeffs[0], tirx.IntImm) or coeffs[0].value <= 0:
@@ -156,7 +161,8 @@ class _LoopBounds:
         return bool(self.items)
 
 
-def _uses(expr, var: tirx.Var) -> bool:
+def uses(expr, var: tirx.Var) -> bool:
+    """Whether ``expr`` (any IR node) refers to ``var``."""
     found = []
     tvm_ffi.structural_walk(expr, [(tirx.Var, lambda v: found.append(True) if v.same_as(var) else None)])
     return bool(found)
@@ -209,7 +215,7 @@ def tighten_guarded_loops() -> tvm.transform.Pass:
             lo, hi = node.min, node.min + node.extent
             for cond in _conjuncts(_substitute(stmts[at].value, defined)):
                 bound = _range_bound(cond, node.loop_var)
-                if bound is None or any(_uses(bound[1], v) for v in list(defined) + [node.loop_var]):
+                if bound is None or any(uses(bound[1], v) for v in list(defined) + [node.loop_var]):
                     return node
                 lo, hi = (tirx.max(lo, bound[1]), hi) if bound[0] == "lo" else (lo, tirx.min(hi, bound[1]))
             body = tirx.SeqStmt(stmts[:at] + [stmts[-1].then_case]) if at else stmts[-1].then_case
@@ -286,7 +292,7 @@ def pad_query_tiles() -> tvm.transform.Pass:
             s_var, s_value = block.iter_vars[s_iter].var, node.iter_values[s_iter]
             top = next((t for b, t in tops.items() if b.same_as(block) or b.name_hint == block.name_hint), None)
             for region in list(block.reads) + list(block.writes):
-                by_query = any(_uses(r.min, s_var) or _uses(r.extent, s_var) for r in region.region)
+                by_query = any(uses(r.min, s_var) or uses(r.extent, s_var) for r in region.region)
                 if by_query and not local(region.source, top):
                     return node
             kept = [c for c in _conjuncts(node.predicate) if not _bounds(analyzer, c, s_value)]
@@ -294,6 +300,70 @@ def pad_query_tiles() -> tvm.transform.Pass:
             return SBlockRealize(node.iter_values, predicate, block, node.span)
 
         return func.with_body(tvm_ffi.structural_map(func.body, [(SBlockRealize, on_realize_map)]))
+
+    return transform
+
+
+def clamp_row_tails() -> tvm.transform.Pass:
+    """A PrimFunc pass for row tails in blocks that only write local (register) buffers.
+
+    Splitting rows by a register tile leaves ``row < M`` on every block of the tile; inside the
+    unrolled, vectorised micro-kernel that is a branch per FMA. A block writing only local buffers may
+    compute the tail's missing rows (nothing outside the tile sees them), so its test becomes one on
+    the tile's first row (the unrolled and vector loops at 0) and its reads of other buffers take row
+    min(row, M - 1): in bounds, and never stored. The store of the tile keeps the test. An iterator
+    the block's ``PADDED_AXES`` annotation names (columns of a weight packed with zero padding) loses
+    its test outright.
+    """
+
+    @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.ClampRowTails")
+    def transform(func: PrimFunc, _mod, _ctx) -> PrimFunc:
+        analyzer = Analyzer()
+        in_tile: dict[str, dict] = {}  # block name -> the loop variables of its register tile, at 0
+
+        def on_block(node: SBlockRealize, loops: list[For]) -> None:
+            in_tile[node.block.name_hint] = {lp.loop_var: tirx.const(0, lp.loop_var.ty.dtype) for lp in loops
+                                             if lp.kind in (ForKind.UNROLLED, ForKind.VECTORIZED)}
+
+        _visit_blocks(func.body, on_block)
+
+        def on_realize(node: SBlockRealize):
+            block = node.block
+            if isinstance(node.predicate, tirx.IntImm) or not block.writes or \
+                    any(w.source.scope() != "local" for w in block.writes):
+                return node
+            conjuncts = _conjuncts(node.predicate)
+            kept, clamp = [], {}
+            padded = [int(i) for i in block.annotations.get(PADDED_AXES, [])]
+            for cond in conjuncts:
+                at = next((i for i, v in enumerate(node.iter_values) if isinstance(cond, tirx.LT)
+                           and block.iter_vars[i].iter_type == tirx.IterVar.DataPar
+                           and analyzer.can_prove_equal(cond.a, v)), None)
+                if at is None:
+                    kept.append(cond)
+                elif at not in padded:
+                    var = block.iter_vars[at].var
+                    clamp[var] = tirx.min(var, cond.b - 1)
+                    kept.append(analyzer.simplify(_substitute(cond, in_tile.get(block.name_hint, {}))))
+
+            if len(kept) == len(conjuncts) and not clamp:
+                return node
+
+            def on_load(load):
+                if load.source.scope() == "local":
+                    return load
+                return tirx.BufferLoad(load.source, [_substitute(i, clamp) for i in load.indices])
+
+            body = tvm_ffi.structural_map(block.body, [(TensorLoad, on_load)])
+            reads = [r if r.source.scope() == "local" else tirx.BufferRegion(
+                r.source, [tvm.ir.Range.from_min_extent(_substitute(x.min, clamp), x.extent) for x in r.region])
+                for r in block.reads]
+            new = SBlock(block.iter_vars, reads, block.writes, block.name_hint, body, block.init,
+                         block.alloc_buffers, block.match_buffers, block.annotations)
+            predicate = tirx.all(*kept) if kept else tirx.const(True, "bool")
+            return SBlockRealize(node.iter_values, predicate, new, node.span)
+
+        return func.with_body(tvm_ffi.structural_map(func.body, [(SBlockRealize, on_realize)]))
 
     return transform
 
@@ -370,7 +440,7 @@ def _holds_below(analyzer: Analyzer, cond, var: tirx.Var, inner: list[For], rela
     if not isinstance(cond, (tirx.LT, tirx.LE)):
         return None
     bound = cond.b
-    if _uses(bound, var) or any(_uses(bound, lp.loop_var) for lp in inner):
+    if uses(bound, var) or any(uses(bound, lp.loop_var) for lp in inner):
         return None
     coeffs = detect_linear_equation(cond.a, [var])
     if len(coeffs) != 2 or not isinstance(coeffs[0], tirx.IntImm) or coeffs[0].value <= 0:
@@ -404,27 +474,68 @@ def _drop_conjuncts(body, tests: list):
 
 
 # ---- polynomial exp --------------------------------------------------------------------------------
-_EXP = tvm.ir.Op.get("tirx.exp")
+_EXP, _SIGMOID, _TANH, _ERF, _POW = (tvm.ir.Op.get(f"tirx.{name}") for name in ("exp", "sigmoid", "tanh", "erf", "pow"))
+SMALL_POWER = 4  # x**k by multiplication up to this k (GPT-2's GELU cubes its input)
 
 
-def polynomial_exp() -> tvm.transform.Pass:
-    """fp32 exp(x) = 2^n · p(r), n = round(x·log2 e), r = x - n·ln 2 (Cody–Waite), p of degree 6.
+def polynomial_math() -> tvm.transform.Pass:
+    """fp32 exp, sigmoid, tanh and erf as vectorisable polynomials, and x**k for a small integer k as
+    products: LLVM would otherwise call scalar libm (``expf``, ``tanhf``, ``erff``, ``powf``) per lane.
 
-    Relative error about 2e-7 on [-87, 88]; larger inputs are clamped to 88, smaller ones give 0 (a
-    logit of -inf has weight 0, not exp(-87) ≈ 1.6e-38), and NaN stays NaN (the clamp's min/max would
-    turn it into a number: a NaN input must show in the output).
+    exp(x) = 2^n · p(r), n = round(x·log2 e), r = x - n·ln 2 (Cody–Waite), p of degree 6: relative
+    error about 2e-7 on [-87, 88]; larger inputs are clamped to 88, smaller ones give 0 (a logit of
+    -inf has weight 0, not exp(-87) ≈ 1.6e-38), and NaN stays NaN (the clamp's min/max would turn it
+    into a number: a NaN input must show in the output). sigmoid(x) = 1 / (1 + exp(-x)). tanh and erf
+    are the odd rational approximations Eigen and TVM's ``fast_tanh``/``fast_erf`` use (a few ulp).
     """
 
-    @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.PolynomialExp")
+    @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.PolynomialMath")
     def transform(func: PrimFunc, _mod, _ctx) -> PrimFunc:
         def on_call(call):
-            if call.op.same_as(_EXP) and str(call.ty.dtype) == "float32":
+            if str(call.ty.dtype) != "float32":
+                return call
+            if call.op.same_as(_EXP):
                 return _exp_f32(call.args[0])
+            if call.op.same_as(_SIGMOID):
+                return tirx.const(1.0, "float32") / (tirx.const(1.0, "float32") + _exp_f32(-call.args[0]))
+            if call.op.same_as(_TANH):
+                return _odd_rational(call.args[0], 9.0, TANH_P, TANH_Q)
+            if call.op.same_as(_ERF):
+                return _odd_rational(call.args[0], 4.0, ERF_P, ERF_Q)
+            if call.op.same_as(_POW) and isinstance(call.args[1], tirx.FloatImm):
+                k = call.args[1].value
+                if k == int(k) and 1 <= k <= SMALL_POWER:
+                    out = call.args[0]
+                    for _ in range(int(k) - 1):
+                        out = out * call.args[0]
+                    return out
             return call
 
         return tvm_ffi.structural_map(func, [(Call, on_call)])
 
     return transform
+
+
+# tanh(x) ≈ x·P(x²)/Q(x²) on [-9, 9] (±1 to fp32 beyond); erf(x) likewise on [-4, 4]. Highest power first.
+TANH_P = (-2.76076847742355e-16, 2.00018790482477e-13, -8.60467152213735e-11, 5.12229709037114e-08,
+          1.48572235717979e-05, 6.37261928875436e-04, 4.89352455891786e-03)
+TANH_Q = (1.19825839466702e-06, 1.18534705686654e-04, 2.26843463243900e-03, 4.89352518554385e-03)
+ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+         -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)
+ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
+         -1.42647390514189e-02)
+
+
+def _odd_rational(arg: PrimExpr, limit: float, p: tuple, q: tuple) -> PrimExpr:
+    f = lambda v: tirx.const(v, "float32")  # noqa: E731
+    x = tirx.min(tirx.max(arg, f(-limit)), f(limit))
+    x2 = x * x
+    num, den = f(p[0]), f(q[0])
+    for c in p[1:]:
+        num = num * x2 + f(c)
+    for c in q[1:]:
+        den = den * x2 + f(c)
+    return tirx.Select(tirx.isnan(arg), arg, x * num / den)
 
 
 def _exp_f32(arg: PrimExpr) -> PrimExpr:

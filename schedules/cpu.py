@@ -60,17 +60,11 @@ class CpuAttention(AttentionRule):
     KNOBS = KNOBS
 
     def defaults(self, spec: AttentionSpec, target: Target) -> dict[str, int]:
-        """Projection tiles by vector width and model width: 4 rows × 4 vectors of accumulators with
-        AVX-512's 32 registers (4 × 2 with AVX2's 16), and as many column tiles per task as keep the
-        task's W panel within `PANEL_BYTES` (wide models: fewer columns, or W streams from memory)."""
+        """Projection tiles by vector width and model width (`gemm_defaults`)."""
         if not spec.projections:
             return {}
-        lanes = vector_lanes(target)
-        vecs = 4 if lanes >= 16 else 2
         d_in = max(spec.d_model, spec.h * spec.d_v)  # W_O's rows are the merged heads
-        tile_bytes = d_in * vecs * lanes * tvm.DataType(spec.dtype).bits // 8
-        cols = next((c for c in (8, 4, 2) if c * tile_bytes <= PANEL_BYTES), 1)
-        return {"gemm_vecs": vecs, "gemm_block_cols": cols}
+        return gemm_defaults(d_in, vector_lanes(target), tvm.DataType(spec.dtype).bits)
 
     def describe(self, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> str:
         """Which variant ``apply`` builds for ``spec``, with the knobs it reads."""
@@ -103,6 +97,16 @@ class CpuAttention(AttentionRule):
             if _has_block(sch, name):
                 _gemm(sch, name, lanes, knobs)
         return sch
+
+
+def gemm_defaults(d_in: int, lanes: int, bits: int) -> dict[str, int]:
+    """GEMM register tiles: 4 rows × 4 vectors of accumulators with AVX-512's 32 registers (4 × 2 with
+    AVX2's 16), and as many column tiles per task as keep the task's W panel (``d_in`` rows) within
+    `PANEL_BYTES` (wide models: fewer columns, or W streams from memory)."""
+    vecs = 4 if lanes >= 16 else 2
+    tile_bytes = d_in * vecs * lanes * bits // 8
+    cols = next((c for c in (8, 4, 2) if c * tile_bytes <= PANEL_BYTES), 1)
+    return {"gemm_vecs": vecs, "gemm_block_cols": cols}
 
 
 def _attention_core(sch: Schedule, spec: AttentionSpec, lanes: int, k: Mapping[str, KnobValue]) -> None:
@@ -284,10 +288,25 @@ def _weights_v(sch: Schedule, spec: AttentionSpec, lanes: int, rows_factor: Knob
 
 
 def _gemm(sch: Schedule, name: str, lanes: int, k: Mapping[str, KnobValue]) -> None:
-    """y[b, s, m] = Σ_c x[b, s, c]·w[c, m]: parallel over (row tile, column tile), register-tiled."""
+    """A projection of the layer: `gemm` on its block, then its cast to the storage dtype, if any."""
     acc_name = name + "_acc" if _has_block(sch, name + "_acc") else name
     blk = sch.get_sblock(acc_name)
-    b, s, m, c = sch.get_loops(blk)
+    width = int(sch.get(sch.get_loops(blk)[-2]).extent)
+    gemm(sch, blk, lanes, k)
+    if acc_name != name:  # the cast to the storage dtype, per output element
+        cast = sch.get_sblock(name)
+        loops = sch.get_loops(cast)
+        sch.parallel(sch.fuse(*loops[:2]))
+        _vectorize(sch, loops[-1], width, lanes)
+
+
+def gemm(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: tuple = (),
+         padded_columns: bool = False) -> list:
+    """y[…, s, m] = Σ_c x[…, s, c]·w[…, c, m] (loops: batch…, s, m, c): parallel over (batch, row
+    tile, column tile), register-tiled; the ``epilogue`` blocks (bias, activation, residual) are
+    computed on each register tile as it is stored; those that cannot be are returned. With
+    ``padded_columns`` (w is zero-padded to whole tiles) the column tail takes whole vectors too."""
+    *batch, s, m, c = sch.get_loops(blk)
     width = int(sch.get(m).extent)
     # Row tiles stay inside one sequence: a tile crossing a batch boundary would make the
     # accumulator's region non-rectangular, and its write-back would cover rows it never computed.
@@ -297,28 +316,34 @@ def _gemm(sch: Schedule, name: str, lanes: int, k: Mapping[str, KnobValue]) -> N
     row_tiles = None if n_rows is None else -(-n_rows // _int(sch, rows_factor))
     block_factor = _at_most(sch, k["gemm_block_rows"], row_tiles)
     r_task, r_out, r_in = sch.split(s, [None, block_factor, rows_factor])
-    lanes_m = _lanes_for(width, lanes)
-    m_task, m_out, m_mid, m_vec = sch.split(
-        m, [None, k["gemm_block_cols"], k["gemm_vecs"] if lanes_m == lanes else 1, lanes_m])
+    lanes_m = lanes if padded_columns else _lanes_for(width, lanes)
+    vecs = k["gemm_vecs"] if lanes_m == lanes else 1
+    col_tiles = -(-width // (_int(sch, vecs) * lanes_m))
+    m_task, m_out, m_mid, m_vec = sch.split(m, [None, _at_most(sch, k["gemm_block_cols"], col_tiles), vecs, lanes_m])
     # a task owns a block of rows × columns, so its panels of x and w stay in L2 across register tiles
-    sch.reorder(b, r_task, m_task, r_out, m_out, c, r_in, m_mid, m_vec)
-    sch.parallel(sch.fuse(b, r_task, m_task))
+    sch.reorder(*batch, r_task, m_task, r_out, m_out, c, r_in, m_mid, m_vec)
+    sch.parallel(sch.fuse(*batch, r_task, m_task))
     rows = _int(sch, rows_factor)
-    _register_tile(sch, blk, m_out, lambda b_, s_, m_: (b_, s_ // rows, s_ % rows, m_),
-                   (r_in, m_mid), m_vec, lanes_m, c)
-    if acc_name != name:  # the cast to the storage dtype, per output element
-        cast = sch.get_sblock(name)
-        loops = sch.get_loops(cast)
-        sch.parallel(sch.fuse(*loops[:2]))
-        _vectorize(sch, loops[-1], width, lanes)
+    return _register_tile(sch, blk, m_out, lambda *i: (*i[:-2], i[-2] // rows, i[-2] % rows, i[-1]),
+                          (r_in, m_mid), m_vec, lanes_m, c, epilogue)
 
 
-def _register_tile(sch: Schedule, block, outer, layout, unrolled: tuple, vector, lanes: int, reduction) -> None:
+def _register_tile(sch: Schedule, block, outer, layout, unrolled: tuple, vector, lanes: int, reduction,
+                   epilogue: tuple = ()) -> list:
     """The register-tile idiom: ``block`` accumulates its tile under ``outer`` in a local buffer
     (``cache_write``) that LLVM keeps in registers once its loops are unrolled and vectorised.
     ``layout`` gives that buffer a fixed size even where a tail predicate cuts the tile. The init
-    is split off last: vectorising after ``decompose_reduction`` fails."""
+    is split off last: vectorising after ``decompose_reduction`` fails. The ``epilogue`` blocks
+    (elementwise consumers of ``block``, in order) are inlined into the store of the tile, up to the
+    first that cannot be (or while the tile has other consumers): that one and the rest are returned."""
     acc = sch.cache_write(block, 0, "local")
+    left = list(epilogue)
+    while left and _only_consumer(sch, acc, left[0]):
+        try:
+            sch.reverse_compute_inline(left[0])
+        except tvm.s_tir.ScheduleError:  # e.g. a consumer reading other elements than the tile's
+            break
+        left.pop(0)
     sch.transform_layout(block, ("write", 0), layout, assume_injective_transform=True)
     sch.reverse_compute_at(acc, outer, preserve_unit_loops=True)
     for loop in unrolled:
@@ -326,6 +351,12 @@ def _register_tile(sch: Schedule, block, outer, layout, unrolled: tuple, vector,
     _vectorize(sch, vector, lanes, lanes)
     _vectorize(sch, sch.get_loops(acc)[-1], None, lanes)
     sch.decompose_reduction(block, reduction)
+    return left
+
+
+def _only_consumer(sch: Schedule, producer, block) -> bool:
+    consumers = sch.get_consumers(producer)
+    return len(consumers) == 1 and sch.get(consumers[0]).same_as(sch.get(block))
 
 
 def _vectorize(sch: Schedule, loop, extent: int | None, lanes: int) -> None:

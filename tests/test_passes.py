@@ -58,11 +58,11 @@ def test_tile_buffers_never_hold_the_score_matrix():
     assert max(sizes) < 1024 * 1024
 
 
-def test_polynomial_exp_accuracy():
+def test_polynomial_math_accuracy():
     x = tvm.te.placeholder((4096,), "float32", "x")
     y = tvm.te.compute(x.shape, lambda i: tvm.tirx.exp(x[i]), name="y")
     mod = tvm.IRModule({"main": tvm.te.create_prim_func([x, y])})
-    mod = passes.polynomial_exp()(mod)
+    mod = passes.polynomial_math()(mod)
     assert "T.exp" not in mod.script()
     f = tvm.compile(mod, CPU)
     xs = np.linspace(-87, 0, 4096).astype(np.float32)

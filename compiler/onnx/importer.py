@@ -14,6 +14,7 @@ import contextlib
 import io
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -24,7 +25,7 @@ from tvm import relax, tirx
 from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.target import Target
 
-from tvmattn.compiler.build import tvm_compile
+from tvmattn.compiler.build import compile_model
 from tvmattn.compiler.errors import TvmAttnError, first_line, tvm_reason
 from tvmattn.compiler.kernel import numpy_dtype
 from tvmattn.compiler.onnx import checks, graph, ops, patterns  # noqa: F401 (ops fills the converters' table)
@@ -63,6 +64,12 @@ class ImportReport:
     left_to_tvm: list[str] = field(default_factory=list)  # softmax nodes TVM computes as it imported them
     seconds: float = 0.0
     softmaxes: list[SoftmaxFate] = field(default_factory=list)  # every Softmax of the graph, in graph order
+    rule_of: dict[str, str] = field(default_factory=dict)  # the other functions: name → the schedule rule it took
+
+    @property
+    def scheduled(self) -> dict[str, int]:
+        """Schedule rule → how many of the model's other functions it took."""
+        return dict(Counter(self.rule_of.values()))
 
     @property
     def softmaxes_on_kernels(self) -> int:
@@ -75,6 +82,9 @@ class ImportReport:
         if self.softmaxes:
             lines.append(f"  {self.softmaxes_on_kernels} of {len(self.softmaxes)} Softmax node(s) on tvmattn kernels:")
             lines += [f"    {f.line()}" for f in self.softmaxes]
+        if self.scheduled:
+            lines.append("  the rest of the model, by schedule rule: "
+                         + ", ".join(f"{rule} {n}" for rule, n in self.scheduled.items()))
         named = {f.node for f in self.softmaxes}
         lines += [f"  left to TVM: softmax at {where}" for where in self.left_to_tvm if where not in named]
         return "\n".join(lines)
@@ -208,14 +218,14 @@ def _import(model: Any, target: Any, arch: str | None, shapes: Mapping[str, Sequ
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            executable = tvm_compile(mod, tgt)
+            executable, rule_of = compile_model(mod, tgt)
         except Exception as err:
             raise TvmAttnError(f"TVM could not compile the imported model for {tgt.kind.name}: "
                                f"{tvm_reason(err)}") from err
     remaining = patterns.remaining_softmax(mod, importer.provenance)
     report = ImportReport(proto.graph.name or "model", tgt.kind.name, list(kernels.replacements), remaining,
                           time.perf_counter() - start,
-                          _softmax_fates(softmax_nodes, kernels.replacements, remaining, reasons))
+                          _softmax_fates(softmax_nodes, kernels.replacements, remaining, reasons), rule_of)
     return ImportedModel(tgt, executable, _graph_inputs(proto), [o.name for o in proto.graph.output], report)
 
 

@@ -1,0 +1,136 @@
+"""Schedule rules for the PrimFuncs of an imported model other than the attention (TVM dlight's model:
+ordered rules, each ``apply(func, target, tunable) -> Schedule | None``, the first that applies wins;
+a rule's ``passes`` run on what it scheduled, then `passes.polynomial_math`).
+
+TVM's stock CPU pipeline leaves these functions unscheduled: single-threaded scalar loops. After
+legalisation and operator fusion (a MatMul with its bias and GELU is one function), `ScheduleFunctions`
+gives every function not scheduled yet (tvmattn's attention kernels are) the first rule that applies:
+
+    matmul      a fused GEMM / batch GEMM: the attention layer's register-tiled micro-kernel (`cpu.gemm`)
+    gemv        TVM dlight's CPU GEMV: the reduction runs along contiguous memory
+    reduction   TVM dlight's CPU reduction (LayerNorm, RMSNorm, softmax): parallel rows, vector stages
+    injective   elementwise, broadcasts, transposes, gathers, concat: inlined, parallel, vectorised
+    fallback    whatever is left: parallel over each block's outermost spatial loop
+
+CUDA models take TVM's dlight GPU rules (Relax's CUDA pipeline applies them).
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax, tirx
+from tvm.s_tir import dlight
+from tvm.target import Target
+
+from tvmattn.compiler.passes import polynomial_math
+from tvmattn.schedules.ops.fallback import Fallback
+from tvmattn.schedules.ops.injective import Injective
+from tvmattn.schedules.ops.matmul import CONSTANT_PARAMS, Matmul, pack
+
+RULES: tuple[tuple[str, dlight.ScheduleRule], ...] = (
+    ("matmul", Matmul()),
+    ("gemv", dlight.cpu.GEMV()),
+    ("reduction", dlight.cpu.Reduction()),
+    ("injective", Injective()),
+    ("fallback", Fallback()),
+)
+
+
+def is_scheduled(func: tirx.PrimFunc) -> bool:
+    return bool(func.attrs and func.attrs.get("tirx.is_scheduled", False))
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvmattn.ScheduleFunctions")
+class ScheduleFunctions:
+    """Schedule every PrimFunc not scheduled yet with the first rule of `RULES` that applies;
+    ``rule_of`` says which rule took each function (by its name in the module).
+
+    A rule may lay out a parameter that every call passes a constant (a weight) as it likes to read it
+    (`matmul.pack`): the functions see which parameters are constants (``CONSTANT_PARAMS``), and the
+    calls then pass the constants packed, at compile time.
+    """
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.rule_of: dict[str, str] = {}
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        constants = _constant_params(mod)
+        packed, rule_of = {}, {}
+        for gvar, func in list(mod.functions_items()):
+            if not isinstance(func, tirx.PrimFunc) or is_scheduled(func):
+                continue
+            if constants.get(gvar):
+                func = func.with_attr(CONSTANT_PARAMS, sorted(constants[gvar]))
+            for name, rule in RULES:
+                sch = rule.apply(func, self.target, False)
+                if sch is not None:
+                    lowering = [*getattr(rule, "passes", ()), polynomial_math()]
+                    scheduled = tvm.transform.Sequential(lowering)(sch.mod)["main"]
+                    scheduled = scheduled.without_attr(CONSTANT_PARAMS).with_attr("tirx.is_scheduled", True)
+                    if _signature(scheduled) == _signature(func):
+                        mod[gvar] = scheduled
+                    else:
+                        packed[gvar] = scheduled
+                    rule_of[gvar] = name
+                    break
+        packer = _PackConstants(mod, packed)
+        mod = packer.run()
+        self.rule_of = {packer.new.get(g, g).name_hint: name for g, name in rule_of.items()}
+        return mod
+
+
+def _signature(func: tirx.PrimFunc) -> list:
+    return [list(p.ty.shape) if hasattr(p.ty, "shape") else None for p in func.params]
+
+
+def _call_sites(mod: tvm.IRModule):
+    """(callee, args) of every call_tir in the module's Relax functions."""
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    for _, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            for binding in (b for block in func.body.blocks for b in block.bindings):
+                value = binding.value
+                if isinstance(value, relax.Call) and value.op.same_as(call_tir):
+                    yield value.args[0], list(value.args[1].fields)
+
+
+def _constant_params(mod: tvm.IRModule) -> dict:
+    """PrimFunc → the indices of the parameters that every call passes a constant."""
+    out: dict = {}
+    for gvar, args in _call_sites(mod):
+        here = {i for i, a in enumerate(args) if isinstance(a, tvm.ir.GenericConst)}
+        out[gvar] = out[gvar] & here if gvar in out else here
+    return out
+
+
+@relax.expr_functor.mutator
+class _PackConstants(relax.PyExprMutator):
+    """Functions whose parameters a rule re-laid out replace the old ones (under new GlobalVars: a
+    GlobalVar keeps its function's type), and their calls pass the constants packed (`matmul.pack`)."""
+
+    def __init__(self, mod: tvm.IRModule, relaid: dict) -> None:
+        super().__init__(mod)
+        self.mod_, self.relaid = mod, relaid
+        self.new = {old: self.builder_.add_func(func, old.name_hint) for old, func in relaid.items()}
+        self.call_tir = tvm.ir.Op.get("relax.call_tir")
+
+    def run(self) -> tvm.IRModule:
+        if not self.relaid:
+            return self.mod_
+        for gvar, func in self.mod_.functions_items():
+            if isinstance(func, relax.Function):
+                self.builder_.update_func(gvar, self.visit_expr(func))
+        out = self.builder_.get()
+        return tvm.IRModule({g: f for g, f in out.functions_items() if g not in self.relaid}, attrs=out.attrs)
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if not call.op.same_as(self.call_tir) or call.args[0] not in self.relaid:
+            return call
+        relaid, original = self.relaid[call.args[0]].params, self.mod_[call.args[0]].params
+        args = [relax.const(pack(a.value.numpy(), [int(x) for x in p.ty.shape]))
+                if hasattr(p.ty, "shape") and list(p.ty.shape) != list(q.ty.shape) else a
+                for a, p, q in zip(call.args[1].fields, relaid, original)]
+        return relax.Call(call.op, [self.new[call.args[0]], relax.Tuple(args), *call.args[2:]], call.attrs,
+                          call.ty_args)

@@ -1,0 +1,27 @@
+"""The last rule: whatever no other rule took still runs in parallel over each block's outermost
+spatial loop (spatial blocks are inlined where they can be, as the injective rule does)."""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.s_tir import Schedule
+from tvm.s_tir.dlight import ScheduleRule, normalize_prim_func, try_inline_contiguous_spatial
+from tvm.target import Target
+
+from tvmattn.schedules.ops.injective import spatial
+
+
+class Fallback(ScheduleRule):
+    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> Schedule | None:
+        if target.kind.name != "llvm":
+            return None
+        sch = Schedule(func)
+        infos = normalize_prim_func(sch)
+        if infos is None:  # opaque blocks (TVM's own extern-like loops): leave the order, parallelise nothing
+            return sch
+        for info in try_inline_contiguous_spatial(sch, infos):
+            if info.is_injective():
+                spatial(sch, info.block_rv, target)
+            elif info.dom_kind().startswith("S"):
+                sch.parallel(info.get_loops()[0])
+        return sch

@@ -1,0 +1,134 @@
+"""Fused GEMM / batch GEMM: ``C[…, s, m] = Σ_c A[…, s, c] · B[…, c, m]`` with elementwise prologues
+(casts) and epilogues (bias, activation, residual, scale) in the same function.
+
+The GEMM block goes on the micro-kernel of the attention layer's projections (`schedules.cpu.gemm`):
+parallel (row block × column block) tasks, register tiles of rows × vectors of columns accumulated
+over c, the epilogue applied to each tile as it is stored. Prologues are inlined into the GEMM's loads.
+Rows may be symbolic (batch · sequence of a dynamic export): `passes.clamp_row_tails` keeps the row
+tail's test off the micro-kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tvm import tirx
+from tvm.ir.expr import TensorLoad
+from tvm.s_tir import Schedule
+from tvm.s_tir.dlight import ScheduleRule, normalize_prim_func
+from tvm.target import Target
+
+from tvmattn.compiler.passes import PADDED_AXES, clamp_row_tails, uses
+from tvmattn.compiler.target import vector_lanes
+from tvmattn.schedules import cpu
+from tvmattn.schedules.knobs import Knob, resolve
+from tvmattn.schedules.ops.injective import spatial
+
+KNOBS = tuple(k for k in cpu.KNOBS if k.name.startswith("gemm_"))
+CONSTANT_PARAMS = "tvmattn.constant_params"  # the function attribute listing the parameters every call passes a constant
+
+
+def pack(w: np.ndarray, shape: list[int]) -> np.ndarray:
+    """A weight (c, m) in the micro-kernel's layout (m // width, c, m % width), zero-padded to whole
+    column tiles: each register tile then streams one contiguous panel."""
+    tiles, c, width = shape
+    padded = np.zeros((c, tiles * width), w.dtype)
+    padded[:, :w.shape[1]] = w
+    return np.ascontiguousarray(padded.reshape(c, tiles, width).transpose(1, 0, 2))
+
+
+class Matmul(ScheduleRule):
+    KNOBS = KNOBS
+    passes = (clamp_row_tails(),)  # symbolic rows: the tail's test only on the tile's store
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> Schedule | None:
+        if target.kind.name != "llvm":
+            return None
+        sch = Schedule(func)
+        infos = normalize_prim_func(sch)
+        if not infos:
+            return None
+        reductions = [i for i, info in enumerate(infos) if not info.is_injective()]
+        if len(reductions) != 1 or not infos[-1].is_injective() and reductions[0] != len(infos) - 1:
+            return None
+        at = reductions[0]
+        block = infos[at].block_rv
+        operands = gemm_operands(sch.get(block))
+        if operands is None:
+            return None
+        d_in, weight = operands
+        for info in reversed(infos[:at]):  # prologue: computed where the GEMM loads it
+            try:
+                sch.compute_inline(info.block_rv)
+            except Exception:  # s_tir.ScheduleError: not inlinable; it keeps a loop nest of its own
+                spatial(sch, info.block_rv, target)
+        dtype = sch.get(block).writes[0].source.dtype
+        lanes = vector_lanes(target, str(dtype))
+        knobs = resolve(KNOBS, cpu.gemm_defaults(d_in, lanes, dtype.bits))
+        constants = func.attrs.get(CONSTANT_PARAMS, []) if func.attrs else []
+        packed = any(weight.same_as(func.params[int(i)]) for i in constants) and len(weight.ty.shape) == 2
+        epilogue = _chain(sch, [info.block_rv for info in infos[at + 1:]])
+        for rest in cpu.gemm(sch, block, lanes, knobs, epilogue, padded_columns=packed):
+            spatial(sch, rest, target)
+        if packed:  # last: a padded layout adds an assume block, which later primitives reject
+            _pack_weight(sch, block, weight, knobs["gemm_vecs"] * lanes)
+        return sch
+
+
+def _chain(sch: Schedule, blocks: list) -> tuple:
+    """The epilogue as few blocks as inlining makes it (x · sigmoid(x) reads the GEMM twice: one
+    block), so that each reads only its predecessor and can join the tile's store."""
+    left = []
+    for blk in blocks[:-1]:
+        try:
+            sch.compute_inline(blk)
+        except Exception:  # s_tir.ScheduleError: kept as a block of its own
+            left.append(blk)
+    return tuple(left + blocks[-1:])
+
+
+def _pack_weight(sch: Schedule, block, weight, width: int) -> None:
+    """Read the constant ``weight`` (c, m) in `pack`'s layout; with a column tail, the tiles compute
+    the padding columns too (they are zero and never stored)."""
+    index = next(i for i, r in enumerate(sch.get(block).reads) if r.source.same_as(weight))
+    padded = int(weight.ty.shape[1]) % width != 0
+    sch.transform_layout(block, ("read", index), lambda c, m: (m // width, c, m % width),
+                         pad_value=0.0 if padded else None)
+    if padded:
+        sch.annotate(block, PADDED_AXES, [len(sch.get(block).iter_vars) - 2])
+
+
+def gemm_operands(block: tirx.SBlock):
+    """(c, B's buffer) when ``block`` is ``C[…, s, m] += A[…, s, c] · B[…, c, m]`` with its loops in
+    that order and both operands contiguous along their last axis; else None."""
+    store = block.body
+    kinds = [iv.iter_type for iv in block.iter_vars]
+    if not isinstance(store, tirx.BufferStore) or len(kinds) < 3 or kinds[-1] != tirx.IterVar.CommReduce or \
+            any(k != tirx.IterVar.DataPar for k in kinds[:-1]):
+        return None
+    *spatial_vars, c = [iv.var for iv in block.iter_vars]
+    s, m = spatial_vars[-2:]
+    if [str(i) for i in store.indices] != [str(v) for v in spatial_vars]:
+        return None
+    value = store.value
+    if not (isinstance(value, tirx.Add) and isinstance(value.a, TensorLoad)
+            and value.a.source.same_as(store.buffer) and isinstance(_uncast(value.b), tirx.Mul)):
+        return None
+    product = _uncast(value.b)
+    loads = [_uncast(product.a), _uncast(product.b)]
+    if not all(isinstance(x, TensorLoad) for x in loads):
+        return None
+    last = [x.indices[-1] for x in loads]
+    a, b = (0, 1) if last[0].same_as(c) else (1, 0)
+    rows_ok = last[a].same_as(c) and not uses(loads[a], m)
+    cols_ok = last[b].same_as(m) and len(loads[b].indices) >= 2 and loads[b].indices[-2].same_as(c) \
+        and not uses(loads[b], s)
+    extent = block.iter_vars[-1].dom.extent
+    if not (rows_ok and cols_ok and isinstance(extent, tirx.IntImm)) or \
+            not isinstance(block.iter_vars[-2].dom.extent, tirx.IntImm):
+        return None  # symbolic widths: no fixed register tile
+    return int(extent.value), loads[b].source
+
+
+def _uncast(expr):
+    return expr.value if isinstance(expr, tirx.Cast) else expr
+
