@@ -10,7 +10,6 @@ import tvm
 from tvm.target import Target
 
 from tvmattn import schedules
-from tvmattn.schedules.ops import ScheduleFunctions
 from tvmattn.compiler import passes
 from tvmattn.compiler.cuda.pipeline import compile_cuda, lower_cuda
 from tvmattn.compiler.errors import TvmAttnError, tvm_reason
@@ -21,6 +20,7 @@ from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import host_target, is_cpu, resolve_target
 from tvmattn.compiler.te_attention import attention_te
 from tvmattn.compiler.tuning.lookup import tuned_schedule
+from tvmattn.schedules.ops import ScheduleFunctions
 
 
 def compile(spec: AttentionSpec, target: Any = "cpu", *, arch: str | None = None,

@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 import tvm
 import tvm_ffi
 from tvm import tirx
-from tvm.ir.expr import Call
+from tvm.ir.expr import Call, TensorLoad
 from tvm.ir.expr import Expr as PrimExpr
-from tvm.ir.expr import TensorLoad
 from tvm.s_tir import SBlock, SBlockRealize
 from tvm.sym import Analyzer, IntervalSet
 from tvm.sym.pattern import detect_linear_equation

@@ -20,11 +20,11 @@ from tvm.target import Target
 from tvmattn.compiler.passes import PADDED_AXES, clamp_row_tails, uses
 from tvmattn.compiler.target import vector_lanes
 from tvmattn.schedules import cpu
-from tvmattn.schedules.knobs import Knob, resolve
+from tvmattn.schedules.knobs import resolve
 from tvmattn.schedules.ops.injective import spatial
 
 KNOBS = tuple(k for k in cpu.KNOBS if k.name.startswith("gemm_"))
-CONSTANT_PARAMS = "tvmattn.constant_params"  # the function attribute listing the parameters every call passes a constant
+CONSTANT_PARAMS = "tvmattn.constant_params"  # function attribute: the parameters every call passes a constant
 
 
 def pack(w: np.ndarray, shape: list[int]) -> np.ndarray:
