@@ -328,11 +328,27 @@ def gemm(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: t
                           (r_in, m_mid), m_vec, lanes_m, c, epilogue)
 
 
+def gemv(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: tuple = (),
+         padded_columns: bool = False) -> list:
+    """y[…, m] = Σ_c x[…, c]·w[…, c, m] (loops: batch…, m, c; one row: a decode step's projection):
+    parallel over (batch, column tile), each tile ``gemm_vecs`` vectors of accumulators streaming its
+    panel of w; the epilogue as in `gemm`."""
+    *batch, m, c = sch.get_loops(blk)
+    width = int(sch.get(m).extent)
+    lanes_m = lanes if padded_columns else _lanes_for(width, lanes)
+    vecs = k["gemm_vecs"] if lanes_m == lanes else 1
+    m_task, m_mid, m_vec = sch.split(m, [None, vecs, lanes_m])
+    sch.reorder(*batch, m_task, c, m_mid, m_vec)
+    task = sch.fuse(*batch, m_task)
+    sch.parallel(task)
+    return _register_tile(sch, blk, task, None, (m_mid,), m_vec, lanes_m, c, epilogue)
+
+
 def _register_tile(sch: Schedule, block, outer, layout, unrolled: tuple, vector, lanes: int, reduction,
                    epilogue: tuple = ()) -> list:
     """The register-tile idiom: ``block`` accumulates its tile under ``outer`` in a local buffer
     (``cache_write``) that LLVM keeps in registers once its loops are unrolled and vectorised.
-    ``layout`` gives that buffer a fixed size even where a tail predicate cuts the tile. The init
+    ``layout`` (if any) gives that buffer a fixed size even where a tail predicate cuts the tile. The init
     is split off last: vectorising after ``decompose_reduction`` fails. The ``epilogue`` blocks
     (elementwise consumers of ``block``, in order) are inlined into the store of the tile, up to the
     first that cannot be (or while the tile has other consumers): that one and the rest are returned."""
@@ -344,7 +360,8 @@ def _register_tile(sch: Schedule, block, outer, layout, unrolled: tuple, vector,
         except tvm.s_tir.ScheduleError:  # e.g. a consumer reading other elements than the tile's
             break
         left.pop(0)
-    sch.transform_layout(block, ("write", 0), layout, assume_injective_transform=True)
+    if layout is not None:
+        sch.transform_layout(block, ("write", 0), layout, assume_injective_transform=True)
     sch.reverse_compute_at(acc, outer, preserve_unit_loops=True)
     for loop in unrolled:
         sch.unroll(loop)

@@ -25,7 +25,8 @@ from tvmattn.compiler.onnx.importer import ImportedModel
 from tvmattn.compiler.target import cpu_cores
 
 CLASSES = ("attention", "matmul", "norm", "elementwise", "other")
-RULE_CLASS = {"matmul": "matmul", "gemv": "matmul", "reduction": "norm", "injective": "elementwise"}
+RULE_CLASS = {"matmul": "matmul", "gemv": "matmul", "dlight-gemv": "matmul", "reduction": "norm",
+              "injective": "elementwise"}
 
 
 @dataclass

@@ -7,8 +7,9 @@ legalisation and operator fusion (a MatMul with its bias and GELU is one functio
 gives every function not scheduled yet (tvmattn's attention kernels are) the first rule that applies:
 
     matmul      a fused GEMM / batch GEMM: the attention layer's register-tiled micro-kernel (`cpu.gemm`)
-    gemv        TVM dlight's CPU GEMV: the reduction runs along contiguous memory
-    reduction   TVM dlight's CPU reduction (LayerNorm, RMSNorm, softmax): parallel rows, vector stages
+    gemv        the same with one row (a decode step): column tiles of vectors (`cpu.gemv`)
+    dlight-gemv TVM dlight's CPU GEMV: the reduction runs along contiguous memory
+    reduction   row reductions (LayerNorm, RMSNorm, softmax) with their neighbours: parallel rows, vector lanes
     injective   elementwise, broadcasts, transposes, gathers, concat: inlined, parallel, vectorised
     fallback    whatever is left: parallel over each block's outermost spatial loop
 
@@ -24,13 +25,16 @@ from tvm.target import Target
 
 from tvmattn.compiler.passes import polynomial_math
 from tvmattn.schedules.ops.fallback import Fallback
+from tvmattn.schedules.ops.gemv import Gemv
 from tvmattn.schedules.ops.injective import Injective
 from tvmattn.schedules.ops.matmul import CONSTANT_PARAMS, Matmul, pack
+from tvmattn.schedules.ops.reduction import RowReduction
 
 RULES: tuple[tuple[str, dlight.ScheduleRule], ...] = (
     ("matmul", Matmul()),
-    ("gemv", dlight.cpu.GEMV()),
-    ("reduction", dlight.cpu.Reduction()),
+    ("gemv", Gemv()),
+    ("dlight-gemv", dlight.cpu.GEMV()),
+    ("reduction", RowReduction()),
     ("injective", Injective()),
     ("fallback", Fallback()),
 )
@@ -55,6 +59,7 @@ class ScheduleFunctions:
         self.rule_of: dict[str, str] = {}
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        mod = mod.clone()  # a pass leaves its input as it was
         constants = _constant_params(mod)
         packed, rule_of = {}, {}
         for gvar, func in list(mod.functions_items()):

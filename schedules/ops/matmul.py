@@ -39,6 +39,7 @@ def pack(w: np.ndarray, shape: list[int]) -> np.ndarray:
 class Matmul(ScheduleRule):
     KNOBS = KNOBS
     passes = (clamp_row_tails(),)  # symbolic rows: the tail's test only on the tile's store
+    rows = True  # the GEMM has a row axis (`gemv.Gemv`: it has none)
 
     def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> Schedule | None:
         if target.kind.name != "llvm":
@@ -53,9 +54,9 @@ class Matmul(ScheduleRule):
         at = reductions[0]
         block = infos[at].block_rv
         operands = gemm_operands(sch.get(block))
-        if operands is None:
+        if operands is None or operands[2] != self.rows:
             return None
-        d_in, weight = operands
+        d_in, weight, _ = operands
         for info in reversed(infos[:at]):  # prologue: computed where the GEMM loads it
             try:
                 sch.compute_inline(info.block_rv)
@@ -63,15 +64,21 @@ class Matmul(ScheduleRule):
                 spatial(sch, info.block_rv, target)
         dtype = sch.get(block).writes[0].source.dtype
         lanes = vector_lanes(target, str(dtype))
-        knobs = resolve(KNOBS, cpu.gemm_defaults(d_in, lanes, dtype.bits))
+        knobs = resolve(KNOBS, self.defaults(d_in, lanes, dtype.bits))
         constants = func.attrs.get(CONSTANT_PARAMS, []) if func.attrs else []
         packed = any(weight.same_as(func.params[int(i)]) for i in constants) and len(weight.ty.shape) == 2
         epilogue = _chain(sch, [info.block_rv for info in infos[at + 1:]])
-        for rest in cpu.gemm(sch, block, lanes, knobs, epilogue, padded_columns=packed):
+        for rest in self.tiles(sch, block, lanes, knobs, epilogue, padded_columns=packed):
             spatial(sch, rest, target)
         if packed:  # last: a padded layout adds an assume block, which later primitives reject
             _pack_weight(sch, block, weight, knobs["gemm_vecs"] * lanes)
         return sch
+
+
+    tiles = staticmethod(cpu.gemm)
+
+    def defaults(self, d_in: int, lanes: int, bits: int) -> dict[str, int]:
+        return cpu.gemm_defaults(d_in, lanes, bits)
 
 
 def _chain(sch: Schedule, blocks: list) -> tuple:
@@ -98,16 +105,18 @@ def _pack_weight(sch: Schedule, block, weight, width: int) -> None:
 
 
 def gemm_operands(block: tirx.SBlock):
-    """(c, B's buffer) when ``block`` is ``C[…, s, m] += A[…, s, c] · B[…, c, m]`` with its loops in
-    that order and both operands contiguous along their last axis; else None."""
+    """(c, B's buffer, whether there is a row axis s) when ``block`` is ``C[…, s, m] += A[…, s, c] ·
+    B[…, c, m]`` (or, one row, ``C[…, m] += A[…, c] · B[…, c, m]``) with its loops in that order and
+    both operands contiguous along their last axis; else None."""
     store = block.body
     kinds = [iv.iter_type for iv in block.iter_vars]
-    if not isinstance(store, tirx.BufferStore) or len(kinds) < 3 or kinds[-1] != tirx.IterVar.CommReduce or \
+    if not isinstance(store, tirx.BufferStore) or len(kinds) < 2 or kinds[-1] != tirx.IterVar.CommReduce or \
             any(k != tirx.IterVar.DataPar for k in kinds[:-1]):
         return None
     *spatial_vars, c = [iv.var for iv in block.iter_vars]
-    s, m = spatial_vars[-2:]
-    if [str(i) for i in store.indices] != [str(v) for v in spatial_vars]:
+    m = spatial_vars[-1]
+    indices = [i for i in store.indices if not isinstance(i, tirx.IntImm)]  # unit axes are constants
+    if len(indices) != len(spatial_vars) or not all(i.same_as(v) for i, v in zip(indices, spatial_vars)):
         return None
     value = store.value
     if not (isinstance(value, tirx.Add) and isinstance(value.a, TensorLoad)
@@ -120,13 +129,14 @@ def gemm_operands(block: tirx.SBlock):
     last = [x.indices[-1] for x in loads]
     a, b = (0, 1) if last[0].same_as(c) else (1, 0)
     rows_ok = last[a].same_as(c) and not uses(loads[a], m)
-    cols_ok = last[b].same_as(m) and len(loads[b].indices) >= 2 and loads[b].indices[-2].same_as(c) \
-        and not uses(loads[b], s)
+    cols_ok = last[b].same_as(m) and len(loads[b].indices) >= 2 and loads[b].indices[-2].same_as(c)
+    s = spatial_vars[-2] if len(spatial_vars) >= 2 else None
+    has_rows = s is not None and uses(loads[a], s) and not uses(loads[b], s)
     extent = block.iter_vars[-1].dom.extent
     if not (rows_ok and cols_ok and isinstance(extent, tirx.IntImm)) or \
             not isinstance(block.iter_vars[-2].dom.extent, tirx.IntImm):
         return None  # symbolic widths: no fixed register tile
-    return int(extent.value), loads[b].source
+    return int(extent.value), loads[b].source, has_rows
 
 
 def _uncast(expr):
