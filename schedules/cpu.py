@@ -142,6 +142,8 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, lanes: int, k: Mapping[s
     else:
         _pack_queries(sch, spec, task, q_tile)
         _scores(sch, s_lanes, _at_most(sch, k["qk_keys"], spec.n_kv))
+        if spec.attn_mask is not None and {"s", "t"} <= set(spec.attn_mask_dims):
+            _pack_mask(sch, task, q_tile)
     for name in ("row_max", "row_sum"):
         blk = sch.get_sblock(name)
         s, t = sch.get_loops(blk)[-2:]
@@ -231,6 +233,18 @@ def _pack_queries(sch: Schedule, spec: AttentionSpec, task, q_tile: int) -> None
     else:
         layout = lambda b, s, i, e: (b, i, s // q_tile, e, s % q_tile)  # noqa: E731
     sch.transform_layout(panel, ("write", 0), layout, assume_injective_transform=True)
+
+
+def _pack_mask(sch: Schedule, task, q_tile: int) -> None:
+    """Copy the task's rows of a per-query attn_mask into a (key, query) tile, once: the stages that
+    read it (row max, probabilities) run along queries, and would otherwise gather the mask with a
+    stride of n_kv, twice."""
+    readers = [sch.get_sblock(name) for name in ("row_max", "probs")]
+    reads = [r.source.name for r in sch.get(readers[0]).reads]
+    tile = sch.cache_read(readers[0], reads.index("attn_mask"), "global", consumer_blocks=readers)
+    sch.compute_at(tile, task, preserve_unit_loops=True)
+    sch.transform_layout(tile, ("write", 0), lambda b, h, s, t: (b, h, s // q_tile, t, s % q_tile),
+                         assume_injective_transform=True)
 
 
 def _scores(sch: Schedule, lanes: int, keys_factor: KnobValue) -> None:

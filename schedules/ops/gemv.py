@@ -10,11 +10,6 @@ from tvmattn.schedules.ops.matmul import Matmul
 
 
 class Gemv(Matmul):
-    passes = ()
     rows = False
     tiles = staticmethod(cpu.gemv)
 
-    def defaults(self, d_in: int, lanes: int, bits: int) -> dict[str, int]:
-        """Two vectors per column tile: twice the parallel tasks of four, and measured faster here for
-        both cache-resident and streamed weights (768 × 3072: 0.09 vs 0.12 ms; 768 × 50257: 5.1 vs 8.9 ms)."""
-        return {"gemm_vecs": 2}
