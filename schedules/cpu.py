@@ -338,7 +338,9 @@ def gemm(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: t
     sch.reorder(*batch, r_task, m_task, r_out, m_out, c, r_in, m_mid, m_vec)
     sch.parallel(sch.fuse(*batch, r_task, m_task))
     rows = _int(sch, rows_factor)
-    return _register_tile(sch, blk, m_out, lambda *i: (*i[:-2], i[-2] // rows, i[-2] % rows, i[-1]),
+    # whole column tiles in the accumulator: with padded columns the last tile computes past the width
+    w = _int(sch, vecs) * lanes_m
+    return _register_tile(sch, blk, m_out, lambda *i: (*i[:-2], i[-2] // rows, i[-2] % rows, i[-1] // w, i[-1] % w),
                           (r_in, m_mid), m_vec, lanes_m, c, epilogue)
 
 
@@ -355,14 +357,16 @@ def gemv(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: t
     sch.reorder(*batch, m_task, c, m_mid, m_vec)
     task = sch.fuse(*batch, m_task)
     sch.parallel(task)
-    return _register_tile(sch, blk, task, None, (m_mid,), m_vec, lanes_m, c, epilogue)
+    w = _int(sch, vecs) * lanes_m  # whole column tiles in the accumulator (see `gemm`)
+    return _register_tile(sch, blk, task, lambda *i: (*i[:-1], i[-1] // w, i[-1] % w), (m_mid,), m_vec, lanes_m,
+                          c, epilogue)
 
 
 def _register_tile(sch: Schedule, block, outer, layout, unrolled: tuple, vector, lanes: int, reduction,
                    epilogue: tuple = ()) -> list:
     """The register-tile idiom: ``block`` accumulates its tile under ``outer`` in a local buffer
     (``cache_write``) that LLVM keeps in registers once its loops are unrolled and vectorised.
-    ``layout`` (if any) gives that buffer a fixed size even where a tail predicate cuts the tile. The init
+    ``layout`` gives that buffer a fixed size even where a tail predicate cuts the tile. The init
     is split off last: vectorising after ``decompose_reduction`` fails. The ``epilogue`` blocks
     (elementwise consumers of ``block``, in order) are inlined into the store of the tile, up to the
     first that cannot be (or while the tile has other consumers): that one and the rest are returned."""
@@ -371,11 +375,10 @@ def _register_tile(sch: Schedule, block, outer, layout, unrolled: tuple, vector,
     while left and _only_consumer(sch, acc, left[0]):
         try:
             sch.reverse_compute_inline(left[0])
-        except tvm.s_tir.ScheduleError:  # e.g. a consumer reading other elements than the tile's
+        except RuntimeError:  # TVM refused (a ScheduleError or internal error): e.g. a consumer reading other elements
             break
         left.pop(0)
-    if layout is not None:
-        sch.transform_layout(block, ("write", 0), layout, assume_injective_transform=True)
+    sch.transform_layout(block, ("write", 0), layout, assume_injective_transform=True)
     sch.reverse_compute_at(acc, outer, preserve_unit_loops=True)
     for loop in unrolled:
         sch.unroll(loop)

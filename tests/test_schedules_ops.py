@@ -7,6 +7,7 @@ every PrimFunc scheduled on CPU (`ScheduleFunctions`) and on CUDA (dlight, compi
 from __future__ import annotations
 
 import math
+import re
 import shutil
 
 import numpy as np
@@ -127,6 +128,18 @@ def test_batch_matmul_both_batched():
     rng = np.random.default_rng(1)
     a, b = randn(rng, 2, 9, 32), randn(rng, 2, 32, 40)  # (2, 9, 32) · (2, 32, 40)
     assert check([A, B, C], a.astype(np.float64) @ b, a, b)[0] == "matmul"
+
+
+@pytest.mark.parametrize("M", [1, 33])
+def test_padded_columns_accumulate_whole_tiles(M):
+    """A packed weight of 17 columns is zero-padded to a 64-column tile that the micro-kernel computes
+    whole: its register accumulator must hold the whole tile (it once held 17 columns: a stack overflow)."""
+    func = te.create_prim_func(gemm(i64(M), 128, 17)).with_attr(CONSTANT_PARAMS, [1])  # (M, 128) · (128, 17)
+    rule, sch = next((name, s) for name, r in RULES if (s := r.apply(func, CPU, False)) is not None)
+    mod = tvm.transform.Sequential(list(getattr(dict(RULES)[rule], "passes", ())))(sch.mod)
+    width = int(mod["main"].params[1].ty.shape[2])  # (N / width, K, width)
+    sizes = [int(x) for x in re.findall(r"T\.alloc_local\(\((\d+),\)", build.lower(mod, CPU).script())]
+    assert sizes and min(sizes) % width == 0 and min(sizes) >= width
 
 
 @pytest.mark.parametrize("symbolic, constant", [(False, False), (True, True)])

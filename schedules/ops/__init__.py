@@ -68,7 +68,10 @@ class ScheduleFunctions:
             if constants.get(gvar):
                 func = func.with_attr(CONSTANT_PARAMS, sorted(constants[gvar]))
             for name, rule in RULES:
-                sch = rule.apply(func, self.target, False)
+                try:
+                    sch = rule.apply(func, self.target, False)
+                except RuntimeError:  # TVM refused a step of the rule (ScheduleError, InternalError): the next rule
+                    continue
                 if sch is not None:
                     lowering = [*getattr(rule, "passes", ()), polynomial_math()]
                     scheduled = tvm.transform.Sequential(lowering)(sch.mod)["main"]
