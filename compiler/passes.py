@@ -8,8 +8,8 @@ pad_query_tiles        Drop the query-tail predicates (``s < n``) of the stages 
                        tile: the tail tile computes all its rows (the padding rows are never stored), so
                        the register tiles and per-row loops vectorise also when n is symbolic.
 clamp_row_tails        For a register tile of a GEMM with a row tail (``row < M``, M symbolic): the tile's
-                       compute drops the test and reads row min(row, M - 1) of its inputs; only the store
-                       of the tile keeps the test.
+                       compute tests only its first row and reads row min(row, M - 1) of its inputs; the
+                       store of the tile keeps the full test.
 peel_key_tails         In a loop of symbolic extent whose blocks test a tail (``t < n_kv``, from a split by
                        a constant factor), run the iterations before the tail without the tests.
 polynomial_math        Replace fp32 ``exp``, ``sigmoid``, ``tanh``, ``erf`` and small integer powers by
@@ -311,8 +311,8 @@ def clamp_row_tails() -> tvm.transform.Pass:
     compute the tail's missing rows (nothing outside the tile sees them), so its test becomes one on
     the tile's first row (the unrolled and vector loops at 0) and its reads of other buffers take row
     min(row, M - 1): in bounds, and never stored. The store of the tile keeps the test. An iterator
-    the block's ``PADDED_AXES`` annotation names (columns of a weight packed with zero padding) loses
-    its test outright.
+    the block's ``PADDED_AXES`` annotation names (columns of a weight zero-padded to whole tiles) keeps
+    only the tile's test, unclamped: the tile's padding columns are in the weight.
     """
 
     @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.ClampRowTails")
@@ -340,12 +340,13 @@ def clamp_row_tails() -> tvm.transform.Pass:
                            and analyzer.can_prove_equal(cond.a, v)), None)
                 if at is None:
                     kept.append(cond)
-                elif at not in padded:
+                    continue
+                if at not in padded:
                     var = block.iter_vars[at].var
                     clamp[var] = tirx.min(var, cond.b - 1)
-                    kept.append(analyzer.simplify(_substitute(cond, in_tile.get(block.name_hint, {}))))
+                kept.append(analyzer.simplify(_substitute(cond, in_tile.get(block.name_hint, {}))))
 
-            if len(kept) == len(conjuncts) and not clamp:
+            if not clamp and all(k.same_as(c) for k, c in zip(kept, conjuncts)):
                 return node
 
             def on_load(load):

@@ -106,3 +106,19 @@ def test_console_script_has_no_traceback():
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("tvmattn: error: d_model=64 is not divisible by num_heads=7: "
                                    "choose num_heads dividing d_model, or give head_dim explicitly")
+
+
+def test_bench_model_runs_it_against_onnx_runtime(capsys, tmp_path):
+    """`tvmattn bench model.onnx`: the import report, both timings and a line per operator class."""
+    pytest.importorskip("onnxruntime")
+    import onnx
+
+    from tvmattn.models.onnx_models import gpt2_block
+
+    path = tmp_path / "block.onnx"
+    onnx.save(gpt2_block(), str(path))
+    code, out, _ = run(capsys, "bench", str(path), "--at", "batch=1", "--at", "seq=16", "--budget", "0.05")
+    assert code == 0 and "the rest of the model, by schedule rule: " in out and "x 1×16×64" in out
+    classes = [line.split()[0] for line in out.splitlines() if line.startswith("    ") and line.endswith("%")]
+    assert "attention" in classes and "matmul" in classes
+    assert any(line.strip().startswith("onnxruntime") and " ms " in line for line in out.splitlines())
