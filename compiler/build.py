@@ -91,15 +91,18 @@ def tvm_compile(mod: tvm.IRModule, target: Target) -> tvm.runtime.Executable:
     return tvm.compile(mod, target, tir_pipeline=CPU_PIPELINE if is_cpu(target) else "default")
 
 
-def compile_model(mod: tvm.IRModule, target: Target) -> tuple[tvm.runtime.Executable, dict[str, str]]:
-    """A Relax module (an imported model) compiled for ``target``, and the schedule rule that took each
-    of its PrimFuncs (function name → rule). CPU: Relax's CPU pipeline with `schedules.ops` after operator fusion (TVM's
-    schedules none); CUDA: Relax's, which applies dlight's GPU rules."""
+def compile_model(mod: tvm.IRModule, target: Target) -> tuple[tvm.runtime.Executable, dict[str, str], list[str]]:
+    """A Relax module (an imported model) compiled for ``target``, the schedule rule that took each of
+    its PrimFuncs (function name → rule) and the functions built from a tuning record. CPU: Relax's CPU
+    pipeline with `schedules.ops` after operator fusion (TVM's schedules none); CUDA: Relax's, which
+    applies dlight's GPU rules."""
     if not is_cpu(target):
-        return tvm_compile(mod, target), {}
+        return tvm_compile(mod, target), {}, []
     from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 
-    scheduler = ScheduleFunctions(target)
+    from tvmattn.compiler.tuning.model import tuned_knobs  # it builds candidates with this module
+
+    scheduler = ScheduleFunctions(target, tuned_knobs(target))
 
     @tvm.transform.module_pass(opt_level=0, name="tvmattn.RelaxCpuPipeline")
     def pipeline(m: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -108,7 +111,8 @@ def compile_model(mod: tvm.IRModule, target: Target) -> tuple[tvm.runtime.Execut
                 cpu_generic.library_dispatch_passes(target) + cpu_generic.legalize_passes(target) + [scheduler]
                 + cpu_generic.dataflow_lower_passes(target) + cpu_generic.finalize_passes(target))(m)
 
-    return tvm.compile(mod, target, relax_pipeline=pipeline, tir_pipeline=CPU_PIPELINE), scheduler.rule_of
+    return tvm.compile(mod, target, relax_pipeline=pipeline, tir_pipeline=CPU_PIPELINE), scheduler.rule_of, \
+        scheduler.tuned_functions
 
 
 def build_module(mod: tvm.IRModule, spec: AttentionSpec, target: Target) -> tvm.runtime.Executable:

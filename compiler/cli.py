@@ -213,6 +213,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from tvmattn.compiler.tuning.progress import clock
     from tvmattn.compiler.tuning.tuner import log_path, tune
 
+    if args.model:
+        return _tune_model(args)
     spec = spec_from_args(args)
     remote = RemoteDevices.parse(args.rpc, args.device_key) if args.rpc else None
     if args.device_key and not args.rpc:
@@ -243,6 +245,31 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print("tvmattn: stopped early on Ctrl-C: run the same command again to continue", file=sys.stderr)
         return 130
     return 0
+
+
+def _tune_model(args: argparse.Namespace) -> int:
+    from tvmattn.compiler.tuning.model import tune_model
+
+    try:
+        reports, path = tune_model(args.model, args.target, trials=args.trials, at=parse_sizes(args.at),
+                                   shapes=parse_shapes(args.shape), log_dir=args.log_dir, seed=args.seed)
+    except KeyboardInterrupt:
+        print("tvmattn: interrupted: every measurement so far is kept; run the same command again to continue",
+              file=sys.stderr)
+        return 130
+    print(f"records → {path}")
+    for r in reports:
+        if r.best_us is None:
+            print(f"  {r.task.name} ({r.task.rule}): no successful measurement (see the errors in the log)")
+            continue
+        speedup = f" → {r.default_us / r.best_us:.2f}× the default's speed" if r.default_us else ""
+        print(f"  {r.task.name} ({r.task.rule}): best {r.best_us:,.1f} µs {_knobs_text(r.best_knobs)}; default "
+              f"{r.default_us:,.1f} µs{speedup}" if r.default_us else f"  {r.task.name}: best {r.best_us:,.1f} µs")
+    return 0
+
+
+def _knobs_text(knobs: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in knobs.items())
 
 
 def _latency(record) -> str:
@@ -335,7 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="draw GFLOP/s against sequence length to this PNG (needs matplotlib)")
     p.set_defaults(run=cmd_bench)
 
-    p = sub.add_parser("tune", help="search the schedule's knobs with MetaSchedule; later compiles use the best")
+    p = sub.add_parser("tune", help="search the schedule's knobs with MetaSchedule; later compiles use the best; "
+                       "with a model.onnx: its GEMMs' knobs, which import_onnx then uses")
+    p.add_argument("model", nargs="?", help="an .onnx file: tune the model's GEMM functions (CPU)")
+    p.add_argument("--shape", action="append", help="(model) bind an input's dimensions, e.g. --shape input_ids=1xn")
     add_spec_flags(p)
     add_target_flags(p)
     p.add_argument("--trials", type=int, default=64,

@@ -210,9 +210,9 @@ def tighten_guarded_loops() -> tvm.transform.Pass:
             for st in stmts[:at]:
                 if not isinstance(st, tirx.Bind):
                     return node
-                defined[st.var] = _substitute(st.value, defined)
+                defined[st.var] = substitute(st.value, defined)
             lo, hi = node.min, node.min + node.extent
-            for cond in _conjuncts(_substitute(stmts[at].value, defined)):
+            for cond in _conjuncts(substitute(stmts[at].value, defined)):
                 bound = _range_bound(cond, node.loop_var)
                 if bound is None or any(uses(bound[1], v) for v in list(defined) + [node.loop_var]):
                     return node
@@ -232,7 +232,8 @@ def tighten_guarded_loops() -> tvm.transform.Pass:
     return transform
 
 
-def _substitute(expr, values: dict):
+def substitute(expr, values: dict):
+    """``expr`` with each variable of ``values`` (var → expression) replaced."""
     if not values:
         return expr
     return tvm_ffi.structural_map(expr, [(tirx.Var, lambda v: next((x for k, x in values.items() if k.same_as(v)), v))])
@@ -344,7 +345,7 @@ def clamp_row_tails() -> tvm.transform.Pass:
                 if at not in padded:
                     var = block.iter_vars[at].var
                     clamp[var] = tirx.min(var, cond.b - 1)
-                kept.append(analyzer.simplify(_substitute(cond, in_tile.get(block.name_hint, {}))))
+                kept.append(analyzer.simplify(substitute(cond, in_tile.get(block.name_hint, {}))))
 
             if not clamp and all(k.same_as(c) for k, c in zip(kept, conjuncts)):
                 return node
@@ -352,11 +353,11 @@ def clamp_row_tails() -> tvm.transform.Pass:
             def on_load(load):
                 if load.source.scope() == "local":
                     return load
-                return tirx.BufferLoad(load.source, [_substitute(i, clamp) for i in load.indices])
+                return tirx.BufferLoad(load.source, [substitute(i, clamp) for i in load.indices])
 
             body = tvm_ffi.structural_map(block.body, [(TensorLoad, on_load)])
             reads = [r if r.source.scope() == "local" else tirx.BufferRegion(
-                r.source, [tvm.ir.Range.from_min_extent(_substitute(x.min, clamp), x.extent) for x in r.region])
+                r.source, [tvm.ir.Range.from_min_extent(substitute(x.min, clamp), x.extent) for x in r.region])
                 for r in block.reads]
             new = SBlock(block.iter_vars, reads, block.writes, block.name_hint, body, block.init,
                          block.alloc_buffers, block.match_buffers, block.annotations)

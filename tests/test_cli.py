@@ -122,3 +122,17 @@ def test_bench_model_runs_it_against_onnx_runtime(capsys, tmp_path):
     classes = [line.split()[0] for line in out.splitlines() if line.startswith("    ") and line.endswith("%")]
     assert "attention" in classes and "matmul" in classes
     assert any(line.strip().startswith("onnxruntime") and " ms " in line for line in out.splitlines())
+
+
+def test_tune_model_writes_records_the_import_reports(capsys, tmp_path, monkeypatch):
+    import onnx
+
+    from tvmattn.models.onnx_models import gpt2_block
+
+    path = tmp_path / "block.onnx"
+    onnx.save(gpt2_block(), str(path))
+    code, out, _ = run(capsys, "tune", str(path), "--trials", "1", "--at", "seq=8", "--log-dir", str(tmp_path / "logs"))
+    assert code == 0 and "records → " in out and "(matmul): best " in out
+    monkeypatch.setenv("TVMATTN_TUNING_LOGS", str(tmp_path / "logs"))
+    code, out, _ = run(capsys, "import", str(path))
+    assert code == 0 and "from tuning records" in out

@@ -65,6 +65,7 @@ class ImportReport:
     seconds: float = 0.0
     softmaxes: list[SoftmaxFate] = field(default_factory=list)  # every Softmax of the graph, in graph order
     rule_of: dict[str, str] = field(default_factory=dict)  # the other functions: name → the schedule rule it took
+    tuned: list[str] = field(default_factory=list)  # those built from a tuning record (`tvmattn tune model.onnx`)
 
     @property
     def scheduled(self) -> dict[str, int]:
@@ -84,7 +85,8 @@ class ImportReport:
             lines += [f"    {f.line()}" for f in self.softmaxes]
         if self.scheduled:
             lines.append("  the rest of the model, by schedule rule: "
-                         + ", ".join(f"{rule} {n}" for rule, n in self.scheduled.items()))
+                         + ", ".join(f"{rule} {n}" for rule, n in self.scheduled.items())
+                         + (f"; {len(self.tuned)} from tuning records" if self.tuned else ""))
         named = {f.node for f in self.softmaxes}
         lines += [f"  left to TVM: softmax at {where}" for where in self.left_to_tvm if where not in named]
         return "\n".join(lines)
@@ -198,6 +200,37 @@ def import_onnx(model: Any, target: Any = "cpu", *, arch: str | None = None,
 def _import(model: Any, target: Any, arch: str | None, shapes: Mapping[str, Sequence[int | str]]) -> ImportedModel:
     start = time.perf_counter()
     tgt = resolve_target(target, arch)
+    c = _convert(model, tgt, shapes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            executable, rule_of, tuned = compile_model(c.mod, tgt)
+        except Exception as err:
+            raise TvmAttnError(f"TVM could not compile the imported model for {tgt.kind.name}: "
+                               f"{tvm_reason(err)}") from err
+    remaining = patterns.remaining_softmax(c.mod, c.importer.provenance)
+    report = ImportReport(c.proto.graph.name or "model", tgt.kind.name, list(c.kernels.replacements), remaining,
+                          time.perf_counter() - start,
+                          _softmax_fates(c.softmax_nodes, c.kernels.replacements, remaining, c.reasons), rule_of, tuned)
+    return ImportedModel(tgt, executable, _graph_inputs(c.proto), [o.name for o in c.proto.graph.output], report)
+
+
+def relax_module(model: Any, target: Target, shapes: Mapping[str, Sequence[int | str]] | None = None) -> tvm.IRModule:
+    """The model as the Relax module `import_onnx` compiles (attention already on tvmattn kernels)."""
+    return _convert(model, target, shapes or {}).mod
+
+
+@dataclass
+class _Converted:
+    proto: onnx.ModelProto
+    mod: tvm.IRModule
+    kernels: Kernels
+    importer: "_Importer"
+    reasons: dict[str, str]
+    softmax_nodes: list[str]
+
+
+def _convert(model: Any, tgt: Target, shapes: Mapping[str, Sequence[int | str]]) -> _Converted:
     proto = graph.load(model)
     if shapes:
         proto = graph.bind_shapes(proto, shapes)
@@ -217,18 +250,7 @@ def _import(model: Any, target: Any, arch: str | None, shapes: Mapping[str, Sequ
         mod = patterns.rewrite(mod, kernels, importer.provenance, reasons)
     except TvmAttnError as err:
         raise TvmAttnError(str(err) + _binding_hint(str(err), _graph_inputs(proto))) from None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            executable, rule_of = compile_model(mod, tgt)
-        except Exception as err:
-            raise TvmAttnError(f"TVM could not compile the imported model for {tgt.kind.name}: "
-                               f"{tvm_reason(err)}") from err
-    remaining = patterns.remaining_softmax(mod, importer.provenance)
-    report = ImportReport(proto.graph.name or "model", tgt.kind.name, list(kernels.replacements), remaining,
-                          time.perf_counter() - start,
-                          _softmax_fates(softmax_nodes, kernels.replacements, remaining, reasons), rule_of)
-    return ImportedModel(tgt, executable, _graph_inputs(proto), [o.name for o in proto.graph.output], report)
+    return _Converted(proto, mod, kernels, importer, reasons, softmax_nodes)
 
 
 class _Importer(onnx_frontend.ONNXGraphImporter):

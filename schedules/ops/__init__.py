@@ -18,6 +18,8 @@ CUDA models take TVM's dlight GPU rules (Relax's CUDA pipeline applies them).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import tvm
 from tvm import relax, tirx
 from tvm.s_tir import dlight
@@ -51,25 +53,24 @@ class ScheduleFunctions:
 
     A rule may lay out a parameter that every call passes a constant (a weight) as it likes to read it
     (`matmul.pack`): the functions see which parameters are constants (``CONSTANT_PARAMS``), and the
-    calls then pass the constants packed, at compile time.
+    calls then pass the constants packed, at compile time. ``tuned`` gives the GEMM rules the knobs of
+    a tuning record (`tvmattn.compiler.tuning.model`) for the functions that have one.
     """
 
-    def __init__(self, target: Target) -> None:
+    def __init__(self, target: Target, tuned: Callable[[tirx.PrimFunc, str], dict | None] | None = None) -> None:
         self.target = target
+        self.tuned = tuned  # (function as a rule gets it, rule name) → a tuning record's knobs, or None
         self.rule_of: dict[str, str] = {}
+        self.tuned_functions: list[str] = []
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         mod = mod.clone()  # a pass leaves its input as it was
-        constants = _constant_params(mod)
-        packed, rule_of = {}, {}
-        for gvar, func in list(mod.functions_items()):
-            if not isinstance(func, tirx.PrimFunc) or is_scheduled(func):
-                continue
-            if constants.get(gvar):
-                func = func.with_attr(CONSTANT_PARAMS, sorted(constants[gvar]))
+        packed, rule_of, tuned = {}, {}, []
+        for gvar, func in unscheduled(mod):
             for name, rule in RULES:
+                knobs = self.tuned(func, name) if self.tuned and isinstance(rule, Matmul) else None
                 try:
-                    sch = rule.apply(func, self.target, False)
+                    sch = rule.apply(func, self.target, False, knobs) if knobs else rule.apply(func, self.target, False)
                 except RuntimeError:  # TVM refused a step of the rule (ScheduleError, InternalError): the next rule
                     continue
                 if sch is not None:
@@ -81,11 +82,26 @@ class ScheduleFunctions:
                     else:
                         packed[gvar] = scheduled
                     rule_of[gvar] = name
+                    if knobs:
+                        tuned.append(gvar)
                     break
         packer = _PackConstants(mod, packed)
         mod = packer.run()
         self.rule_of = {packer.new.get(g, g).name_hint: name for g, name in rule_of.items()}
+        self.tuned_functions = [packer.new.get(g, g).name_hint for g in tuned]
         return mod
+
+
+def unscheduled(mod: tvm.IRModule) -> list[tuple[tvm.ir.GlobalVar, tirx.PrimFunc]]:
+    """The PrimFuncs a rule is to schedule, as the rules get them: marked with the parameters that every
+    call passes a constant (``CONSTANT_PARAMS``)."""
+    constants = _constant_params(mod)
+    out = []
+    for gvar, func in mod.functions_items():
+        if isinstance(func, tirx.PrimFunc) and not is_scheduled(func):
+            marked = func.with_attr(CONSTANT_PARAMS, sorted(constants[gvar])) if constants.get(gvar) else func
+            out.append((gvar, marked))
+    return out
 
 
 def _signature(func: tirx.PrimFunc) -> list:

@@ -10,6 +10,8 @@ tail's test off the micro-kernel.
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import numpy as np
 from tvm import tirx
 from tvm.ir.expr import TensorLoad
@@ -42,7 +44,37 @@ class Matmul(ScheduleRule):
     passes = (clamp_row_tails(),)  # symbolic rows: the tail's test only on the tile's store
     rows = True  # the GEMM has a row axis (`gemv.Gemv`: it has none)
 
-    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> Schedule | None:
+    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool,
+              knobs: Mapping[str, int] | None = None) -> Schedule | None:
+        """Schedule ``func`` with the default knobs overridden by ``knobs`` (a tuning record's); None if
+        it is not a GEMM of this rule's kind."""
+        match = self._match(func, target)
+        if match is None:
+            return None
+        sch, infos, at, weight, lanes, defaults = match
+        knobs = resolve(KNOBS, {**defaults, **(knobs or {})})
+        block = infos[at].block_rv
+        for info in reversed(infos[:at]):  # prologue: computed where the GEMM loads it
+            try:
+                sch.compute_inline(info.block_rv)
+            except Exception:  # s_tir.ScheduleError: not inlinable; it keeps a loop nest of its own
+                spatial(sch, info.block_rv, target)
+        constants = func.attrs.get(CONSTANT_PARAMS, []) if func.attrs else []
+        packed = any(weight.same_as(func.params[int(i)]) for i in constants) and len(weight.ty.shape) == 2
+        epilogue = _chain(sch, [info.block_rv for info in infos[at + 1:]])
+        for rest in self.tiles(sch, block, lanes, knobs, epilogue, padded_columns=packed):
+            spatial(sch, rest, target)
+        if packed:  # last: a padded layout adds an assume block, which later primitives reject
+            _pack_weight(sch, block, weight, knobs["gemm_vecs"] * lanes)
+        return sch
+
+    def default_knobs(self, func: tirx.PrimFunc, target: Target) -> dict[str, int] | None:
+        """The knobs `apply` uses for ``func`` without a record; None if the rule does not take it."""
+        match = self._match(func, target)
+        return None if match is None else {k: int(v) for k, v in resolve(KNOBS, match[-1]).items()}
+
+    def _match(self, func: tirx.PrimFunc, target: Target):
+        """(schedule, blocks, index of the GEMM block, weight, vector lanes, default knobs) or None."""
         if target.kind.name != "llvm":
             return None
         sch = Schedule(func)
@@ -53,29 +85,15 @@ class Matmul(ScheduleRule):
         if len(reductions) != 1 or not infos[-1].is_injective() and reductions[0] != len(infos) - 1:
             return None
         at = reductions[0]
-        block = infos[at].block_rv
-        operands = gemm_operands(sch.get(block))
+        gemm_block = sch.get(infos[at].block_rv)
+        operands = gemm_operands(gemm_block)
         if operands is None or operands[2] != self.rows:
             return None
         d_in, weight, _ = operands
-        for info in reversed(infos[:at]):  # prologue: computed where the GEMM loads it
-            try:
-                sch.compute_inline(info.block_rv)
-            except Exception:  # s_tir.ScheduleError: not inlinable; it keeps a loop nest of its own
-                spatial(sch, info.block_rv, target)
-        dtype = sch.get(block).writes[0].source.dtype
+        dtype = gemm_block.writes[0].source.dtype
         lanes = vector_lanes(target, str(dtype))
-        width = int(sch.get(block).iter_vars[-2].dom.extent)
-        knobs = resolve(KNOBS, self.defaults(d_in, width, lanes, dtype.bits))
-        constants = func.attrs.get(CONSTANT_PARAMS, []) if func.attrs else []
-        packed = any(weight.same_as(func.params[int(i)]) for i in constants) and len(weight.ty.shape) == 2
-        epilogue = _chain(sch, [info.block_rv for info in infos[at + 1:]])
-        for rest in self.tiles(sch, block, lanes, knobs, epilogue, padded_columns=packed):
-            spatial(sch, rest, target)
-        if packed:  # last: a padded layout adds an assume block, which later primitives reject
-            _pack_weight(sch, block, weight, knobs["gemm_vecs"] * lanes)
-        return sch
-
+        width = int(gemm_block.iter_vars[-2].dom.extent)
+        return sch, infos, at, weight, lanes, self.defaults(d_in, width, lanes, dtype.bits)
 
     tiles = staticmethod(cpu.gemm)
 
