@@ -5,6 +5,10 @@ Gather   TVM's ``take`` reads out of bounds for an index outside [-extent, exten
          Indices that are constants are checked here; the others go through a small TIR function
          that asserts the range (naming the node) and maps negative indices, before the take. The
          check is a serial CPU loop: the importer asks for it on CPU targets.
+Slice    TVM's converter assumes a symbolic end (``seq``) within the sliced axis and reads past it
+         (BERT's 512 position ids sliced to a longer input segfaulted); ONNX clamps it, ONNX Runtime
+         then rejects the sizes. The end is checked against a static axis at run time (naming the
+         node) for tables up to `CHECK_COPY_LIMIT` entries; clamping instead makes TVM's FuseTIR crash.
 """
 
 from __future__ import annotations
@@ -68,4 +72,76 @@ def _checked_indices(dtype: str, extent: int, node: str) -> tirx.PrimFunc:
                 out[vi] = T.if_then_else(idx[vi] < 0, idx[vi] + T.Cast(dtype, extent), idx[vi])
 
     # opaque: Relax's fusion must not look into it (its op-pattern analysis wants block bodies)
+    return check.with_attr("op_pattern", OPAQUE).with_attr("tirx.is_scheduled", True)
+
+
+_STRIDED_SLICE = tvm.ir.Op.get("relax.strided_slice")
+CHECK_SLICE = "check_slice_end"  # the check's function name (`unchecked` recognises it)
+# The check passes its data through a copy, every run: tables of positions (BERT's 512 ids) are small;
+# a mask buffer (GPT-2's 1024 × 1024 tril, per layer) would cost more than its attention saves.
+CHECK_COPY_LIMIT = 1 << 16
+
+
+def slice_bounds(bb: relax.BlockBuilder, node: str, sliced: relax.Expr) -> relax.Expr:
+    """TVM's Slice with its symbolic ends (size variables) checked against the static sizes of their axes."""
+    if not (isinstance(sliced, relax.Call) and sliced.op.same_as(_STRIDED_SLICE) and sliced.attrs.assume_inbound):
+        return sliced
+    data, axes, begin, end, strides = sliced.args
+    ty = data.ty
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+        return sliced
+    dims = list(ty.shape.values)
+    if not all(isinstance(d, tirx.IntImm) for d in dims) or np.prod([int(d) for d in dims]) > CHECK_COPY_LIMIT:
+        return sliced
+    checked = data
+    for axis, bound in zip([int(a) for a in axes.fields], end.fields):
+        extent = dims[axis % len(dims)]
+        if not isinstance(bound, tirx.Var) or not isinstance(extent, tirx.IntImm):
+            continue
+        flat = bb.normalize(relax.op.reshape(checked, [-1]))
+        probe = bb.normalize(relax.op.zeros(relax.ShapeExpr([bound]), "int8"))  # its length is the end
+        checker = bb.add_func(_checked_end(str(ty.dtype), int(extent.value), axis % len(dims), node), CHECK_SLICE)
+        flat = bb.normalize(relax.call_tir(checker, [flat, probe], relax.TensorType(flat.ty.shape, ty.dtype)))
+        checked = bb.normalize(relax.op.reshape(flat, ty.shape))
+    if checked is data:
+        return sliced
+    return relax.op.strided_slice(checked, list(axes.fields), list(begin.fields), list(end.fields),
+                                  list(strides.fields), assume_inbound=True)
+
+
+def unchecked(expr: relax.Expr, var2val) -> relax.Expr:
+    """The data under a `slice_bounds` check (it passes its data through), else ``expr``: patterns that
+    read a sliced constant (a tril mask buffer) see the constant."""
+    value = lambda e: var2val.get(e, e)  # noqa: E731
+    reshaped = value(expr)
+    if not _is_op(reshaped, "relax.reshape"):
+        return expr
+    check = value(reshaped.args[0])
+    if not (_is_op(check, "relax.call_tir") and check.args[0].name_hint.startswith(CHECK_SLICE)):
+        return expr
+    flat = value(check.args[1].fields[0])
+    return value(flat.args[0]) if _is_op(flat, "relax.reshape") else expr
+
+
+def _is_op(expr, name: str) -> bool:
+    return isinstance(expr, relax.Call) and getattr(expr.op, "name", "") == name
+
+
+def _checked_end(dtype: str, extent: int, axis: int, node: str) -> tirx.PrimFunc:
+    """out = data, asserting the length of ``probe`` (the slice's end) is at most ``extent``."""
+    message = (f"node {node!r} (Slice): its end is past the {extent} entries of axis {axis} (a longer input "
+               f"than the model's table allows); use inputs of at most {extent} along it")
+
+    @T.prim_func(private=True, s_tir=True)
+    def check(data_h: T.handle, probe_h: T.handle, out_h: T.handle):
+        m, end = T.int64(), T.int64()
+        data = T.match_buffer(data_h, (m,), dtype)
+        T.match_buffer(probe_h, (end,), "int8")
+        out = T.match_buffer(out_h, (m,), dtype)
+        for i in range(m):
+            with T.sblock("check"):
+                vi = T.axis.spatial(m, i)
+                assert end <= extent, message
+                out[vi] = data[vi]
+
     return check.with_attr("op_pattern", OPAQUE).with_attr("tirx.is_scheduled", True)

@@ -314,6 +314,8 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
                 sym = checks.gather(self.bb, node.name, list(inputs), attrs)
             if sym is None:
                 sym = super()._convert_operator(op_name, inputs, attrs, opset)
+            if op_name == "Slice" and node is not None and is_cpu(self.kernels.target):
+                sym = checks.slice_bounds(self.bb, node.name, sym)
             sym = self.bb.normalize(sym)
             if node is not None and len(node.output) == 1:
                 sym = state_shape(self.bb, sym, self._shapes.get(node.output[0]), self._symbols, node.output[0])

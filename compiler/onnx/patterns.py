@@ -36,6 +36,7 @@ from tvm import relax, tirx
 from tvm.relax.dpl import DFPattern, is_const, is_op, is_tuple_get_item, wildcard
 
 from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.onnx import checks
 from tvmattn.compiler.onnx.kernels import Kernels, Mask, attend, shape_of
 
 SOURCE = "pattern: decomposed attention"
@@ -359,7 +360,7 @@ class _Match:
             for axis, b in zip(axes, begins):
                 axis = int(axis) % rank
                 begin[axis] = begin.get(axis, 0) + b  # a window of a window: offsets add up
-            expr = self.r.var2val.get(data, data)
+            expr = checks.unchecked(self.r.var2val.get(data, data), self.r.var2val)
         if not begin or not isinstance(expr, tvm.ir.GenericConst):
             return {}
         keep = expr.value.numpy() != negate
