@@ -124,6 +124,7 @@ def test_a_second_ctrl_c_stops_at_once():
     assert signal.getsignal(signal.SIGINT) is not stop._on_interrupt
 
 
+@pytest.mark.slow  # two tuners at once, ~25 s: the default suite keeps under its 10 minutes
 def test_concurrent_tuners_on_one_log_keep_every_record(tmp_path, capsys):
     """A symbolic spec at two points: two processes append to the same file at the same time."""
     base = ["tune", "--seq", "n", "--d-model", "32", "--heads", "2", "--causal", "--no-projections",
