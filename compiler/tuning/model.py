@@ -29,7 +29,7 @@ from tvm.sym import Analyzer
 from tvm.target import Target
 
 from tvmattn.compiler.build import CPU_PIPELINE
-from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.errors import TvmAttnError, tvm_reason
 from tvmattn.compiler.passes import polynomial_math, substitute
 from tvmattn.compiler.target import resolve_target, target_key
 from tvmattn.compiler.tuning.lookup import search_dirs, user_dir
@@ -124,7 +124,7 @@ def _tune_task(task: OpTask, target: Target, sizes: dict[str, int], trials: int,
     done = {r.knob_key for r in mine}
     grid = [dict(zip([k.name for k in KNOBS], values)) for values in itertools.product(*[k.choices for k in KNOBS])]
     rng.shuffle(grid)
-    default = _default_knobs(task, target)
+    default = dict(RULES)[task.rule].default_knobs(task.func, target) or {}
     points = [default] + [p for p in grid if p != default]
     measured = 0
     records = list(mine)
@@ -150,10 +150,6 @@ def _tune_task(task: OpTask, target: Target, sizes: dict[str, int], trials: int,
                       best.knobs if best else {}, measured)
 
 
-def _default_knobs(task: OpTask, target: Target) -> dict[str, int]:
-    return dict(RULES)[task.rule].default_knobs(task.func, target) or {}
-
-
 def _measure(task: OpTask, target: Target, sizes: dict[str, int], knobs: dict[str, int]) -> Record:
     rule = dict(RULES)[task.rule]
     common = dict(spec={"function": task.name, "workload": task.key}, at=dict(sizes), target=target_key(target),
@@ -168,8 +164,7 @@ def _measure(task: OpTask, target: Target, sizes: dict[str, int], knobs: dict[st
         timer = lib.time_evaluator("main", tvm.cpu(), number=1, repeat=5, min_repeat_ms=20)
         runs = [t * 1e6 for t in timer(*args).results]
     except Exception as err:  # a knob combination TVM rejects for this function: recorded as failed
-        return Record(**common, latency_us=None, error=str(err).strip().splitlines()[-1][:200] if str(err) else
-                      type(err).__name__)
+        return Record(**common, latency_us=None, error=tvm_reason(err)[:200])
     median = float(np.median(runs))
     return Record(**common, latency_us=median, runs_us=runs, gflops=_flops(task.func, sizes) / median / 1e3)
 
