@@ -1,9 +1,15 @@
 """`tvmattn bench`: tvmattn against its peers on the same inputs, in one process.
 
 Peers (each only if installed): PyTorch `scaled_dot_product_attention`, ONNX Runtime's `Attention`
-(opset 23) and NumPy. Each runs with every core, after a warm-up, for the median of repeated runs;
-idle worker threads are told not to spin so that one implementation does not steal the next one's
-cores (TVM_THREAD_POOL_SPIN_COUNT=0, OMP_WAIT_POLICY=PASSIVE, ORT allow_spinning=0).
+(opset 23), OpenVINO's `ScaledDotProductAttention` (opset 13) and NumPy. Each runs with every core,
+after a warm-up, for the median of repeated runs; idle worker threads are told not to spin so that one
+implementation does not steal the next one's cores (TVM_THREAD_POOL_SPIN_COUNT=0,
+OMP_WAIT_POLICY=PASSIVE, ORT allow_spinning=0). OpenVINO's TBB workers have no such switch: the pause
+before each implementation lets them go idle.
+
+16-bit specs: torch takes the bf16/fp16 arrays as they are, ONNX Runtime fp16 (it has no CPU bf16
+`Attention`: skipped), OpenVINO fp32 tensors holding the same rounded values with a bf16/f16 inference
+precision, NumPy float32 on the same rounded values.
 
 GFLOP/s = FLOPs of a dense implementation / time: 4·B·h·n·n_kv·d_k for the core (QKᵀ and P·V),
 causal too (skipping masked work shows as a higher figure), plus the four projections for a full
@@ -23,6 +29,7 @@ import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
+from importlib.util import find_spec  # noqa: E402
 from typing import Callable, Sequence  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -124,9 +131,9 @@ def torch_impl(spec: AttentionSpec, args: dict[str, np.ndarray]) -> tuple[Callab
     import torch.nn.functional as F
 
     torch.set_num_threads(cpu_cores())
-    t = {k: torch.from_numpy(v) for k, v in args.items()}
+    t = {k: _to_torch(v) for k, v in args.items()}
     mask = _mask(spec, args)
-    kw = dict(attn_mask=torch.from_numpy(mask) if mask is not None else None,
+    kw = dict(attn_mask=_to_torch(mask) if mask is not None else None,
               is_causal=mask is None and spec.causal, enable_gqa=spec.h != spec.h_kv, scale=spec.softmax_scale)
 
     def heads(x, h):  # (B, n, h·d) → (B, h, n, d)
@@ -148,12 +155,23 @@ def torch_impl(spec: AttentionSpec, args: dict[str, np.ndarray]) -> tuple[Callab
     return run, f"torch {torch.__version__} scaled_dot_product_attention"
 
 
+def _to_torch(a: np.ndarray):
+    """``a`` as a torch tensor sharing its memory (torch.from_numpy refuses ml_dtypes' bfloat16)."""
+    import torch
+
+    if a.dtype == numpy_dtype("bfloat16"):
+        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
 def onnxruntime_impl(spec: AttentionSpec, args: dict[str, np.ndarray]) -> tuple[Callable[[], object], str]:
     import onnxruntime as ort
     from onnx import TensorProto, helper
+    from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as OrtNotImplemented
 
     if spec.projections or spec.layout != "BHSD":
         raise NotImplementedError("the ORT peer covers the core BHSD kernel")
+    elem = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
     feed = {"Q": args["q"], "K": args["k"], "V": args["v"]}
     inputs = ["Q", "K", "V"]
     mask = _mask(spec, args)
@@ -164,15 +182,63 @@ def onnxruntime_impl(spec: AttentionSpec, args: dict[str, np.ndarray]) -> tuple[
                             scale=spec.softmax_scale)
     graph = helper.make_graph(
         [node], "attention",
-        [helper.make_tensor_value_info(n, TensorProto.BOOL if n == "M" else TensorProto.FLOAT, list(a.shape))
+        [helper.make_tensor_value_info(n, TensorProto.BOOL if n == "M" else elem[spec.dtype], list(a.shape))
          for n, a in feed.items()],
-        [helper.make_tensor_value_info("O", TensorProto.FLOAT, list(spec.output_shape()))])
+        [helper.make_tensor_value_info("O", elem[spec.dtype], list(spec.output_shape()))])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = cpu_cores()
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    return (lambda: session.run(None, feed)[0]), f"onnxruntime {ort.__version__} Attention-23"
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    except OrtNotImplemented:  # bfloat16 in 1.32: no kernel, and the function body's Expand has none either
+        raise NotImplementedError(f"onnxruntime {ort.__version__} has no {spec.dtype} Attention-23 on CPU") from None
+    what = f"onnxruntime {ort.__version__} Attention-23" + ("" if spec.dtype == "float32" else f" ({spec.dtype})")
+    return (lambda: session.run(None, feed)[0]), what
+
+
+OPENVINO_PRECISION = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}  # INFERENCE_PRECISION_HINT
+
+
+def openvino_impl(spec: AttentionSpec, args: dict[str, np.ndarray]) -> tuple[Callable[[], object], str]:
+    """OpenVINO's SDPA-13 on fp32 tensors (16-bit specs: the same rounded values), run at the spec's
+    precision as an inference precision hint; GQA repeats K/V heads in the graph."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    if spec.projections or spec.layout != "BHSD":
+        raise NotImplementedError("the OpenVINO peer covers the core BHSD kernel")
+    feed = {"Q": args["q"], "K": args["k"], "V": args["v"]}
+    feed = {n: np.ascontiguousarray(a, dtype=np.float32) for n, a in feed.items()}  # exact for bf16/fp16
+    mask = _mask(spec, args)
+    if mask is not None:
+        feed["M"] = mask
+    params = {n: ops.parameter(a.shape, a.dtype, name=n) for n, a in feed.items()}
+
+    def repeat_heads(x, shape):  # (B, h_kv, n, d) → (B, h_kv·group, n, d), as np.repeat(x, group, 1)
+        if spec.group == 1:
+            return x
+        B, h_kv, n, d = shape
+        x = ops.unsqueeze(x, ops.constant(np.array([2], np.int64)))
+        x = ops.broadcast(x, ops.constant(np.array([B, h_kv, spec.group, n, d], np.int64)))
+        return ops.reshape(x, ops.constant(np.array([B, h_kv * spec.group, n, d], np.int64)), False)
+
+    k, v = (repeat_heads(params[n], feed[n].shape) for n in "KV")
+    o = ops.scaled_dot_product_attention(params["Q"], k, v, params.get("M"),
+                                         ops.constant(np.float32(spec.softmax_scale)),
+                                         causal=spec.causal and mask is None)
+    model = ov.Model([o], list(params.values()), "attention")
+    asked = OPENVINO_PRECISION[spec.dtype]
+    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": cpu_cores(),
+                                                      "INFERENCE_PRECISION_HINT": asked,
+                                                      "PERFORMANCE_HINT": "LATENCY"})
+    request = compiled.create_infer_request()
+    # the precision it runs at: a CPU without AVX512-FP16 runs an f16 hint in bf16
+    got = compiled.get_property("INFERENCE_PRECISION_HINT").to_string()
+    precision = f"{got} inference precision" + ("" if got == asked else f" ({asked} asked)")
+    gqa = ", K/V heads repeated in the graph" if spec.group > 1 else ""
+    what = f"openvino {ov.__version__.split('-')[0]} SDPA-13 ({precision}, fp32 I/O{gqa})"
+    return (lambda: request.infer(feed, share_inputs=True)[0]), what
 
 
 def numpy_impl(spec: AttentionSpec, args: dict[str, np.ndarray]) -> tuple[Callable[[], object], str]:
@@ -181,7 +247,9 @@ def numpy_impl(spec: AttentionSpec, args: dict[str, np.ndarray]) -> tuple[Callab
     scores_bytes = 4 * spec.batch * spec.h * spec.n_q * spec.n_kv
     if scores_bytes > NUMPY_LIMIT_BYTES:
         raise NotImplementedError(f"needs {scores_bytes / 2**30:.0f} GiB for the scores")
-    q, k, v = args["q"], np.repeat(args["k"], spec.group, 1), np.repeat(args["v"], spec.group, 1)
+    # float32 throughout: 16-bit inputs are widened once (exactly), NumPy has no bf16 BLAS
+    q, k, v = (np.asarray(args[n], np.float32) for n in "qkv")
+    k, v = np.repeat(k, spec.group, 1), np.repeat(v, spec.group, 1)
     mask = _mask(spec, args)
 
     @np.errstate(invalid="ignore")  # a row that sees no key becomes NaN, as in most frameworks
@@ -192,10 +260,17 @@ def numpy_impl(spec: AttentionSpec, args: dict[str, np.ndarray]) -> tuple[Callab
         s = np.exp(s - s.max(-1, keepdims=True))
         return (s / s.sum(-1, keepdims=True)) @ v
 
-    return run, f"numpy {np.__version__} (float32, scores materialised)"
+    inputs = "" if spec.dtype == "float32" else f" on the {spec.dtype} inputs"
+    return run, f"numpy {np.__version__} (float32{inputs}, scores materialised)"
 
 
-PEERS = {"torch": torch_impl, "onnxruntime": onnxruntime_impl, "numpy": numpy_impl}
+PEERS = {"torch": torch_impl, "onnxruntime": onnxruntime_impl, "openvino": openvino_impl, "numpy": numpy_impl}
+OPTIONAL_PEERS = {"openvino"}  # in the default list only where installed (the bench extra)
+
+
+def default_peers() -> tuple[str, ...]:
+    """The peers a plain `tvmattn bench` runs: every one, but an optional one only if it is installed."""
+    return tuple(name for name in PEERS if name not in OPTIONAL_PEERS or find_spec(name) is not None)
 
 
 def _causal(spec: AttentionSpec) -> np.ndarray:
@@ -210,11 +285,13 @@ def _mask(spec: AttentionSpec, args: dict[str, np.ndarray]) -> np.ndarray | None
 
 
 # ---- the run -------------------------------------------------------------------------------------
-def bench(spec: AttentionSpec, peers: tuple[str, ...] = tuple(PEERS), budget_s: float = 1.0,
+def bench(spec: AttentionSpec, peers: Sequence[str] | None = None, budget_s: float = 1.0,
           target: str = "cpu", log_dirs: Sequence[str] = (), tuned: bool = True) -> list[Result]:
-    """tvmattn and each available peer on the same seeded inputs; tvmattn's row comes first.
+    """tvmattn and each available peer (``default_peers()`` unless given) on the same seeded inputs;
+    tvmattn's row comes first.
 
     tvmattn uses the best tuning record (``log_dirs`` first) unless ``tuned`` is False."""
+    peers = default_peers() if peers is None else tuple(peers)
     if spec.symbolic_dims:
         raise TvmAttnError(f"bench needs concrete sizes, not {', '.join(spec.symbolic_dims)}: "
                            f"give --seq/--batch numbers")
@@ -262,6 +339,8 @@ def _error(out: np.ndarray, ref: np.ndarray, seen: np.ndarray) -> float:
 
 
 def _to_numpy(x) -> np.ndarray:
+    if str(getattr(x, "dtype", "")) == "torch.bfloat16":  # NumPy has no bf16: widen (exactly) first
+        x = x.float()
     if hasattr(x, "numpy"):
         return x.numpy()
     return np.asarray(x)

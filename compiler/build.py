@@ -20,6 +20,7 @@ from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import host_target, is_cpu, resolve_target
 from tvmattn.compiler.te_attention import attention_te
 from tvmattn.compiler.tuning.lookup import tuned_schedule
+from tvmattn.schedules import x86_bf16
 from tvmattn.schedules.ops import ScheduleFunctions
 
 
@@ -60,7 +61,8 @@ def lowering_passes(spec: AttentionSpec, target: Target) -> tvm.transform.Pass:
     """tvmattn's own passes, run on the scheduled module before TVM's pipeline."""
     seq = [passes.skip_masked_key_tiles(spec)]
     if is_cpu(target):
-        seq += [passes.pad_query_tiles(), passes.peel_key_tails(), passes.polynomial_math()]
+        seq += [passes.pad_query_tiles(), passes.peel_key_tails(), passes.polynomial_math(),
+                x86_bf16.keep_operands_16bit()]
     return tvm.transform.Sequential(seq)
 
 

@@ -294,7 +294,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.model:
         return _bench_model(args)
     specs = bench.suite(args.suite) if args.suite else [spec_from_args(args)]
-    peers = tuple(p for p in args.peers.split(",") if p) if args.peers is not None else tuple(bench.PEERS)
+    peers = tuple(p for p in args.peers.split(",") if p) if args.peers is not None else bench.default_peers()
     unknown = set(peers) - set(bench.PEERS)
     if unknown:
         raise TvmAttnError(f"unknown peer(s) {sorted(unknown)}: choose from {', '.join(bench.PEERS)}")
@@ -346,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--at", action="append", help="values of symbolic sizes, e.g. --at n=100 (default 1, 37, 128)")
     p.set_defaults(run=cmd_verify)
 
-    p = sub.add_parser("bench", help="time tvmattn against PyTorch, ONNX Runtime and NumPy in one process; "
+    p = sub.add_parser("bench", help="time tvmattn against PyTorch, ONNX Runtime, OpenVINO and NumPy in one process; "
                        "with a model.onnx: the imported model against ONNX Runtime")
     p.add_argument("model", nargs="?", help="an .onnx file: bench the whole model instead of one attention")
     p.add_argument("--shape", action="append", help="(model) bind an input's dimensions, e.g. --shape input_ids=1x128")
@@ -356,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_target_flags(p)
     add_log_flags(p)
     p.add_argument("--suite", help="a benchmark suite instead of one spec: default")
-    p.add_argument("--peers", help="comma-separated subset of torch,onnxruntime,numpy ('' for none)")
+    p.add_argument("--peers", help="comma-separated subset of torch,onnxruntime,openvino,numpy ('' for none; "
+                   "default: all, openvino where installed)")
     p.add_argument("--budget", type=float, default=1.0, help="seconds of timed runs per implementation")
     p.add_argument("--json", help="write the results to this JSON file")
     p.add_argument("--plot", help="draw GFLOP/s against sequence length to this PNG (needs matplotlib)")

@@ -35,6 +35,9 @@ from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.te_attention import KEY_STAGE
 
 PADDED_AXES = "tvmattn.padded_axes"  # block annotation: iterators whose tail its inputs are padded for
+# Block annotation of a key stage whose iterators run over blocks of queries or keys (a tensorized
+# block): "b=v_b_o,s=v_s_o*16,t=v_t_o*2" — batch v_b_o, queries 16·v_s_o + [0, 16), keys 2·v_t_o + [0, 2).
+KEY_BLOCKS = "tvmattn.key_blocks"
 GUARD_NAME = "sees_keys"  # the flag `skip_masked_key_tiles` guards a key loop's body with
 
 
@@ -58,7 +61,7 @@ def skip_masked_key_tiles(spec: AttentionSpec) -> tvm.transform.Pass:
         if not variant.skips_keys(spec):
             return func
         kv_lens = next((p for p in func.params if p.name == "kv_lens"), None)
-        ranges = _KeyLoopRanges(spec, kv_lens)
+        ranges = _KeyLoopRanges(spec, kv_lens, key_pairs=_reads_key_pairs(func))
         if not ranges.visit(func.body) or not ranges.bounds:
             return func
         # A loop-dependent extent makes TVM's buffer compaction size a tile by the extent's constant
@@ -75,6 +78,7 @@ def skip_masked_key_tiles(spec: AttentionSpec) -> tvm.transform.Pass:
 class _KeyLoopRanges:
     spec: AttentionSpec
     kv_lens: tirx.Buffer | None
+    key_pairs: bool = False  # a stage reads keys two at a time (`KEY_BLOCKS` with t*2)
     bounds: "_LoopBounds" = field(default_factory=lambda: _LoopBounds())
     analyzer: Analyzer = field(default_factory=Analyzer)
 
@@ -90,14 +94,17 @@ class _KeyLoopRanges:
         return ok[0]
 
     def _analyse(self, realize: SBlockRealize, loops: list[For]) -> bool:
-        iters = {iv.var.name: (iv, value) for iv, value in zip(realize.block.iter_vars, realize.iter_values)}
+        iters = {iv.var.name: (iv.dom.extent, value) for iv, value in zip(realize.block.iter_vars, realize.iter_values)}
+        within: dict[tirx.Var, IntervalSet] = {}  # offsets inside a block of queries or keys
+        if KEY_BLOCKS in realize.block.annotations:
+            iters, within = _blocked_iters(iters, str(realize.block.annotations[KEY_BLOCKS]))
         if "v_t" not in iters:
             # a reduction's init runs over no key; a key axis split into new iterators (rfactor: vt_0,
             # vt_1) is one this analysis cannot follow
             return not any(name.startswith("vt") for name in iters)
         if "v_s" not in iters or (self.spec.key_padding and "v_b" not in iters):
             return False
-        (s_iter, s), (t_iter, t) = iters["v_s"], iters["v_t"]
+        (n, s), (n_kv, t) = iters["v_s"], iters["v_t"]
         depends = [i for i, loop in enumerate(loops) if uses(t, loop.loop_var)]
         if not depends:
             return True  # a single key: nothing to skip
@@ -110,11 +117,14 @@ class _KeyLoopRanges:
         if len(coeffs) != 2 or not isinstance(coeffs[0], tirx.IntImm) or coeffs[0].value <= 0:
             return False
         c, rest = coeffs[0].value, coeffs[1]
-        relax = {lp.loop_var: IntervalSet(lp.min, lp.min + lp.extent - 1) for lp in inside}
+        relax = {lp.loop_var: IntervalSet(lp.min, lp.min + lp.extent - 1) for lp in inside} | within
         s_set = self.analyzer.int_set(s, relax)
         r_set = self.analyzer.int_set(rest, relax)
-        kv_len = tirx.BufferLoad(self.kv_lens, [b]) if self.spec.key_padding else t_iter.dom.extent
-        t_lo, t_hi = variant.key_range(self.spec, s_set.min_value, s_set.max_value, kv_len, s_iter.dom.extent)
+        kv_len = tirx.BufferLoad(self.kv_lens, [b]) if self.spec.key_padding else n_kv
+        t_lo, t_hi = variant.key_range(self.spec, s_set.min_value, s_set.max_value, kv_len, n)
+        if self.key_pairs:  # every stage computes whole pairs of keys: the pair's other key is hidden (0)
+            t_lo = None if t_lo is None else tirx.floordiv(t_lo, 2) * 2
+            t_hi = None if t_hi is None else tirx.min(tirx.floordiv(t_hi + 1, 2) * 2, n_kv)
         lo, hi = key_loop.min, key_loop.min + key_loop.extent
         if t_lo is not None:
             lo = tirx.max(lo, tirx.floordiv(t_lo - r_set.max_value + (c - 1), c))
@@ -122,6 +132,34 @@ class _KeyLoopRanges:
             hi = tirx.min(hi, tirx.floordiv(t_hi - r_set.min_value + (c - 1), c))
         self.bounds.add(key_loop.loop_var, self.analyzer.simplify(lo), self.analyzer.simplify(hi))
         return True
+
+
+def _blocked_iters(iters: dict, blocks: str) -> tuple[dict, dict]:
+    """A `KEY_BLOCKS` block's (extent, value) of v_b, v_s, v_t, and the offsets inside its blocks."""
+    out, within = {}, {}
+    for item in blocks.split(","):
+        axis, _, term = item.partition("=")
+        name, _, factor = term.partition("*")
+        extent, value = iters[name]
+        f = int(factor or 1)
+        if f > 1:
+            offset = tirx.Var(f"{axis}_in_block", "int32")
+            within[offset] = IntervalSet(0, f - 1)
+            extent, value = extent * f, value * f + offset
+        out[f"v_{axis}"] = (extent, value)
+    return out, within
+
+
+def _reads_key_pairs(func: PrimFunc) -> bool:
+    pairs = [False]
+
+    def on_block(node: SBlockRealize, _loops) -> None:
+        blocks = node.block.annotations.get(KEY_BLOCKS)
+        pairs[0] |= blocks is not None and any(item.startswith("t=") and item.endswith("*2")
+                                               for item in str(blocks).split(","))
+
+    _visit_blocks(func.body, on_block)
+    return pairs[0]
 
 
 def _visit_blocks(stmt, on_block) -> None:

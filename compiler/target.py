@@ -70,16 +70,17 @@ def vector_lanes(target: Target, dtype: str = "float32") -> int:
     """
     if not is_cpu(target):
         return 1
-    if _has(target, "avx512f"):
+    if has_feature(target, "avx512f"):
         bits = 512
-    elif _has(target, "avx2") or _has(target, "avx"):
+    elif has_feature(target, "avx2") or has_feature(target, "avx"):
         bits = 256
     else:
         bits = 128
     return bits // tvm.DataType(dtype).bits
 
 
-def _has(target: Target, feature: str) -> bool:
+def has_feature(target: Target, feature: str) -> bool:
+    """Whether LLVM says ``target``'s CPU (``mcpu``, ``mattr``) has ``feature`` (e.g. "avx512bf16")."""
     try:
         return bool(codegen.llvm_cpu_has_features(feature, target))
     except Exception:  # an LLVM without that query: assume the baseline

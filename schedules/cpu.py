@@ -30,10 +30,21 @@ import tvm
 from tvm.s_tir import Schedule
 from tvm.target import Target
 
+from tvmattn.compiler.passes import KEY_BLOCKS
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import vector_lanes
+from tvmattn.compiler.te_attention import KEY_STAGE
 from tvmattn.schedules.knobs import Knob, KnobValue
 from tvmattn.schedules.rule import AttentionRule
+from tvmattn.schedules.x86_bf16 import (
+    LANES,
+    PAIR,
+    DOT_16x2,
+    DOT_16x2_PAIR_FIRST,
+    has_bf16_dot,
+    import_dot,
+    pairs_intrinsic,
+)
 
 KNOBS = (
     Knob("q_tile", (8, 16, 24, 32, 48, 64), 16, "queries per parallel task (a multiple of the vector width)"),
@@ -75,6 +86,11 @@ class CpuAttention(AttentionRule):
         else:
             used = ["q_tile", "qk_keys", "pv_rows", "pv_vecs"]
             what = f"query tiles × {lanes}-lane vectors"
+            q_tile = min(knobs["q_tile"], spec.n_q) if isinstance(spec.n_q, int) else knobs["q_tile"]
+            qk_keys = min(knobs["qk_keys"], spec.n_kv) if isinstance(spec.n_kv, int) else knobs["qk_keys"]
+            dots = [stage for stage, on in zip(("QKᵀ", "P·V"), bf16_dots(spec, target, q_tile, qk_keys)) if on]
+            if dots:
+                what += f", {' and '.join(dots)} on bf16 dot products (vdpbf16ps)"
         if spec.projections:
             used += ["gemm_rows", "gemm_vecs", "gemm_block_rows", "gemm_block_cols"]
         return f"{what}: " + " ".join(f"{name}={knobs[name]}" for name in used)
@@ -92,7 +108,7 @@ class CpuAttention(AttentionRule):
         if _few_tasks_of_one_query(spec, target, lanes) and chunks > 1:
             _split_keys(sch, spec, lanes, chunks)
         else:
-            _attention_core(sch, spec, lanes, knobs)
+            _attention_core(sch, spec, target, lanes, knobs)
         for name in ("q_proj", "k_proj", "v_proj", "out"):
             if _has_block(sch, name):
                 _gemm(sch, name, lanes, knobs)
@@ -109,11 +125,14 @@ def gemm_defaults(d_in: int, lanes: int, bits: int) -> dict[str, int]:
     return {"gemm_vecs": vecs, "gemm_block_cols": cols}
 
 
-def _attention_core(sch: Schedule, spec: AttentionSpec, lanes: int, k: Mapping[str, KnobValue]) -> None:
+def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: int,
+                    k: Mapping[str, KnobValue]) -> None:
     tile_factor = _at_most(sch, k["q_tile"], spec.n_q)  # a few queries (decode): one exact tile
     q_tile = _int(sch, tile_factor)
     s_lanes = _lanes_for(q_tile, lanes)  # queries per vector
     by_head_dim = s_lanes == 1 and _lanes_for(spec.d_k, lanes) > 1  # one query (decode): vectors along d_k
+    qk_keys = _at_most(sch, k["qk_keys"], spec.n_kv)
+    qk_pairs, pv_pairs = bf16_dots(spec, target, q_tile, _int(sch, qk_keys))
     if by_head_dim:
         scores_rf = _split_head_dim(sch, _lanes_for(spec.d_k, lanes))
     # Tile-local buffers are laid out (query tile, key, query in tile): vectors run along queries, and
@@ -140,8 +159,8 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, lanes: int, k: Mapping[s
     if by_head_dim:
         _scores_along_head_dim(sch, scores_rf)
     else:
-        _pack_queries(sch, spec, task, q_tile)
-        _scores(sch, s_lanes, _at_most(sch, k["qk_keys"], spec.n_kv))
+        _pack_queries(sch, spec, task, q_tile, qk_pairs)
+        _scores(sch, s_lanes, qk_keys, qk_pairs)
         if spec.attn_mask is not None and {"s", "t"} <= set(spec.attn_mask_dims):
             _pack_mask(sch, task, q_tile)
     for name in ("row_max", "row_sum"):
@@ -158,8 +177,29 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, lanes: int, k: Mapping[s
         _vectorize(sch, s, q_tile, s_lanes)
     else:  # one query: the keys are contiguous
         _vectorize(sch, t, spec.n_kv if isinstance(spec.n_kv, int) else None, lanes)
+    panels = _pack_pairs(sch, spec, task) if pv_pairs else None
     # whole row groups per tile: a partial group's accumulator has a loop-dependent size
-    _weights_v(sch, spec, lanes, _divisor_at_most(q_tile, _int(sch, k["pv_rows"])), k["pv_vecs"])
+    _weights_v(sch, spec, lanes, _divisor_at_most(q_tile, _int(sch, k["pv_rows"])), k["pv_vecs"], pv_pairs)
+    if panels:
+        _tensorize_pairs(sch, spec, panels, q_tile)
+    if qk_pairs or pv_pairs:
+        import_dot(sch, task)
+
+
+def bf16_dots(spec: AttentionSpec, target: Target, q_tile: int, qk_keys: int) -> tuple[bool, bool]:
+    """Whether QKᵀ and P·V of the query-tile kernel run on `x86_bf16.DOT_16x2` (vdpbf16ps): bf16 on
+    a CPU with AVX512-BF16, static lengths in whole query tiles (``q_tile`` a power of two from 16)
+    and key tiles (``qk_keys``), whole pairs of the reduction (d_k even; for P·V an even n_kv) and d_v
+    in whole vectors: a tail's predicate cannot sit inside the instruction. Elsewhere the stage
+    widens to fp32 FMAs."""
+    whole_tiles = isinstance(spec.n_q, int) and spec.n_q % q_tile == 0 and isinstance(spec.n_kv, int)
+    if spec.dtype != "bfloat16" or not has_bf16_dot(target) or q_tile < LANES or q_tile & (q_tile - 1) \
+            or not whole_tiles:
+        return False, False
+    qk = spec.d_k % PAIR == 0 and spec.n_kv % qk_keys == 0
+    # (not in a full layer: after `_pack_pairs` TVM refuses the projections' `cache_write`, "not a
+    # stage pipeline")
+    return qk, spec.n_kv % PAIR == 0 and spec.d_v % LANES == 0 and not spec.projections
 
 
 def _few_tasks_of_one_query(spec: AttentionSpec, target: Target, lanes: int) -> bool:
@@ -219,19 +259,22 @@ def _split_keys(sch: Schedule, spec: AttentionSpec, lanes: int, chunks: int) -> 
     _vectorize(sch, sch.get_loops(sch.get_sblock("pv"))[-1], spec.d_v, lanes)
 
 
-def _pack_queries(sch: Schedule, spec: AttentionSpec, task, q_tile: int) -> None:
-    """Copy the task's queries into a (d_k, q_tile) panel: QKᵀ then loads whole vectors of queries."""
+def _pack_queries(sch: Schedule, spec: AttentionSpec, task, q_tile: int, pairs: bool) -> None:
+    """Copy the task's queries into a (d_k, q_tile) panel: QKᵀ then loads whole vectors of queries
+    (``pairs``: a (d_k/2, q_tile, 2) panel, the operand of `x86_bf16.DOT_16x2`)."""
     scores = sch.get_sblock("scores")
     reads = [r.source.name for r in sch.get(scores).reads]
     q_index = next(i for i, name in enumerate(reads) if name in ("q", "q_proj"))
     panel = sch.cache_read(scores, q_index, "global")
     sch.compute_at(panel, task, preserve_unit_loops=True)
+    # bf16 dot products: (d_k/2, q_tile, 2), each query's pairs of e side by side
+    at = (lambda e, s: (e // PAIR, s % q_tile, e % PAIR)) if pairs else (lambda e, s: (e, s % q_tile))  # noqa: E731
     if spec.projections:  # q_proj (B, n, h·d_k)
-        layout = lambda b, s, m: (b, s // q_tile, m, s % q_tile)  # noqa: E731
+        layout = lambda b, s, m: (b, s // q_tile, *at(m, s))  # noqa: E731
     elif spec.layout == "BHSD":
-        layout = lambda b, i, s, e: (b, i, s // q_tile, e, s % q_tile)  # noqa: E731
+        layout = lambda b, i, s, e: (b, i, s // q_tile, *at(e, s))  # noqa: E731
     else:
-        layout = lambda b, s, i, e: (b, i, s // q_tile, e, s % q_tile)  # noqa: E731
+        layout = lambda b, s, i, e: (b, i, s // q_tile, *at(e, s))  # noqa: E731
     sch.transform_layout(panel, ("write", 0), layout, assume_injective_transform=True)
 
 
@@ -247,17 +290,23 @@ def _pack_mask(sch: Schedule, task, q_tile: int) -> None:
                          assume_injective_transform=True)
 
 
-def _scores(sch: Schedule, lanes: int, keys_factor: KnobValue) -> None:
+def _scores(sch: Schedule, lanes: int, keys_factor: KnobValue, pairs: bool) -> None:
     """acc[qk_keys keys][q_tile queries] += k[t, e] · q[e, s], over e, in registers (``lanes``
-    queries per vector)."""
+    queries per vector); with ``pairs``, two steps of e per instruction (`x86_bf16.DOT_16x2`: the
+    pair k[t, e:e+2] broadcast, the panel's q[e:e+2, s:s+16])."""
     scores = sch.get_sblock("scores")
     s, t, e = sch.get_loops(scores)[-3:]
     keys = _int(sch, keys_factor)
     t_out, t_in = sch.split(t, [None, keys_factor])
     s_out, s_vec = sch.split(s, [None, lanes])
-    sch.reorder(t_out, e, t_in, s_out, s_vec)
+    if pairs:
+        e, e_pair = sch.split(e, [None, PAIR])
+        sch.reorder(t_out, e, t_in, s_out, s_vec, e_pair)
+    else:
+        sch.reorder(t_out, e, t_in, s_out, s_vec)
     _register_tile(sch, scores, t_out, lambda b, i, st, t, s: (b, i, st, t // keys, t % keys, s),
-                   (t_in, s_out), s_vec, lanes, e)
+                   (t_in, s_out), s_vec, lanes, e, intrinsic=DOT_16x2 if pairs else None,
+                   key_blocks=f"b=v_b_o,s=v_s_o*{LANES},t=v_t_o")
 
 
 def _split_head_dim(sch: Schedule, lanes: int):
@@ -288,17 +337,68 @@ def _scores_along_head_dim(sch: Schedule, scores_rf, chunks: KnobValue | None = 
     sch.decompose_reduction(scores_rf, e_out)
 
 
-def _weights_v(sch: Schedule, spec: AttentionSpec, lanes: int, rows_factor: KnobValue, vecs: KnobValue) -> None:
-    """acc[pv_rows queries][pv_vecs·lanes of d_v] += probs[t, s] · v[t, c], over t, in registers."""
+def _weights_v(sch: Schedule, spec: AttentionSpec, lanes: int, rows_factor: KnobValue, vecs: KnobValue,
+               pairs: bool) -> None:
+    """acc[pv_rows queries][pv_vecs·lanes of d_v] += probs[t, s] · v[t, c], over t, in registers;
+    with ``pairs``, two keys per instruction (`x86_bf16.DOT_16x2_PAIR_FIRST` on `_pack_pairs`' panels)."""
     pv = sch.get_sblock("pv")
     s, c, t = sch.get_loops(pv)[-3:]
     rows = _int(sch, rows_factor)
     s_out, s_in = sch.split(s, [None, rows_factor])
     lanes_c = _lanes_for(spec.d_v, lanes)
+    if pairs:  # whole tiles: a tile tail's predicate would sit inside the instruction
+        vecs = _divisor_at_most(spec.d_v // lanes_c, _int(sch, vecs))
     c_out, c_mid, c_vec = sch.split(c, [None, vecs if lanes_c == lanes else 1, lanes_c])
-    sch.reorder(s_out, c_out, t, s_in, c_mid, c_vec)
+    if pairs:
+        t, t_pair = sch.split(t, [None, PAIR])
+        sch.reorder(s_out, c_out, t, s_in, c_mid, c_vec, t_pair)
+    else:
+        sch.reorder(s_out, c_out, t, s_in, c_mid, c_vec)
     _register_tile(sch, pv, c_out, lambda b, i, st, s, c: (b, i, st, s // rows, s % rows, c),
-                   (s_in, c_mid), c_vec, lanes_c, t)
+                   (s_in, c_mid), c_vec, lanes_c, t, intrinsic=DOT_16x2_PAIR_FIRST if pairs else None,
+                   key_blocks=f"b=v_b_o,s=v_s_o,t=v_t_o*{PAIR}")
+
+
+def _pack_pairs(sch: Schedule, spec: AttentionSpec, task) -> tuple[str, str]:
+    """The operands of P·V as `x86_bf16.DOT_16x2` reads them, per task: P rounded to bf16 (as
+    FlashAttention rounds it for 16-bit inputs; the row sums keep fp32) and V, both with keys 2t, 2t+1
+    side by side: P (t/2, q_tile, 2), V (t/2, d_v, 2). Their copies' names, for `_tensorize_pairs`."""
+    pv = sch.get_sblock("pv")
+    reads = [r.source.name for r in sch.get(pv).reads]
+    v_panel = sch.cache_read(pv, next(i for i, x in enumerate(reads) if x in ("v", "v_proj")), "global")
+    sch.compute_at(v_panel, task, preserve_unit_loops=True)
+    p_panel = sch.cache_read(pv, reads.index("probs"), "global")  # inside the task, where probs is
+    sch.unsafe_set_dtype(p_panel, 0, "bfloat16")
+    p_name = sch.get(p_panel).name_hint
+    sch.transform_layout(p_panel, ("write", 0), lambda b, i, st, t, s: (b, i, st, t // PAIR, s, t % PAIR),
+                         assume_injective_transform=True)
+    if spec.projections:  # v_proj (B, n_kv, h_kv·d_v)
+        v_layout = lambda b, t, m: (b, t // PAIR, m, t % PAIR)  # noqa: E731
+    elif spec.layout == "BHSD":
+        v_layout = lambda b, h, t, c: (b, h, t // PAIR, c, t % PAIR)  # noqa: E731
+    else:
+        v_layout = lambda b, t, h, c: (b, h, t // PAIR, c, t % PAIR)  # noqa: E731
+    sch.transform_layout(v_panel, ("write", 0), v_layout, assume_injective_transform=True)
+    return p_name, sch.get(v_panel).name_hint
+
+
+def _tensorize_pairs(sch: Schedule, spec: AttentionSpec, panels: tuple[str, str], q_tile: int) -> None:
+    """`_pack_pairs`' copies as `x86_bf16.pairs_intrinsic`, one block per pair of rows. Last: with
+    them tensorized, TVM finds the root scope no "stage pipeline" for the register tiles' primitives."""
+    p_name, v_name = panels
+    bshd = not spec.projections and spec.layout == "BSHD"  # V's loops (b, t, h, c), else (…, t, c)
+    for name, t_at, intrinsic in ((p_name, -2, pairs_intrinsic("float32", q_tile)),
+                                  (v_name, -3 if bshd else -2, pairs_intrinsic("bfloat16", spec.d_v, bshd))):
+        loops = sch.get_loops(sch.get_sblock(name))
+        t, t_pair = sch.split(loops[t_at], [None, PAIR])
+        sch.reorder(t, *loops[t_at + 1:], t_pair)  # (t/2, [head,] column, pair)
+        _tensorize(sch, loops[-1], intrinsic)
+    # P's panel is a key stage: it reads the weights of the keys its queries see, in pairs (V's reads
+    # the input, every key)
+    p_panel = sch.get_sblock(p_name + "_o")
+    b, _, tile, pair = (iv.var.name for iv in sch.get(p_panel).iter_vars[:4])
+    sch.annotate(p_panel, KEY_STAGE, 1)
+    sch.annotate(p_panel, KEY_BLOCKS, f"b={b},s={tile}*{q_tile},t={pair}*{PAIR}")
 
 
 def _gemm(sch: Schedule, name: str, lanes: int, k: Mapping[str, KnobValue]) -> None:
@@ -363,13 +463,14 @@ def gemv(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: t
 
 
 def _register_tile(sch: Schedule, block, outer, layout, unrolled: tuple, vector, lanes: int, reduction,
-                   epilogue: tuple = ()) -> list:
+                   epilogue: tuple = (), intrinsic: str | None = None, key_blocks: str | None = None) -> list:
     """The register-tile idiom: ``block`` accumulates its tile under ``outer`` in a local buffer
     (``cache_write``) that LLVM keeps in registers once its loops are unrolled and vectorised.
     ``layout`` gives that buffer a fixed size even where a tail predicate cuts the tile. The init
     is split off last: vectorising after ``decompose_reduction`` fails. The ``epilogue`` blocks
     (elementwise consumers of ``block``, in order) are inlined into the store of the tile, up to the
-    first that cannot be (or while the tile has other consumers): that one and the rest are returned."""
+    first that cannot be (or while the tile has other consumers): that one and the rest are returned.
+    With ``intrinsic``, the loop nest from ``vector`` in is that tensor intrinsic instead of a vector."""
     acc = sch.cache_write(block, 0, "local")
     left = list(epilogue)
     while left and _only_consumer(sch, acc, left[0]):
@@ -382,10 +483,24 @@ def _register_tile(sch: Schedule, block, outer, layout, unrolled: tuple, vector,
     sch.reverse_compute_at(acc, outer, preserve_unit_loops=True)
     for loop in unrolled:
         sch.unroll(loop)
-    _vectorize(sch, vector, lanes, lanes)
+    if intrinsic is None:
+        _vectorize(sch, vector, lanes, lanes)
     _vectorize(sch, sch.get_loops(acc)[-1], None, lanes)
-    sch.decompose_reduction(block, reduction)
+    init = sch.decompose_reduction(block, reduction)
+    if intrinsic is not None:  # ``vector`` and the loops inside it are the intrinsic's
+        _tensorize(sch, vector, intrinsic, key_blocks)
+        _vectorize(sch, sch.get_loops(init)[-1], lanes, lanes)
     return left
+
+
+def _tensorize(sch: Schedule, loop, intrinsic: str, key_blocks: str | None = None) -> None:
+    """Tensorize the loop nest from ``loop`` in with ``intrinsic``; ``key_blocks`` (`passes.KEY_BLOCKS`)
+    says which of the new block's iterators are its queries and keys, for `skip_masked_key_tiles`."""
+    outer = sch.blockize(loop)
+    sch.tensorize(outer, intrinsic)
+    if key_blocks is not None:
+        sch.annotate(outer, KEY_STAGE, 1)
+        sch.annotate(outer, KEY_BLOCKS, key_blocks)
 
 
 def _only_consumer(sch: Schedule, producer, block) -> bool:
@@ -418,6 +533,11 @@ def _at_most(sch: Schedule, factor: KnobValue, extent) -> KnobValue:
     """A split factor no larger than a static extent: a tile of one real row and padding rows makes
     TVM's buffer compaction leak loop variables into allocation sizes."""
     return extent if isinstance(extent, int) and extent < _int(sch, factor) else factor
+
+
+def _loop_index(sch: Schedule, block, loop) -> int | None:
+    """Where ``loop`` is among the loops around ``block`` (None: not around it)."""
+    return next((i for i, x in enumerate(sch.get_loops(block)) if sch.get(x).same_as(sch.get(loop))), None)
 
 
 def _int(sch: Schedule, value: KnobValue) -> int:

@@ -3,11 +3,14 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from tvmattn import AttentionSpec
 from tvmattn.compiler import bench
 from tvmattn.compiler.cli import main
+from tvmattn.compiler.oracle import reference
+from tvmattn.compiler.verify import TOLERANCE, random_inputs
 
 SMALL = [
     AttentionSpec(batch=1, seq_len=64, num_heads=2, head_dim=16, causal=True, projections=False),
@@ -20,7 +23,8 @@ SMALL = [
 def test_every_implementation_agrees_with_the_oracle(spec):
     rows = {r.impl: r for r in bench.bench(spec, budget_s=0.05)}
     assert rows["tvmattn"].ms > 0 and rows["tvmattn"].max_rel_error < 1e-4
-    for name in bench.PEERS:
+    assert set(rows) == {"tvmattn", *bench.default_peers()}
+    for name in bench.default_peers():
         row = rows[name]
         if row.ms is None:  # a peer that is not installed says so
             assert row.note in ("not installed",) or row.note.startswith("skipped")
@@ -55,3 +59,75 @@ def test_unknown_peer_and_symbolic_spec(capsys):
     assert "unknown peer" in capsys.readouterr().err
     assert main(["bench", "--seq", "n", "--d-model", "16"]) == 2
     assert "concrete sizes" in capsys.readouterr().err
+
+
+# ---- peers on their own, against the float64 oracle (no tvmattn build) -------------------------------
+def _peer_error(name: str, spec: AttentionSpec) -> tuple[float, str]:
+    """max rel error of peer ``name`` on ``spec``'s seeded inputs, over the rows that see a key."""
+    args = random_inputs(spec, seed=0)
+    fn, what = bench.PEERS[name](spec, args)
+    out = np.asarray(bench._to_numpy(fn()), dtype=np.float64)
+    ref = reference(spec, args["q"], args["k"], args["v"], kv_lens=args.get("kv_lens"))
+    return bench._error(out, ref, bench._rows_that_see_keys(spec, args.get("kv_lens"))), what
+
+
+CORE = dict(batch=1, seq_len=32, num_heads=2, head_dim=16, projections=False)
+PEER_SPECS = {
+    "plain": AttentionSpec(**CORE),
+    "causal": AttentionSpec(**CORE, causal=True),
+    "mask-padding": AttentionSpec(**{**CORE, "batch": 2}, key_padding=True),  # a mask input: _mask is not None
+    "mask-gqa-window-padding": SMALL[1],
+}
+
+
+@pytest.mark.parametrize("case", PEER_SPECS)
+def test_openvino_matches_the_oracle_at_fp32(case):
+    pytest.importorskip("openvino")
+    spec = PEER_SPECS[case]
+    assert (bench._mask(spec, random_inputs(spec)) is not None) == case.startswith("mask")
+    err, what = _peer_error("openvino", spec)
+    assert err < TOLERANCE["float32"], what
+    assert "f32 inference precision, fp32 I/O" in what
+
+
+@pytest.mark.parametrize("case", ["causal", "mask-gqa-window-padding"])
+def test_openvino_matches_the_oracle_at_bf16(case):
+    pytest.importorskip("openvino")
+    err, what = _peer_error("openvino", PEER_SPECS[case].replace(dtype="bfloat16"))
+    assert err < TOLERANCE["bfloat16"], what
+    assert "bf16 inference precision, fp32 I/O" in what
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_torch_and_numpy_peers_take_16_bit_inputs(dtype):
+    spec = PEER_SPECS["mask-gqa-window-padding"].replace(dtype=dtype)
+    for name in ("torch", "numpy"):
+        if name == "torch":
+            pytest.importorskip("torch")
+        err, what = _peer_error(name, spec)
+        assert err < TOLERANCE[dtype], (name, what)
+
+
+def test_a_dtype_a_peer_cannot_do_is_skipped_with_a_note():
+    pytest.importorskip("onnxruntime")
+    spec = PEER_SPECS["causal"].replace(dtype="bfloat16")
+    with pytest.raises(NotImplementedError, match="no bfloat16 Attention"):
+        bench.onnxruntime_impl(spec, random_inputs(spec))
+    err, what = _peer_error("onnxruntime", spec.replace(dtype="float16"))
+    assert err < TOLERANCE["float16"] and "float16" in what
+
+
+def test_bf16_bench_runs_every_peer_or_says_why_not():
+    spec = AttentionSpec(**CORE, causal=True, dtype="bfloat16")
+    rows = {r.impl: r for r in bench.bench(spec, peers=tuple(bench.PEERS), budget_s=0.01)}
+    for name, row in rows.items():
+        if row.ms is None:
+            assert row.note == "not installed" or row.note.startswith("skipped: "), name
+            continue
+        assert row.max_rel_error < TOLERANCE["bfloat16"], (name, row.note)
+    assert rows["tvmattn"].ms is not None
+
+
+def test_openvino_is_a_default_peer_only_where_installed(monkeypatch):
+    monkeypatch.setattr(bench, "find_spec", lambda name: None)
+    assert "openvino" not in bench.default_peers() and "torch" in bench.default_peers()

@@ -1,0 +1,268 @@
+"""AVX512-BF16 dot products for the CPU micro-kernels: ``vdpbf16ps``, as a TVM tensor intrinsic.
+
+    vdpbf16ps acc, a, b      acc[i] += a[2i]·b[2i] + a[2i+1]·b[2i+1]     i < 16, fp32 lanes
+
+Two bf16 products per fp32 lane and instruction: twice the work of an fp32 FMA, with fp32
+accumulation (each product of two bf16 is exact in fp32). The operands are pair-interleaved along the
+reduction: a register tile of 16 output columns reads a (16, 2) panel ``B`` (column i's two reduction
+steps side by side), and the other operand is one pair ``A`` broadcast to every lane:
+
+    C[i] += A[k]·B[i, k]    i < 16, k < 2         (`DOT_16x2`, C fp32, A and B bf16)
+
+How it reaches LLVM. TVM lowers every bf16 value to fp32 arithmetic on uint16 storage before code
+generation (BF16ComputeLegalize, BF16StorageLegalize), so a ``call_llvm_pure_intrin`` with ``<32 x
+bfloat>`` operands cannot be written in TIR. The implementation calls `DOT_FUNCTION` instead, an
+external function on ``<16 x i32>`` (the same bits), and `import_dot` links its definition, LLVM IR
+that bitcasts to bfloat and calls the intrinsic, into the kernel's module (``pragma_import_llvm``). It is
+``alwaysinline``: after inlining, each call is one ``vdpbf16ps`` with the pair as an embedded broadcast.
+"""
+
+from __future__ import annotations
+
+import tvm
+import tvm_ffi
+from tvm import tirx
+from tvm.ir.expr import Call, TensorLoad
+from tvm.ir.expr import Expr as PrimExpr
+from tvm.s_tir import SBlock, Schedule, TensorIntrin
+from tvm.script import tirx as T
+from tvm.target import Target
+
+from tvmattn.compiler.target import has_feature
+
+LANES = 16  # fp32 lanes of a zmm register
+PAIR = 2  # bf16 products per lane
+DOT_16x2 = "tvmattn_dot_16x2_bf16"  # the block computes C + B·A (QKᵀ: the query panel, a key's pair)
+DOT_16x2_PAIR_FIRST = "tvmattn_dot_16x2_bf16_pair_first"  # C + A·B (P·V: a pair of weights, the V panel)
+DOT_FUNCTION = "tvmattn_dpbf16ps"
+DOT_LLVM = f"""
+define <16 x float> @{DOT_FUNCTION}(<16 x float> %acc, <16 x i32> %a, <16 x i32> %b) alwaysinline {{
+  %x = bitcast <16 x i32> %a to <32 x bfloat>
+  %y = bitcast <16 x i32> %b to <32 x bfloat>
+  %r = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> %acc, <32 x bfloat> %x, <32 x bfloat> %y)
+  ret <16 x float> %r
+}}
+declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
+"""
+
+
+def has_bf16_dot(target: Target) -> bool:
+    """Whether ``target`` (its ``mcpu``/``mattr``) has AVX512-BF16 (Zen 4, Sapphire Rapids and later)."""
+    return target.kind.name == "llvm" and has_feature(target, "avx512bf16")
+
+
+def _dot(pair_first: bool) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    """`DOT_16x2`'s description and implementation; ``pair_first``: the block multiplies A·B, else
+    B·A (tensorize matches the expression as written, and the blocks' reads in its order)."""
+
+    @T.prim_func(s_tir=True)
+    def desc(A: T.Buffer((PAIR,), "bfloat16", offset_factor=1),
+             B: T.Buffer((LANES, PAIR), "bfloat16", offset_factor=1),
+             C: T.Buffer((LANES,), "float32", offset_factor=1, scope="local")) -> None:
+        with T.sblock("root"):
+            if pair_first:  # the reads in the order the expression reads them
+                T.reads(C[0:LANES], A[0:PAIR], B[0:LANES, 0:PAIR])
+            else:
+                T.reads(C[0:LANES], B[0:LANES, 0:PAIR], A[0:PAIR])
+            T.writes(C[0:LANES])
+            for i, k in T.grid(LANES, PAIR):
+                with T.sblock("update"):
+                    vi, vk = T.axis.remap("SR", [i, k])
+                    if pair_first:
+                        C[vi] = C[vi] + T.cast(A[vk], "float32") * T.cast(B[vi, vk], "float32")
+                    else:
+                        C[vi] = C[vi] + T.cast(B[vi, vk], "float32") * T.cast(A[vk], "float32")
+
+    @T.prim_func(s_tir=True)
+    def impl(A: T.Buffer((PAIR,), "bfloat16", offset_factor=1),
+             B: T.Buffer((LANES, PAIR), "bfloat16", offset_factor=1),
+             C: T.Buffer((LANES,), "float32", offset_factor=1, scope="local")) -> None:
+        with T.sblock("root"):
+            T.reads(C[0:LANES], A[0:PAIR], B[0:LANES, 0:PAIR])
+            T.writes(C[0:LANES])
+            pair = T.meta_var(T.reinterpret(A.vload([0], "bfloat16x2"), dtype="int32"))
+            C[T.ramp(T.int32(0), 1, LANES)] = T.call_pure_extern(
+                "float32x16", DOT_FUNCTION, C.vload([0], "float32x16"),
+                T.reinterpret(B.vload([0, 0], "bfloat16x32"), dtype="int32x16"), T.broadcast(pair, LANES))
+
+    return desc, impl
+
+
+TensorIntrin.register(DOT_16x2, *_dot(pair_first=False))
+TensorIntrin.register(DOT_16x2_PAIR_FIRST, *_dot(pair_first=True))
+
+
+def pairs_intrinsic(source: str, width: int, heads_between: bool = False) -> str:
+    """The name of the tensor intrinsic (registered on first use) that packs rows t and t+1 of
+    ``width`` columns (a multiple of 16; ``source`` dtype, any row stride) into the (width, 2) bf16
+    panel `DOT_16x2` reads, column i's two values side by side: P (fp32, rounded to nearest even) and
+    V (bf16). ``heads_between``: the rows are of a (t, head, column) tensor (BSHD), one head of it.
+    A whole row in one block: split into 16-column blocks, the panel's copy left its scope without
+    TVM's "stage pipeline" for the P·V register tile."""
+    name = f"tvmattn_pairs_{width}x2_{source}{'_bshd' if heads_between else ''}"
+    if name not in _REGISTERED:
+        TensorIntrin.register(name, *_pairs(source, width, heads_between))
+        _REGISTERED.add(name)
+    return name
+
+
+_REGISTERED: set[str] = set()
+
+
+def _pairs(source: str, width: int, heads_between: bool) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    shape = (PAIR, 1, width) if heads_between else (PAIR, width)
+    row = (lambda t, c: [t, 0, c]) if heads_between else (lambda t, c: [t, c])  # noqa: E731
+    chunks = width // LANES
+
+    @T.prim_func(s_tir=True)
+    def desc(a: T.handle, b: T.handle) -> None:
+        row_stride, head_stride = T.int32(), T.int32()
+        src = T.match_buffer(a, shape, source, offset_factor=1,
+                             strides=[row_stride, head_stride, 1] if heads_between else [row_stride, 1])
+        dst = T.match_buffer(b, (width, PAIR), "bfloat16", offset_factor=1)
+        with T.sblock("root"):
+            if heads_between:
+                T.reads(src[0:PAIR, 0:1, 0:width])
+            else:
+                T.reads(src[0:PAIR, 0:width])
+            T.writes(dst[0:width, 0:PAIR])
+            for i, k in T.grid(width, PAIR):
+                with T.sblock("pack"):  # the block's iterators as a copy's: row, column
+                    vk, vi = T.axis.remap("SS", [k, i])
+                    if heads_between:
+                        dst[vi, vk] = src[vk, 0, vi]
+                    elif source == "bfloat16":
+                        dst[vi, vk] = src[vk, vi]
+                    else:
+                        dst[vi, vk] = T.cast(src[vk, vi], "bfloat16")
+
+    @T.prim_func(s_tir=True)
+    def impl(a: T.handle, b: T.handle) -> None:
+        row_stride, head_stride = T.int32(), T.int32()
+        src = T.match_buffer(a, shape, source, offset_factor=1,
+                             strides=[row_stride, head_stride, 1] if heads_between else [row_stride, 1])
+        dst = T.match_buffer(b, (width, PAIR), "bfloat16", offset_factor=1)
+        with T.sblock("root"):
+            if heads_between:
+                T.reads(src[0:PAIR, 0:1, 0:width])
+            else:
+                T.reads(src[0:PAIR, 0:width])
+            T.writes(dst[0:width, 0:PAIR])
+            # (meta_var: expressions, not bindings: a let in the block would leave the scope without a
+            # stage pipeline for later schedule primitives)
+            for c in T.unroll(chunks):
+                if source == "bfloat16":  # the words (low: row t, high: row t+1), through fp32: V may be
+                    # a buffer of the kernel's own that the legaliser widens (`_bits_of`)
+                    lo = T.meta_var(T.reinterpret(T.cast(src.vload(row(0, c * LANES), "bfloat16x16"), "float32x16"),
+                                                  dtype="uint32x16"))
+                    hi = T.meta_var(T.reinterpret(T.cast(src.vload(row(1, c * LANES), "bfloat16x16"), "float32x16"),
+                                                  dtype="uint32x16"))
+                    dst.vstore([c * LANES, 0], T.reinterpret((hi & T.uint32(0xFFFF0000)) | (lo >> T.uint32(16)),
+                                                             dtype="bfloat16x32"))
+                else:  # fp32 → bf16 rounded to nearest even: the top 16 bits of x + 0x7FFF + (bit 16 of x)
+                    lo = T.meta_var(T.reinterpret(src.vload(row(0, c * LANES), "float32x16"), dtype="uint32x16"))
+                    hi = T.meta_var(T.reinterpret(src.vload(row(1, c * LANES), "float32x16"), dtype="uint32x16"))
+                    lo_r = T.meta_var(lo + T.uint32(0x7FFF) + ((lo >> T.uint32(16)) & T.uint32(1)))
+                    hi_r = T.meta_var(hi + T.uint32(0x7FFF) + ((hi >> T.uint32(16)) & T.uint32(1)))
+                    dst.vstore([c * LANES, 0], T.reinterpret((hi_r & T.uint32(0xFFFF0000)) | (lo_r >> T.uint32(16)),
+                                                             dtype="bfloat16x32"))
+
+    return desc, impl
+_REINTERPRET = tvm.ir.Op.get("tirx.reinterpret")
+
+
+def import_dot(sch: Schedule, loop) -> None:
+    """Link `DOT_LLVM` into the module that ``loop``'s function is built into (once per function)."""
+    sch.annotate(loop, "pragma_import_llvm", DOT_LLVM)
+
+
+def keep_operands_16bit() -> tvm.transform.Pass:
+    """Store a kernel's own bf16 buffers (the packed operands of `DOT_16x2`) as their 16-bit patterns.
+
+    TVM's BF16ComputeLegalize widens every bf16 buffer a function allocates to fp32, which would hand
+    the instruction fp32 words where it reads bf16 pairs. Typed uint16 here, the buffers keep their
+    bits; a store writes the bf16 value's bits, any load outside the instruction reads them back as
+    bf16 (so the other stages compute exactly as before), and the instruction reads them as they are.
+    Functions that do not call `DOT_FUNCTION` are left alone."""
+
+    @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.KeepDotOperands16Bit")
+    def transform(func: tirx.PrimFunc, _mod, _ctx) -> tirx.PrimFunc:
+        if DOT_FUNCTION not in func.script():
+            return func
+        own = _own_bf16_buffers(func)
+        bits: list[tuple[tirx.Buffer, tirx.Buffer]] = []  # (bf16 buffer, its uint16 twin)
+
+        def on_buffer(buf: tirx.Buffer) -> tirx.Buffer:
+            if not any(buf.same_as(b) for b in own):
+                return buf
+            twin = next((t for b, t in bits if b.same_as(buf)), None)
+            if twin is None:
+                twin = buf.with_dtype("uint16")
+                bits.append((buf, twin))
+            return twin
+
+        def as_bf16(load: TensorLoad) -> PrimExpr:
+            lanes = load.ty.dtype.lanes
+            return tirx.reinterpret("bfloat16" if lanes == 1 else f"bfloat16x{lanes}", load)
+
+        def on_load(load: TensorLoad):
+            if any(t.same_as(load.source) for _, t in bits):
+                return as_bf16(tirx.BufferLoad(load.source, load.indices))
+            return load
+
+        def on_store(store: tirx.BufferStore):
+            if any(t.same_as(store.buffer) for _, t in bits):
+                return tirx.BufferStore(store.buffer, _bits_of(store.value), store.indices)
+            return store
+
+        def on_call(call: Call):  # reinterpret(bits) of reinterpret(bf16) of a load: the load's bits
+            if call.op.same_as(_REINTERPRET) and isinstance(call.args[0], Call) and \
+                    call.args[0].op.same_as(_REINTERPRET) and "bfloat16" in str(call.args[0].ty.dtype):
+                return tirx.reinterpret(str(call.ty.dtype), call.args[0].args[0])
+            return call
+
+        return tvm_ffi.structural_map(func, [(tirx.Buffer, on_buffer), (TensorLoad, on_load),
+                                             (tirx.BufferStore, on_store), (Call, on_call)])
+
+    return transform
+
+
+def _bits_of(value: PrimExpr) -> PrimExpr:
+    """The uint16 pattern of a bf16 ``value``, spelt out in fp32 and integer operations (a rounding of
+    fp32 to nearest even, as `pairs_intrinsic`): BF16ComputeLegalize widens any bf16 value but a
+    load of an argument to fp32, so a reinterpret of it would see 32 bits."""
+    lanes = value.ty.dtype.lanes
+    typed = lambda t: t if lanes == 1 else f"{t}x{lanes}"  # noqa: E731
+    if isinstance(value, Call) and value.op.same_as(_REINTERPRET):  # the bits of a pack already
+        return tirx.reinterpret(typed("uint16"), value.args[0])
+    word = lambda c: tirx.const(c, "uint32") if lanes == 1 else tirx.Broadcast(tirx.const(c, "uint32"), lanes)  # noqa: E731
+    if isinstance(value, tirx.Cast) and str(value.value.ty.dtype) == typed("float32"):
+        x = tirx.reinterpret(typed("uint32"), value.value)
+        x = x + word(0x7FFF) + ((x >> word(16)) & word(1))
+    else:  # a bf16 value (exact in fp32, whatever the legaliser makes of it): its top 16 bits
+        x = tirx.reinterpret(typed("uint32"), tirx.Cast(typed("float32"), value))
+    return tirx.Cast(typed("uint16"), x >> word(16))
+
+
+def _own_bf16_buffers(func: tirx.PrimFunc) -> list[tirx.Buffer]:
+    """The bf16 buffers ``func`` allocates that `DOT_FUNCTION` reads, and every view (match buffer)
+    of them."""
+    allocated: list[tirx.Buffer] = []
+    operands: list[tirx.Buffer] = []
+
+    def on_block(block: SBlock, visitor) -> None:
+        allocated.extend(b for b in block.alloc_buffers if str(b.dtype) == "bfloat16")
+        if block.match_buffers and DOT_FUNCTION in block.body.script():
+            operands.extend(m.source.source for m in block.match_buffers)
+        visitor.default_visit(block)
+
+    tvm_ffi.structural_visit(func.body, [(SBlock, on_block)])
+    own = [b for b in allocated if any(b.same_as(x) for x in operands)]
+    views: list[tirx.Buffer] = []
+
+    def on_views(block: SBlock, visitor) -> None:
+        views.extend(m.buffer for m in block.match_buffers if any(m.source.source.same_as(b) for b in own))
+        visitor.default_visit(block)
+
+    tvm_ffi.structural_visit(func.body, [(SBlock, on_views)])
+    return own + views

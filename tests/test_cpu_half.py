@@ -1,0 +1,71 @@
+"""bf16 and fp16 CPU kernels on their fast paths, against the float64 oracle: bf16 QKᵀ and P·V on
+AVX512-BF16 dot products (vdpbf16ps) over every spec axis the paths take, and the instruction in
+the generated code exactly when the target has the feature."""
+
+import pytest
+from helpers import assert_matches_oracle, compiled
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import specs
+
+import tvmattn
+from tvmattn import AttentionSpec
+from tvmattn.compiler.target import host_target
+from tvmattn.schedules.x86_bf16 import has_bf16_dot
+
+HOST_HAS_BF16_DOT = has_bf16_dot(host_target())
+needs_bf16_dot = pytest.mark.skipif(not HOST_HAS_BF16_DOT, reason="this CPU has no AVX512-BF16")
+
+
+@st.composite
+def dot_specs(draw, symbolic: bool = False) -> AttentionSpec:
+    """A bf16 spec whose QKᵀ and P·V can take the dot products (`cpu.bf16_dots`): whole query and key
+    tiles, head widths in whole vectors; every other axis drawn."""
+    spec = draw(specs(dtype="bfloat16", symbolic=False, intermediate=False, max_len=80))
+    d = draw(st.sampled_from((16, 32, 64)))
+    seq = draw(st.sampled_from((16, 32, 48, 64)))  # whole query tiles
+    kv_seq = draw(st.one_of(st.none(), st.integers(4, 20).map(lambda x: 4 * x)))  # whole key tiles
+    return spec.replace(head_dim=d, v_head_dim=draw(st.sampled_from((None, 16, 32))), seq_len=seq,
+                        kv_seq_len=kv_seq, d_model=spec.h * d,
+                        window=None if spec.window is None else draw(st.integers(1, seq // 2)))
+
+
+@needs_bf16_dot
+@settings(max_examples=20, deadline=None)
+@given(dot_specs())
+def test_bf16_dot_products_match_the_oracle(spec):
+    kernel = compiled(spec)
+    assert "vdpbf16ps" in kernel.schedule, kernel.schedule
+    assert_matches_oracle(kernel)
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("causal,window,key_padding", [(True, None, False), (True, 7, False), (False, 9, True),
+                                                       (True, None, True)])
+def test_bf16_dot_products_skip_hidden_key_tiles(causal, window, key_padding):
+    """Key tiles the mask hides are skipped in pairs of keys: an odd window edge or key length must
+    still give the hidden key of a pair weight 0."""
+    spec = AttentionSpec(batch=2, seq_len=96, num_heads=2, head_dim=32, causal=causal, window=window,
+                         key_padding=key_padding, projections=False, dtype="bfloat16")
+    kernel = compiled(spec, knobs=(("q_tile", 32),))
+    assert "P·V on bf16 dot products" in kernel.schedule, kernel.schedule
+    for seed in range(3):
+        assert_matches_oracle(kernel, seed=seed)
+
+
+SPEC = AttentionSpec(batch=1, seq_len=64, num_heads=2, head_dim=64, projections=False, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("mcpu,has_dot", [("znver4", True), ("sapphirerapids", True), ("znver3", False),
+                                          ("skylake-avx512", False)])
+def test_bf16_dot_instruction_exactly_where_the_target_has_it(mcpu, has_dot):
+    kernel = tvmattn.compile(SPEC, {"kind": "llvm", "mcpu": mcpu, "num-cores": 2}, knobs={})
+    assert ("vdpbf16ps" in kernel.source()) == has_dot
+    assert ("vdpbf16ps" in kernel.schedule) == has_dot
+
+
+def test_bf16_without_the_instruction_matches_the_oracle():
+    """The fp32 FMA path a CPU without AVX512-BF16 takes (AVX2 code runs on any x86-64 here)."""
+    kernel = tvmattn.compile(SPEC.replace(causal=True), {"kind": "llvm", "mcpu": "haswell", "num-cores": 2})
+    assert "vdpbf16ps" not in kernel.source()
+    assert_matches_oracle(kernel)
