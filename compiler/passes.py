@@ -517,6 +517,45 @@ _EXP, _SIGMOID, _TANH, _ERF, _POW = (tvm.ir.Op.get(f"tirx.{name}") for name in (
 SMALL_POWER = 4  # x**k by multiplication up to this k (GPT-2's GELU cubes its input)
 
 
+def exact_widenings() -> tvm.transform.Pass:
+    """Cast(fp32, Cast(h, B[i])) → B[i] where every store to B is Cast(fp32, x) with x of the 16-bit
+    dtype h: the fp32 panels the CPU schedule widens fp16/bf16 operands into once (`unsafe_set_dtype`
+    leaves its readers narrowing back) hold values h represents exactly."""
+
+    @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.ExactWidenings")
+    def transform(func: PrimFunc, _mod, _ctx) -> PrimFunc:
+        widened: list[tuple[tirx.Buffer, str | None]] = []  # buffer, the 16-bit dtype of all its stores
+
+        def on_store(store: tirx.BufferStore, visitor) -> None:
+            v = store.value
+            narrow = str(v.value.ty.dtype) if isinstance(v, tirx.Cast) and str(v.ty.dtype) == "float32" \
+                and str(v.value.ty.dtype) in ("float16", "bfloat16") else None
+            for i, (buf, dtype) in enumerate(widened):
+                if buf.same_as(store.buffer):
+                    widened[i] = (buf, dtype if dtype == narrow else None)
+                    break
+            else:
+                widened.append((store.buffer, narrow))
+            visitor.default_visit(store)
+
+        tvm_ffi.structural_visit(func.body, [(tirx.BufferStore, on_store)])
+        if not any(dtype for _, dtype in widened):
+            return func
+
+        def on_cast(cast: tirx.Cast):
+            inner = cast.value
+            if str(cast.ty.dtype) == "float32" and isinstance(inner, tirx.Cast) \
+                    and isinstance(inner.value, TensorLoad):
+                narrow = next((d for b, d in widened if b.same_as(inner.value.source)), None)
+                if narrow is not None and narrow == str(inner.ty.dtype):
+                    return inner.value
+            return cast
+
+        return tvm_ffi.structural_map(func, [(tirx.Cast, on_cast)])
+
+    return transform
+
+
 def polynomial_math() -> tvm.transform.Pass:
     """fp32 exp, sigmoid, tanh and erf as vectorisable polynomials, and x**k for a small integer k as
     products: LLVM would otherwise call scalar libm (``expf``, ``tanhf``, ``erff``, ``powf``) per lane.

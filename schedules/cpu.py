@@ -71,11 +71,14 @@ class CpuAttention(AttentionRule):
     KNOBS = KNOBS
 
     def defaults(self, spec: AttentionSpec, target: Target) -> dict[str, int]:
-        """Projection tiles by vector width and model width (`gemm_defaults`)."""
+        """Projection tiles by vector width and model width (`gemm_defaults`); with 16-bit inputs,
+        64-query tiles and P·V tiles of 4 vectors: more work per widened key, or per bf16 panel (1.2×
+        and 1.4× the 16-query tiles with bf16 dot products and fp16 at (4, 12, 512, 64))."""
+        dots = {"q_tile": 64, "pv_vecs": 4} if spec.dtype != "float32" else {}
         if not spec.projections:
-            return {}
+            return dots
         d_in = max(spec.d_model, spec.h * spec.d_v)  # W_O's rows are the merged heads
-        return gemm_defaults(d_in, vector_lanes(target), tvm.DataType(spec.dtype).bits)
+        return dots | gemm_defaults(d_in, vector_lanes(target), tvm.DataType(spec.dtype).bits)
 
     def describe(self, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> str:
         """Which variant ``apply`` builds for ``spec``, with the knobs it reads."""
@@ -87,6 +90,7 @@ class CpuAttention(AttentionRule):
             used = ["q_tile", "qk_keys", "pv_rows", "pv_vecs"]
             what = f"query tiles × {lanes}-lane vectors"
             q_tile = min(knobs["q_tile"], spec.n_q) if isinstance(spec.n_q, int) else knobs["q_tile"]
+            q_tile = _dot_tile(spec, target, q_tile) or q_tile
             qk_keys = min(knobs["qk_keys"], spec.n_kv) if isinstance(spec.n_kv, int) else knobs["qk_keys"]
             dots = [stage for stage, on in zip(("QKᵀ", "P·V"), bf16_dots(spec, target, q_tile, qk_keys)) if on]
             if dots:
@@ -128,6 +132,8 @@ def gemm_defaults(d_in: int, lanes: int, bits: int) -> dict[str, int]:
 def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: int,
                     k: Mapping[str, KnobValue]) -> None:
     tile_factor = _at_most(sch, k["q_tile"], spec.n_q)  # a few queries (decode): one exact tile
+    if _dot_tile(spec, target, _int(sch, tile_factor)):  # the bf16 dot products need whole tiles
+        tile_factor = _dot_tile(spec, target, _int(sch, tile_factor))
     q_tile = _int(sch, tile_factor)
     s_lanes = _lanes_for(q_tile, lanes)  # queries per vector
     by_head_dim = s_lanes == 1 and _lanes_for(spec.d_k, lanes) > 1  # one query (decode): vectors along d_k
@@ -160,7 +166,7 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
         _scores_along_head_dim(sch, scores_rf)
     else:
         _pack_queries(sch, spec, task, q_tile, qk_pairs)
-        _scores(sch, s_lanes, qk_keys, qk_pairs)
+        _scores(sch, s_lanes, qk_keys, qk_pairs, widen=spec.dtype != "float32" and not qk_pairs)
         if spec.attn_mask is not None and {"s", "t"} <= set(spec.attn_mask_dims):
             _pack_mask(sch, task, q_tile)
     for name in ("row_max", "row_sum"):
@@ -184,6 +190,14 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
         _tensorize_pairs(sch, spec, panels, q_tile)
     if qk_pairs or pv_pairs:
         import_dot(sch, task)
+
+
+def _dot_tile(spec: AttentionSpec, target: Target, q_tile: int) -> int | None:
+    """The query tile for bf16 dot products at most ``q_tile``: the largest power of two from 16 that
+    divides a static n_q (None: no such tile, or no such instruction)."""
+    if spec.dtype != "bfloat16" or not has_bf16_dot(target) or not isinstance(spec.n_q, int):
+        return None
+    return next((t for t in (64, 32, LANES) if t <= q_tile and spec.n_q % t == 0), None)
 
 
 def bf16_dots(spec: AttentionSpec, target: Target, q_tile: int, qk_keys: int) -> tuple[bool, bool]:
@@ -276,6 +290,8 @@ def _pack_queries(sch: Schedule, spec: AttentionSpec, task, q_tile: int, pairs: 
     else:
         layout = lambda b, s, i, e: (b, i, s // q_tile, *at(e, s))  # noqa: E731
     sch.transform_layout(panel, ("write", 0), layout, assume_injective_transform=True)
+    if spec.dtype != "float32" and not pairs:  # widened once here, not at every use
+        sch.unsafe_set_dtype(panel, 0, "float32")
 
 
 def _pack_mask(sch: Schedule, task, q_tile: int) -> None:
@@ -290,10 +306,11 @@ def _pack_mask(sch: Schedule, task, q_tile: int) -> None:
                          assume_injective_transform=True)
 
 
-def _scores(sch: Schedule, lanes: int, keys_factor: KnobValue, pairs: bool) -> None:
+def _scores(sch: Schedule, lanes: int, keys_factor: KnobValue, pairs: bool, widen: bool) -> None:
     """acc[qk_keys keys][q_tile queries] += k[t, e] · q[e, s], over e, in registers (``lanes``
     queries per vector); with ``pairs``, two steps of e per instruction (`x86_bf16.DOT_16x2`: the
-    pair k[t, e:e+2] broadcast, the panel's q[e:e+2, s:s+16])."""
+    pair k[t, e:e+2] broadcast, the panel's q[e:e+2, s:s+16]); ``widen``: 16-bit keys widened to fp32
+    a key tile at a time (`_widen_keys`)."""
     scores = sch.get_sblock("scores")
     s, t, e = sch.get_loops(scores)[-3:]
     keys = _int(sch, keys_factor)
@@ -304,9 +321,22 @@ def _scores(sch: Schedule, lanes: int, keys_factor: KnobValue, pairs: bool) -> N
         sch.reorder(t_out, e, t_in, s_out, s_vec, e_pair)
     else:
         sch.reorder(t_out, e, t_in, s_out, s_vec)
+    if widen:
+        _widen_keys(sch, scores, t_out, lanes)
     _register_tile(sch, scores, t_out, lambda b, i, st, t, s: (b, i, st, t // keys, t % keys, s),
                    (t_in, s_out), s_vec, lanes, e, intrinsic=DOT_16x2 if pairs else None,
                    key_blocks=f"b=v_b_o,s=v_s_o*{LANES},t=v_t_o")
+
+
+def _widen_keys(sch: Schedule, scores, t_out, lanes: int) -> None:
+    """The qk_keys × d_k keys of a register tile converted to fp32 once, a vector at a time
+    (vcvtph2ps), into a small tile the FMAs broadcast from: widening each key element where it is
+    broadcast costs a conversion per FMA group."""
+    reads = [r.source.name for r in sch.get(scores).reads]
+    tile = sch.cache_read(scores, next(i for i, x in enumerate(reads) if x in ("k", "k_proj")), "global")
+    sch.compute_at(tile, t_out, preserve_unit_loops=True)
+    sch.unsafe_set_dtype(tile, 0, "float32")
+    _vectorize(sch, sch.get_loops(tile)[-1], None, lanes)
 
 
 def _split_head_dim(sch: Schedule, lanes: int):
@@ -367,7 +397,8 @@ def _pack_pairs(sch: Schedule, spec: AttentionSpec, task) -> tuple[str, str]:
     reads = [r.source.name for r in sch.get(pv).reads]
     v_panel = sch.cache_read(pv, next(i for i, x in enumerate(reads) if x in ("v", "v_proj")), "global")
     sch.compute_at(v_panel, task, preserve_unit_loops=True)
-    p_panel = sch.cache_read(pv, reads.index("probs"), "global")  # inside the task, where probs is
+    # inside the task, where probs is; the row sums keep reading fp32 probs
+    p_panel = sch.cache_read(pv, reads.index("probs"), "global", consumer_blocks=[pv])
     sch.unsafe_set_dtype(p_panel, 0, "bfloat16")
     p_name = sch.get(p_panel).name_hint
     sch.transform_layout(p_panel, ("write", 0), lambda b, i, st, t, s: (b, i, st, t // PAIR, s, t % PAIR),

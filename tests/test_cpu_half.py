@@ -69,3 +69,19 @@ def test_bf16_without_the_instruction_matches_the_oracle():
     kernel = tvmattn.compile(SPEC.replace(causal=True), {"kind": "llvm", "mcpu": "haswell", "num-cores": 2})
     assert "vdpbf16ps" not in kernel.source()
     assert_matches_oracle(kernel)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("kv_heads,key_padding", [(8, False), (2, True)])
+def test_half_width_kv_decode_matches_the_oracle(dtype, kv_heads, key_padding):
+    """One query against a long 16-bit cache (the memory-bound case: half the bytes of fp32)."""
+    spec = AttentionSpec(batch=2, seq_len=1, kv_seq_len=600, num_heads=8, num_kv_heads=kv_heads, head_dim=64,
+                         key_padding=key_padding, projections=False, dtype=dtype)
+    assert_matches_oracle(compiled(spec))
+
+
+@settings(max_examples=8, deadline=None)
+@given(specs(dtype="float16", symbolic=False, intermediate=False, max_len=80))
+def test_fp16_widened_operands_match_the_oracle(spec):
+    """fp16 keys widened a register tile at a time and fp32 query panels (`cpu._widen_keys`)."""
+    assert_matches_oracle(compiled(spec.replace(seq_len=max(spec.n_q, 16))))
