@@ -59,11 +59,11 @@ class Result:
     note: str = ""
 
 
-def suite(name: str) -> list[AttentionSpec]:
-    """The named benchmark suite: ``default`` is five common shapes, non-causal and causal."""
+def suite(name: str, dtype: str = "float32") -> list[AttentionSpec]:
+    """The named benchmark suite in ``dtype``: ``default`` is five common shapes, non-causal and causal."""
     if name != "default":
         raise TvmAttnError(f"unknown suite {name!r}: the only suite is 'default'")
-    return [AttentionSpec(batch=b, seq_len=n, num_heads=h, head_dim=d, causal=c, projections=False)
+    return [AttentionSpec(batch=b, seq_len=n, num_heads=h, head_dim=d, causal=c, projections=False, dtype=dtype)
             for b, h, n, d in DEFAULT_SUITE for c in (False, True)]
 
 
@@ -182,8 +182,8 @@ def onnxruntime_impl(spec: AttentionSpec, args: dict[str, np.ndarray]) -> tuple[
                             scale=spec.softmax_scale)
     graph = helper.make_graph(
         [node], "attention",
-        [helper.make_tensor_value_info(n, TensorProto.BOOL if n == "M" else elem[spec.dtype], list(a.shape))
-         for n, a in feed.items()],
+        [helper.make_tensor_value_info(n, (TensorProto.BOOL if a.dtype == bool else TensorProto.FLOAT) if n == "M"
+                                       else elem[spec.dtype], list(a.shape)) for n, a in feed.items()],
         [helper.make_tensor_value_info("O", elem[spec.dtype], list(spec.output_shape()))])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
     opts = ort.SessionOptions()
@@ -255,7 +255,9 @@ def numpy_impl(spec: AttentionSpec, args: dict[str, np.ndarray]) -> tuple[Callab
     @np.errstate(invalid="ignore")  # a row that sees no key becomes NaN, as in most frameworks
     def run():
         s = (q @ k.transpose(0, 1, 3, 2)) * np.float32(spec.softmax_scale)
-        if mask is not None or spec.causal:
+        if mask is not None and mask.dtype != bool:  # additive
+            s = s + mask
+        elif mask is not None or spec.causal:
             s = np.where(mask if mask is not None else _causal(spec), s, np.float32(-np.inf))
         s = np.exp(s - s.max(-1, keepdims=True))
         return (s / s.sum(-1, keepdims=True)) @ v
@@ -278,10 +280,17 @@ def _causal(spec: AttentionSpec) -> np.ndarray:
 
 
 def _mask(spec: AttentionSpec, args: dict[str, np.ndarray]) -> np.ndarray | None:
-    """A boolean (B, 1, n, n_kv) mask where the peer has no built-in for the spec's masking."""
-    if variant.plain_causal(spec) or not (variant.has_position_rules(spec) or spec.attn_mask):
+    """The mask a peer takes where it has no built-in for the spec's masking: boolean (B, 1|h, n, n_kv)
+    from the position rules and a bool attn_mask, or float32 (an additive attn_mask, −inf where the
+    position rules hide a key)."""
+    if spec.attn_mask is None and (variant.plain_causal(spec) or not variant.has_position_rules(spec)):
         return None
-    return allowed_keys(spec, spec.batch, spec.n_q, spec.n_kv, args.get("kv_lens"))
+    allowed = allowed_keys(spec, spec.batch, spec.n_q, spec.n_kv, args.get("kv_lens"))  # (B, 1, n, n_kv)
+    if spec.attn_mask == "bool":
+        return allowed & args["attn_mask"]
+    if spec.attn_mask == "additive":
+        return np.where(allowed, args["attn_mask"], -np.inf).astype(np.float32)
+    return allowed
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -299,9 +308,9 @@ def bench(spec: AttentionSpec, peers: Sequence[str] | None = None, budget_s: flo
     label = spec.describe()
     ref = None
     if spec.batch * spec.h * spec.n_q * spec.n_kv <= ORACLE_LIMIT_ELEMENTS:
-        arrays = {k: v for k, v in args.items() if k != "kv_lens"}
-        ref = reference(spec, *arrays.values(), kv_lens=args.get("kv_lens"))
-        seen = _rows_that_see_keys(spec, args.get("kv_lens"))
+        arrays = {k: v for k, v in args.items() if k not in ("kv_lens", "attn_mask")}
+        ref = reference(spec, *arrays.values(), kv_lens=args.get("kv_lens"), attn_mask=args.get("attn_mask"))
+        seen = _rows_that_see_keys(spec, args)
     out_bytes = int(np.prod(spec.output_shape())) * np.dtype(numpy_dtype(spec.dtype)).itemsize
     impls: list[tuple[str, Callable]] = [("tvmattn", lambda s, a: tvmattn_impl(s, a, target, log_dirs, tuned))]
     impls += [(name, PEERS[name]) for name in peers]
@@ -324,10 +333,13 @@ def bench(spec: AttentionSpec, peers: Sequence[str] | None = None, budget_s: flo
     return results
 
 
-def _rows_that_see_keys(spec: AttentionSpec, kv_lens: np.ndarray | None) -> np.ndarray:
+def _rows_that_see_keys(spec: AttentionSpec, args: dict[str, np.ndarray]) -> np.ndarray:
     """(B, h|1, n, 1) True where a query sees a key: rows that see none are zeros for tvmattn and NaN
     for most peers, so errors are taken over the others."""
-    seen = allowed_keys(spec, spec.batch, spec.n_q, spec.n_kv, kv_lens).any(-1, keepdims=True)
+    mask = _mask(spec, args)
+    if mask is None:
+        mask = allowed_keys(spec, spec.batch, spec.n_q, spec.n_kv, args.get("kv_lens"))
+    seen = (mask if mask.dtype == bool else mask != -np.inf).any(-1, keepdims=True)
     if spec.projections:
         return np.ones((1, 1, 1), bool)
     return seen if spec.layout == "BHSD" else seen.transpose(0, 2, 1, 3)

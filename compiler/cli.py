@@ -293,7 +293,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.model:
         return _bench_model(args)
-    specs = bench.suite(args.suite) if args.suite else [spec_from_args(args)]
+    specs = bench.suite(args.suite, args.dtype or "float32") if args.suite else [spec_from_args(args)]
     peers = tuple(p for p in args.peers.split(",") if p) if args.peers is not None else bench.default_peers()
     unknown = set(peers) - set(bench.PEERS)
     if unknown:

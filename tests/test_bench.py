@@ -16,10 +16,13 @@ SMALL = [
     AttentionSpec(batch=1, seq_len=64, num_heads=2, head_dim=16, causal=True, projections=False),
     AttentionSpec(batch=2, seq_len=48, num_heads=4, num_kv_heads=2, head_dim=8, window=9, key_padding=True,
                   projections=False),
+    AttentionSpec(batch=2, seq_len=40, num_heads=2, head_dim=16, causal=True, attn_mask="bool",
+                  attn_mask_dims="bst", projections=False),
+    AttentionSpec(batch=1, seq_len=40, num_heads=2, head_dim=16, attn_mask="additive", projections=False),
 ]
 
 
-@pytest.mark.parametrize("spec", SMALL, ids=["causal", "gqa-window-padding"])
+@pytest.mark.parametrize("spec", SMALL, ids=["causal", "gqa-window-padding", "bool-mask", "additive-mask"])
 def test_every_implementation_agrees_with_the_oracle(spec):
     rows = {r.impl: r for r in bench.bench(spec, budget_s=0.05)}
     assert rows["tvmattn"].ms > 0 and rows["tvmattn"].max_rel_error < 1e-4
@@ -67,8 +70,8 @@ def _peer_error(name: str, spec: AttentionSpec) -> tuple[float, str]:
     args = random_inputs(spec, seed=0)
     fn, what = bench.PEERS[name](spec, args)
     out = np.asarray(bench._to_numpy(fn()), dtype=np.float64)
-    ref = reference(spec, args["q"], args["k"], args["v"], kv_lens=args.get("kv_lens"))
-    return bench._error(out, ref, bench._rows_that_see_keys(spec, args.get("kv_lens"))), what
+    ref = reference(spec, args["q"], args["k"], args["v"], kv_lens=args.get("kv_lens"), attn_mask=args.get("attn_mask"))
+    return bench._error(out, ref, bench._rows_that_see_keys(spec, args)), what
 
 
 CORE = dict(batch=1, seq_len=32, num_heads=2, head_dim=16, projections=False)
@@ -131,3 +134,8 @@ def test_bf16_bench_runs_every_peer_or_says_why_not():
 def test_openvino_is_a_default_peer_only_where_installed(monkeypatch):
     monkeypatch.setattr(bench, "find_spec", lambda name: None)
     assert "openvino" not in bench.default_peers() and "torch" in bench.default_peers()
+
+
+def test_the_suite_takes_the_dtype():
+    """`tvmattn bench --suite default --dtype bf16` benchmarks every suite shape in bf16."""
+    assert {spec.dtype for spec in bench.suite("default", "bf16")} == {"bfloat16"}
