@@ -96,12 +96,10 @@ def pairs_intrinsic(source: str, width: int, heads_between: bool = False) -> str
     """The name of the tensor intrinsic (registered on first use) that packs rows t and t+1 of
     ``width`` columns (a multiple of 16; ``source`` dtype, any row stride) into the (width, 2) bf16
     panel `DOT_16x2` reads, column i's two values side by side: P (fp32, rounded to nearest even) and
-    V (bf16). ``heads_between``: the rows are of a (t, head, column) tensor (BSHD), one head of it.
-    A whole row in one block: split into 16-column blocks, the panel's copy left its scope without
-    TVM's "stage pipeline" for the P·V register tile."""
+    V (bf16). ``heads_between``: the rows are of a (t, head, column) tensor (BSHD), one head of it."""
     name = f"tvmattn_pairs_{width}x2_{source}{'_bshd' if heads_between else ''}"
     if name not in _REGISTERED:
-        TensorIntrin.register(name, *_pairs(source, width, heads_between))
+        TensorIntrin.register(name, *(_pairs(source, width, heads_between, implementation=x) for x in (False, True)))
         _REGISTERED.add(name)
     return name
 
@@ -109,13 +107,13 @@ def pairs_intrinsic(source: str, width: int, heads_between: bool = False) -> str
 _REGISTERED: set[str] = set()
 
 
-def _pairs(source: str, width: int, heads_between: bool) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+def _pairs(source: str, width: int, heads_between: bool, implementation: bool) -> tirx.PrimFunc:
+    """`pairs_intrinsic`'s description (a copy, element by element) or its implementation."""
     shape = (PAIR, 1, width) if heads_between else (PAIR, width)
     row = (lambda t, c: [t, 0, c]) if heads_between else (lambda t, c: [t, c])  # noqa: E731
-    chunks = width // LANES
 
     @T.prim_func(s_tir=True)
-    def desc(a: T.handle, b: T.handle) -> None:
+    def func(a: T.handle, b: T.handle) -> None:
         row_stride, head_stride = T.int32(), T.int32()
         src = T.match_buffer(a, shape, source, offset_factor=1,
                              strides=[row_stride, head_stride, 1] if heads_between else [row_stride, 1])
@@ -126,48 +124,39 @@ def _pairs(source: str, width: int, heads_between: bool) -> tuple[tirx.PrimFunc,
             else:
                 T.reads(src[0:PAIR, 0:width])
             T.writes(dst[0:width, 0:PAIR])
-            for i, k in T.grid(width, PAIR):
-                with T.sblock("pack"):  # the block's iterators as a copy's: row, column
-                    vk, vi = T.axis.remap("SS", [k, i])
-                    if heads_between:
-                        dst[vi, vk] = src[vk, 0, vi]
-                    elif source == "bfloat16":
-                        dst[vi, vk] = src[vk, vi]
-                    else:
-                        dst[vi, vk] = T.cast(src[vk, vi], "bfloat16")
-
-    @T.prim_func(s_tir=True)
-    def impl(a: T.handle, b: T.handle) -> None:
-        row_stride, head_stride = T.int32(), T.int32()
-        src = T.match_buffer(a, shape, source, offset_factor=1,
-                             strides=[row_stride, head_stride, 1] if heads_between else [row_stride, 1])
-        dst = T.match_buffer(b, (width, PAIR), "bfloat16", offset_factor=1)
-        with T.sblock("root"):
-            if heads_between:
-                T.reads(src[0:PAIR, 0:1, 0:width])
+            if not implementation:
+                for i, k in T.grid(width, PAIR):
+                    with T.sblock("pack"):  # the block's iterators as a copy's: row, column
+                        vk, vi = T.axis.remap("SS", [k, i])
+                        if heads_between:
+                            dst[vi, vk] = src[vk, 0, vi]
+                        elif source == "bfloat16":
+                            dst[vi, vk] = src[vk, vi]
+                        else:
+                            dst[vi, vk] = T.cast(src[vk, vi], "bfloat16")
             else:
-                T.reads(src[0:PAIR, 0:width])
-            T.writes(dst[0:width, 0:PAIR])
-            # (meta_var: expressions, not bindings: a let in the block would leave the scope without a
-            # stage pipeline for later schedule primitives)
-            for c in T.unroll(chunks):
-                if source == "bfloat16":  # the words (low: row t, high: row t+1), through fp32: V may be
-                    # a buffer of the kernel's own that the legaliser widens (`_bits_of`)
-                    lo = T.meta_var(T.reinterpret(T.cast(src.vload(row(0, c * LANES), "bfloat16x16"), "float32x16"),
-                                                  dtype="uint32x16"))
-                    hi = T.meta_var(T.reinterpret(T.cast(src.vload(row(1, c * LANES), "bfloat16x16"), "float32x16"),
-                                                  dtype="uint32x16"))
-                    dst.vstore([c * LANES, 0], T.reinterpret((hi & T.uint32(0xFFFF0000)) | (lo >> T.uint32(16)),
-                                                             dtype="bfloat16x32"))
-                else:  # fp32 → bf16 rounded to nearest even: the top 16 bits of x + 0x7FFF + (bit 16 of x)
-                    lo = T.meta_var(T.reinterpret(src.vload(row(0, c * LANES), "float32x16"), dtype="uint32x16"))
-                    hi = T.meta_var(T.reinterpret(src.vload(row(1, c * LANES), "float32x16"), dtype="uint32x16"))
-                    lo_r = T.meta_var(lo + T.uint32(0x7FFF) + ((lo >> T.uint32(16)) & T.uint32(1)))
-                    hi_r = T.meta_var(hi + T.uint32(0x7FFF) + ((hi >> T.uint32(16)) & T.uint32(1)))
-                    dst.vstore([c * LANES, 0], T.reinterpret((hi_r & T.uint32(0xFFFF0000)) | (lo_r >> T.uint32(16)),
-                                                             dtype="bfloat16x32"))
+                # (meta_var: expressions, not bindings: a let in the block would leave the scope without
+                # a stage pipeline for later schedule primitives)
+                for c in T.unroll(width // LANES):
+                    if source == "bfloat16":  # the words (low: row t, high: row t+1), through fp32: V may
+                        # be a buffer of the kernel's own that the legaliser widens (`_bits_of`)
+                        lo = T.meta_var(T.reinterpret(T.cast(src.vload(row(0, c * LANES), "bfloat16x16"),
+                                                             "float32x16"), dtype="uint32x16"))
+                        hi = T.meta_var(T.reinterpret(T.cast(src.vload(row(1, c * LANES), "bfloat16x16"),
+                                                             "float32x16"), dtype="uint32x16"))
+                        dst.vstore([c * LANES, 0], T.reinterpret((hi & T.uint32(0xFFFF0000)) | (lo >> T.uint32(16)),
+                                                                 dtype="bfloat16x32"))
+                    else:  # fp32 → bf16 rounded to nearest even: the top 16 bits of x + 0x7FFF + (bit 16 of x)
+                        lo = T.meta_var(T.reinterpret(src.vload(row(0, c * LANES), "float32x16"), dtype="uint32x16"))
+                        hi = T.meta_var(T.reinterpret(src.vload(row(1, c * LANES), "float32x16"), dtype="uint32x16"))
+                        lo_r = T.meta_var(lo + T.uint32(0x7FFF) + ((lo >> T.uint32(16)) & T.uint32(1)))
+                        hi_r = T.meta_var(hi + T.uint32(0x7FFF) + ((hi >> T.uint32(16)) & T.uint32(1)))
+                        dst.vstore([c * LANES, 0], T.reinterpret(
+                            (hi_r & T.uint32(0xFFFF0000)) | (lo_r >> T.uint32(16)), dtype="bfloat16x32"))
 
-    return desc, impl
+    return func
+
+
 _REINTERPRET = tvm.ir.Op.get("tirx.reinterpret")
 
 

@@ -91,6 +91,7 @@ def test_a_rerun_with_the_same_budget_measures_nothing(tuned, capsys):
     assert len(records_in(directory)) == 4
 
 
+@pytest.mark.slow  # a real tuning run interrupted and resumed (~37 s)
 def test_sigint_keeps_the_records_and_a_rerun_resumes(tmp_path):
     argv = ["tune", "--seq", "48", "--d-model", "32", "--heads", "2", "--no-projections", "--trials", "16",
             "--log-dir", str(tmp_path)]

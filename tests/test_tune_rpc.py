@@ -91,6 +91,7 @@ def tracker():
             stop(proc)
 
 
+@pytest.mark.slow  # an RPC tracker, two servers and a tuning run (~37 s)
 def test_tuning_measures_on_rpc_servers_and_writes_locally(tracker, tmp_path, capsys):
     code = main(["tune", "--seq", "32", "--d-model", "32", "--heads", "2", "--causal", "--no-projections",
                  "--trials", "4", "--rpc", f"{HOST}:{tracker}", "--device-key", DEVICE_KEY, "--log-dir", str(tmp_path)])
