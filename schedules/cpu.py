@@ -566,11 +566,6 @@ def _at_most(sch: Schedule, factor: KnobValue, extent) -> KnobValue:
     return extent if isinstance(extent, int) and extent < _int(sch, factor) else factor
 
 
-def _loop_index(sch: Schedule, block, loop) -> int | None:
-    """Where ``loop`` is among the loops around ``block`` (None: not around it)."""
-    return next((i for i, x in enumerate(sch.get_loops(block)) if sch.get(x).same_as(sch.get(loop))), None)
-
-
 def _int(sch: Schedule, value: KnobValue) -> int:
     """A knob's value now: itself, or the current decision of a sampled variable. Only buffer layouts
     read it, and a layout never changes what is computed, so a later resampling stays correct."""

@@ -172,13 +172,13 @@ def keep_operands_16bit() -> tvm.transform.Pass:
     the instruction fp32 words where it reads bf16 pairs. Typed uint16 here, the buffers keep their
     bits; a store writes the bf16 value's bits, any load outside the instruction reads them back as
     bf16 (so the other stages compute exactly as before), and the instruction reads them as they are.
-    Functions that do not call `DOT_FUNCTION` are left alone."""
+    Functions without such buffers are left alone."""
 
     @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.KeepDotOperands16Bit")
     def transform(func: tirx.PrimFunc, _mod, _ctx) -> tirx.PrimFunc:
-        if DOT_FUNCTION not in func.script():
-            return func
         own = _own_bf16_buffers(func)
+        if not own:
+            return func
         bits: list[tuple[tirx.Buffer, tirx.Buffer]] = []  # (bf16 buffer, its uint16 twin)
 
         def on_buffer(buf: tirx.Buffer) -> tirx.Buffer:
