@@ -37,6 +37,7 @@ from tvmattn.compiler.te_attention import KEY_STAGE
 PADDED_AXES = "tvmattn.padded_axes"  # block annotation: iterators whose tail its inputs are padded for
 # Block annotation of a key stage whose iterators run over blocks of queries or keys (a tensorized
 # block): "b=v_b_o,s=v_s_o*16,t=v_t_o*2" — batch v_b_o, queries 16·v_s_o + [0, 16), keys 2·v_t_o + [0, 2).
+# Keys in blocks make every key stage compute whole blocks (the other keys of a block are hidden: 0).
 KEY_BLOCKS = "tvmattn.key_blocks"
 GUARD_NAME = "sees_keys"  # the flag `skip_masked_key_tiles` guards a key loop's body with
 
@@ -61,7 +62,7 @@ def skip_masked_key_tiles(spec: AttentionSpec) -> tvm.transform.Pass:
         if not variant.skips_keys(spec):
             return func
         kv_lens = next((p for p in func.params if p.name == "kv_lens"), None)
-        ranges = _KeyLoopRanges(spec, kv_lens, key_pairs=_reads_key_pairs(func))
+        ranges = _KeyLoopRanges(spec, kv_lens, key_block=_key_block(func))
         if not ranges.visit(func.body) or not ranges.bounds:
             return func
         # A loop-dependent extent makes TVM's buffer compaction size a tile by the extent's constant
@@ -78,7 +79,7 @@ def skip_masked_key_tiles(spec: AttentionSpec) -> tvm.transform.Pass:
 class _KeyLoopRanges:
     spec: AttentionSpec
     kv_lens: tirx.Buffer | None
-    key_pairs: bool = False  # a stage reads keys two at a time (`KEY_BLOCKS` with t*2)
+    key_block: int = 1  # keys computed in whole blocks of this many (`KEY_BLOCKS`)
     bounds: "_LoopBounds" = field(default_factory=lambda: _LoopBounds())
     analyzer: Analyzer = field(default_factory=Analyzer)
 
@@ -97,7 +98,7 @@ class _KeyLoopRanges:
         iters = {iv.var.name: (iv.dom.extent, value) for iv, value in zip(realize.block.iter_vars, realize.iter_values)}
         within: dict[tirx.Var, IntervalSet] = {}  # offsets inside a block of queries or keys
         if KEY_BLOCKS in realize.block.annotations:
-            iters, within = _blocked_iters(iters, str(realize.block.annotations[KEY_BLOCKS]))
+            iters, within = _blocked_iters(iters, realize.block.annotations[KEY_BLOCKS])
         if "v_t" not in iters:
             # a reduction's init runs over no key; a key axis split into new iterators (rfactor: vt_0,
             # vt_1) is one this analysis cannot follow
@@ -122,9 +123,10 @@ class _KeyLoopRanges:
         r_set = self.analyzer.int_set(rest, relax)
         kv_len = tirx.BufferLoad(self.kv_lens, [b]) if self.spec.key_padding else n_kv
         t_lo, t_hi = variant.key_range(self.spec, s_set.min_value, s_set.max_value, kv_len, n)
-        if self.key_pairs:  # every stage computes whole pairs of keys: the pair's other key is hidden (0)
-            t_lo = None if t_lo is None else tirx.floordiv(t_lo, 2) * 2
-            t_hi = None if t_hi is None else tirx.min(tirx.floordiv(t_hi + 1, 2) * 2, n_kv)
+        if self.key_block > 1:  # whole blocks of keys, in every stage (see `KEY_BLOCKS`)
+            g = self.key_block
+            t_lo = None if t_lo is None else tirx.floordiv(t_lo, g) * g
+            t_hi = None if t_hi is None else tirx.min(tirx.floordiv(t_hi + g - 1, g) * g, n_kv)
         lo, hi = key_loop.min, key_loop.min + key_loop.extent
         if t_lo is not None:
             lo = tirx.max(lo, tirx.floordiv(t_lo - r_set.max_value + (c - 1), c))
@@ -134,14 +136,21 @@ class _KeyLoopRanges:
         return True
 
 
-def _blocked_iters(iters: dict, blocks: str) -> tuple[dict, dict]:
-    """A `KEY_BLOCKS` block's (extent, value) of v_b, v_s, v_t, and the offsets inside its blocks."""
-    out, within = {}, {}
-    for item in blocks.split(","):
+def _key_blocks(annotation) -> dict[str, tuple[str, int]]:
+    """A `KEY_BLOCKS` annotation as {axis: (iterator, block size)}."""
+    out = {}
+    for item in str(annotation).split(","):
         axis, _, term = item.partition("=")
         name, _, factor = term.partition("*")
+        out[axis] = (name, int(factor or 1))
+    return out
+
+
+def _blocked_iters(iters: dict, annotation) -> tuple[dict, dict]:
+    """A `KEY_BLOCKS` block's (extent, value) of v_b, v_s, v_t, and the offsets inside its blocks."""
+    out, within = {}, {}
+    for axis, (name, f) in _key_blocks(annotation).items():
         extent, value = iters[name]
-        f = int(factor or 1)
         if f > 1:
             offset = tirx.Var(f"{axis}_in_block", "int32")
             within[offset] = IntervalSet(0, f - 1)
@@ -150,16 +159,16 @@ def _blocked_iters(iters: dict, blocks: str) -> tuple[dict, dict]:
     return out, within
 
 
-def _reads_key_pairs(func: PrimFunc) -> bool:
-    pairs = [False]
+def _key_block(func: PrimFunc) -> int:
+    """The largest block of keys a `KEY_BLOCKS` stage of ``func`` reads at once (1: none)."""
+    sizes = [1]
 
     def on_block(node: SBlockRealize, _loops) -> None:
-        blocks = node.block.annotations.get(KEY_BLOCKS)
-        pairs[0] |= blocks is not None and any(item.startswith("t=") and item.endswith("*2")
-                                               for item in str(blocks).split(","))
+        if KEY_BLOCKS in node.block.annotations:
+            sizes.append(_key_blocks(node.block.annotations[KEY_BLOCKS]).get("t", ("", 1))[1])
 
     _visit_blocks(func.body, on_block)
-    return pairs[0]
+    return max(sizes)
 
 
 def _visit_blocks(stmt, on_block) -> None:

@@ -132,8 +132,7 @@ def gemm_defaults(d_in: int, lanes: int, bits: int) -> dict[str, int]:
 def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: int,
                     k: Mapping[str, KnobValue]) -> None:
     tile_factor = _at_most(sch, k["q_tile"], spec.n_q)  # a few queries (decode): one exact tile
-    if _dot_tile(spec, target, _int(sch, tile_factor)):  # the bf16 dot products need whole tiles
-        tile_factor = _dot_tile(spec, target, _int(sch, tile_factor))
+    tile_factor = _dot_tile(spec, target, _int(sch, tile_factor)) or tile_factor  # dot products: whole tiles
     q_tile = _int(sch, tile_factor)
     s_lanes = _lanes_for(q_tile, lanes)  # queries per vector
     by_head_dim = s_lanes == 1 and _lanes_for(spec.d_k, lanes) > 1  # one query (decode): vectors along d_k
@@ -276,10 +275,7 @@ def _split_keys(sch: Schedule, spec: AttentionSpec, lanes: int, chunks: int) -> 
 def _pack_queries(sch: Schedule, spec: AttentionSpec, task, q_tile: int, pairs: bool) -> None:
     """Copy the task's queries into a (d_k, q_tile) panel: QKᵀ then loads whole vectors of queries
     (``pairs``: a (d_k/2, q_tile, 2) panel, the operand of `x86_bf16.DOT_16x2`)."""
-    scores = sch.get_sblock("scores")
-    reads = [r.source.name for r in sch.get(scores).reads]
-    q_index = next(i for i, name in enumerate(reads) if name in ("q", "q_proj"))
-    panel = sch.cache_read(scores, q_index, "global")
+    panel = _copy_of(sch, sch.get_sblock("scores"), ("q", "q_proj"))
     sch.compute_at(panel, task, preserve_unit_loops=True)
     # bf16 dot products: (d_k/2, q_tile, 2), each query's pairs of e side by side
     at = (lambda e, s: (e // PAIR, s % q_tile, e % PAIR)) if pairs else (lambda e, s: (e, s % q_tile))  # noqa: E731
@@ -299,8 +295,7 @@ def _pack_mask(sch: Schedule, task, q_tile: int) -> None:
     read it (row max, probabilities) run along queries, and would otherwise gather the mask with a
     stride of n_kv, twice."""
     readers = [sch.get_sblock(name) for name in ("row_max", "probs")]
-    reads = [r.source.name for r in sch.get(readers[0]).reads]
-    tile = sch.cache_read(readers[0], reads.index("attn_mask"), "global", consumer_blocks=readers)
+    tile = _copy_of(sch, readers[0], ("attn_mask",), readers)
     sch.compute_at(tile, task, preserve_unit_loops=True)
     sch.transform_layout(tile, ("write", 0), lambda b, h, s, t: (b, h, s // q_tile, t, s % q_tile),
                          assume_injective_transform=True)
@@ -332,8 +327,7 @@ def _widen_keys(sch: Schedule, scores, t_out, lanes: int) -> None:
     """The qk_keys × d_k keys of a register tile converted to fp32 once, a vector at a time
     (vcvtph2ps), into a small tile the FMAs broadcast from: widening each key element where it is
     broadcast costs a conversion per FMA group."""
-    reads = [r.source.name for r in sch.get(scores).reads]
-    tile = sch.cache_read(scores, next(i for i, x in enumerate(reads) if x in ("k", "k_proj")), "global")
+    tile = _copy_of(sch, scores, ("k", "k_proj"))
     sch.compute_at(tile, t_out, preserve_unit_loops=True)
     sch.unsafe_set_dtype(tile, 0, "float32")
     _vectorize(sch, sch.get_loops(tile)[-1], None, lanes)
@@ -394,11 +388,9 @@ def _pack_pairs(sch: Schedule, spec: AttentionSpec, task) -> tuple[str, str]:
     FlashAttention rounds it for 16-bit inputs; the row sums keep fp32) and V, both with keys 2t, 2t+1
     side by side: P (t/2, q_tile, 2), V (t/2, d_v, 2). Their copies' names, for `_tensorize_pairs`."""
     pv = sch.get_sblock("pv")
-    reads = [r.source.name for r in sch.get(pv).reads]
-    v_panel = sch.cache_read(pv, next(i for i, x in enumerate(reads) if x in ("v", "v_proj")), "global")
+    v_panel = _copy_of(sch, pv, ("v", "v_proj"))
     sch.compute_at(v_panel, task, preserve_unit_loops=True)
-    # inside the task, where probs is; the row sums keep reading fp32 probs
-    p_panel = sch.cache_read(pv, reads.index("probs"), "global", consumer_blocks=[pv])
+    p_panel = _copy_of(sch, pv, ("probs",), [pv])  # inside the task, where probs is; the row sums keep fp32
     sch.unsafe_set_dtype(p_panel, 0, "bfloat16")
     p_name = sch.get(p_panel).name_hint
     sch.transform_layout(p_panel, ("write", 0), lambda b, i, st, t, s: (b, i, st, t // PAIR, s, t % PAIR),
@@ -522,6 +514,16 @@ def _register_tile(sch: Schedule, block, outer, layout, unrolled: tuple, vector,
         _tensorize(sch, vector, intrinsic, key_blocks)
         _vectorize(sch, sch.get_loops(init)[-1], lanes, lanes)
     return left
+
+
+def _copy_of(sch: Schedule, block, names: tuple[str, ...], consumers: list | None = None):
+    """`cache_read` of ``block``'s operand named one of ``names`` (a TE input or the stage it was
+    inlined from), for ``consumers`` (default: every reader)."""
+    reads = [r.source.name for r in sch.get(block).reads]
+    index = next(i for i, name in enumerate(reads) if name in names)
+    if consumers is None:
+        return sch.cache_read(block, index, "global")
+    return sch.cache_read(block, index, "global", consumer_blocks=consumers)
 
 
 def _tensorize(sch: Schedule, loop, intrinsic: str, key_blocks: str | None = None) -> None:
