@@ -5,12 +5,9 @@ config with seeded random weights (``transformers`` and ``torch`` needed; nothin
 
     model = decoder("gpt2")                              # eval(), 2 layers, d = 64
     onnx_model = export(model, "dynamo", past=True)      # or "torchscript"; past=False: the prefill
-    onnx_model = pin(onnx_model, {"past": 7})            # the cache length fixed (see below)
 
-The exported graphs name the cache length ``past`` (decode) or the prompt length ``seq`` (prefill).
-`pin` fixes such sizes in the graph's inputs, which is how the tests and ``scripts/generate.py`` import
-them today: TVM's importer fails on the symbolic shape arithmetic of these exports (Shape → Add →
-Unsqueeze for the positions), the shape-folding part of issue 12.
+The exported graphs name the cache length ``past`` (decode) or the prompt length ``seq`` (prefill);
+`tvmattn.import_onnx` keeps them symbolic.
 """
 
 from __future__ import annotations
@@ -58,11 +55,6 @@ def names(model: Any, past: bool, attention_mask: bool = False) -> tuple[list[st
     inputs = ["input_ids"] + (["attention_mask"] if attention_mask else []) + ([f"past_{c}" for c in cache]
                                                                               if past else [])
     return inputs, ["logits"] + [f"present_{c}" for c in cache]
-
-
-def decode_sizes(past: int) -> dict[str, int]:
-    """`pin`'s sizes for a decode graph with a cache of ``past`` rows (and a mask over past + 1 keys)."""
-    return {"past": past, "total": past + 1, "past + 1": past + 1}
 
 
 def wrapper(model: Any, attention_mask: bool = False) -> Any:
@@ -124,15 +116,3 @@ def export(model: Any, exporter: str, *, past: bool, seq: int | None = None, pas
             return onnx.load_model_from_string(buffer.getvalue())
     raise ValueError(f"unknown exporter {exporter!r}: dynamo or torchscript")
 
-
-def pin(model: onnx.ModelProto, sizes: dict[str, int]) -> onnx.ModelProto:
-    """A copy whose graph inputs have the named dimensions in ``sizes`` fixed (intermediate shapes dropped:
-    shape inference redoes them)."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    for info in out.graph.input:
-        for dim in info.type.tensor_type.shape.dim:
-            if dim.dim_param in sizes:
-                dim.dim_value = sizes[dim.dim_param]
-    del out.graph.value_info[:]
-    return onnx.shape_inference.infer_shapes(out)

@@ -46,11 +46,11 @@ def main() -> None:
         for name, past in graphs:
             with tempfile.TemporaryDirectory() as tmp:
                 path = os.path.join(tmp, "model.onnx")
-                onnx.save(export_hf.export(family, args.layers, past), path)
+                onnx.save(export_hf.export(family, args.layers, decode=past is not None), path)
                 model = onnx.load(path)
                 imported = import_onnx(model, "cpu")
                 shapes = [None] if past else [(b, min(n, LONGEST.get(family, n))) for b, n in SHAPES]
-                sizes = [{} if s is None else {"batch": s[0], "seq": s[1]} for s in shapes]
+                sizes = [{"past": past} if s is None else {"batch": s[0], "seq": s[1]} for s in shapes]
                 feeds = [random_feed(imported.inputs, at) for at in sizes]
                 plain = [bench_model(model, imported, feed, args.budget, name) for feed in feeds]
                 if args.tune:

@@ -4,11 +4,9 @@ torch's dynamo exporter, batch and sequence named ``batch`` and ``seq``, for `tv
     python scripts/export_hf.py gpt2 -o gpt2.onnx                 # GPT-2 small's width, 2 layers
     python scripts/export_hf.py bert --layers 4 -o bert.onnx      # BERT-base-like, with attention_mask
     python scripts/export_hf.py llama -o llama.onnx               # GQA 12/4 heads, rotary, SiLU MLP
-    python scripts/export_hf.py gpt2 --decode 512 -o gpt2-decode.onnx   # one token, a 512-token KV cache
+    python scripts/export_hf.py gpt2 --decode -o gpt2-decode.onnx   # one token against a KV cache
     tvmattn bench gpt2.onnx --at batch=1 --at seq=128
-
-The decode graph has its cache length pinned (`models.hf_decoders.pin`): TVM's importer does not
-follow the symbolic position arithmetic of "with past" exports yet.
+    tvmattn bench gpt2-decode.onnx --at past=512                   # the cache length is named ``past``
 """
 
 from __future__ import annotations
@@ -57,11 +55,10 @@ class _Outputs(torch.nn.Module):
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
-def export(family: str, layers: int, decode: int | None) -> onnx.ModelProto:
+def export(family: str, layers: int, decode: bool = False) -> onnx.ModelProto:
     model = build(family, layers)
     if decode:
-        graph = hf_decoders.export(model, "dynamo", past=True)
-        return hf_decoders.pin(graph, hf_decoders.decode_sizes(decode))
+        return hf_decoders.export(model, "dynamo", past=True)
     bert = family == "bert"
     names = ["input_ids", "attention_mask"] if bert else ["input_ids"]
     args = tuple(torch.ones(2, 8, dtype=torch.long) for _ in names)
@@ -78,7 +75,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("family", choices=("gpt2", "bert", "llama"))
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--decode", type=int, metavar="PAST", help="the one-token decode graph with a cache of PAST tokens")
+    p.add_argument("--decode", action="store_true", help="the one-token decode graph with a KV cache (``past``)")
     p.add_argument("-o", "--output", required=True)
     args = p.parse_args()
     onnx.save(export(args.family, args.layers, args.decode), args.output)

@@ -59,6 +59,61 @@ def test_buffer_one_diagonal_off_tril_stays_a_mask():
     assert not spec.causal and spec.attn_mask is not None
 
 
+def _positional_mask_model(rule: str) -> onnx.ModelProto:
+    """Decomposed attention after a cache (K = concat(past, new), n_kv = P + S) whose additive mask is
+    computed from positions when the model runs, as dynamic-shape exports write it: key positions
+    arange(n_kv), query positions arange(start, start + S), keep = ``rule``, where(keep, 0, finfo.min)."""
+    c = lambda name, value: onnx.numpy_helper.from_array(np.asarray(value), name)  # noqa: E731
+    start = {"top_left": "zero", "past_plus_one": "p1"}.get(rule, "p")
+    nodes = [oh.make_node("Shape", ["q"], ["s1"], start=2, end=3),
+             oh.make_node("Shape", ["pk"], ["p1d"], start=2, end=3),
+             oh.make_node("Squeeze", ["s1"], ["s"]), oh.make_node("Squeeze", ["p1d"], ["p"]),
+             oh.make_node("Add", ["p", "s"], ["t"]), oh.make_node("Add", ["p", "one"], ["p1"]),
+             oh.make_node("Add", [start, "s"], ["end"]),
+             oh.make_node("Range", ["zero", "t", "one"], ["kpos"]),
+             oh.make_node("Range", [start, "end", "one"], ["qpos"]),
+             oh.make_node("Unsqueeze", ["qpos", "axis1"], ["qcol"])]
+    if rule == "strict":  # j < i + past + 1
+        nodes += [oh.make_node("Add", ["qcol", "one"], ["qnext"]), oh.make_node("Less", ["kpos", "qnext"], ["keep"])]
+    elif rule == "window":  # causal and j > i + past − 3: a sliding window, not the causal rule
+        nodes += [oh.make_node("LessOrEqual", ["kpos", "qcol"], ["causal"]),
+                  oh.make_node("Sub", ["qcol", "three"], ["low"]), oh.make_node("Greater", ["kpos", "low"], ["near"]),
+                  oh.make_node("And", ["causal", "near"], ["keep"])]
+    else:
+        nodes += [oh.make_node("LessOrEqual", ["kpos", "qcol"], ["keep"])]
+    nodes += [oh.make_node("Where", ["keep", "zero_f", "min_f"], ["bias"]),
+              oh.make_node("Concat", ["pk", "kn"], ["k"], axis=2), oh.make_node("Concat", ["pv", "vn"], ["v"], axis=2),
+              oh.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), oh.make_node("MatMul", ["q", "kt"], ["sc"]),
+              oh.make_node("Mul", ["sc", "scale"], ["scaled"]), oh.make_node("Add", ["scaled", "bias"], ["logits"]),
+              oh.make_node("Softmax", ["logits"], ["probs"], axis=-1), oh.make_node("MatMul", ["probs", "v"], ["y"])]
+    cache = [(n, TP.FLOAT, ["B", 2, "P", D]) for n in ("pk", "pv")]
+    new = [(n, TP.FLOAT, ["B", 2, "S", D]) for n in ("q", "kn", "vn")]
+    model = _model(nodes, new + cache, [("y", TP.FLOAT, ["B", 2, "S", D])], (("", 17),))
+    used = {i for n in nodes for i in n.input}
+    constants = [c("zero", np.int64(0)), c("one", np.int64(1)), c("three", np.int64(3)),
+                 c("axis1", np.array([1], np.int64)), c("zero_f", np.float32(0)),
+                 c("min_f", np.float32(np.finfo(np.float32).min)), c("scale", np.float32(D ** -0.5))]
+    model.graph.initializer.extend(t for t in constants if t.name in used)
+    return model
+
+
+@pytest.mark.parametrize("rule,align", [("bottom_right", "bottom_right"), ("top_left", "top_left"),
+                                        ("strict", "bottom_right"), ("window", None), ("past_plus_one", None)])
+def test_mask_computed_from_positions(rule, align):
+    """A mask of position arithmetic is the causal rule only where it provably is at every length (then no
+    mask is read); a sliding window or an offset of one more key stays a mask. Each at three (past,
+    new) sizes, one of them a decode step."""
+    rng = np.random.default_rng(2)
+    feeds = [{"q": randn(rng, b, 2, s, D), "kn": randn(rng, b, 2, s, D), "vn": randn(rng, b, 2, s, D),
+              "pk": randn(rng, b, 2, p, D), "pv": randn(rng, b, 2, p, D)}
+             for b, p, s in ((2, 3, 4), (1, 1, 5), (1, 6, 1))]
+    spec = assert_matches_ort(_positional_mask_model(rule), feeds, 1).report.replacements[0].spec
+    if align:
+        assert spec.causal and spec.causal_align == align and spec.attn_mask is None, spec.describe()
+    else:
+        assert not spec.causal and spec.attn_mask == "additive", spec.describe()
+
+
 # ---- op-level models, one per converter ------------------------------------------------------------------
 def _model(nodes, inputs, outputs, domain_opsets=(("", 23),)) -> onnx.ModelProto:
     graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info(*i) for i in inputs],

@@ -2,9 +2,9 @@
 
 Hugging Face GPT-2 and Llama (random weights from a config) exported with their cache ("with past":
 past_key_{i}/past_value_{i} in, present_key_{i}/present_value_{i} out) by torch's dynamo and TorchScript
-exporters: every Softmax on a tvmattn kernel, the decode step on the one-query kernel (bottom-right
-causal), logits and presents as ONNX Runtime computes them. The cache length is pinned per import
-(`hf_decoders.pin`): TVM's importer cannot yet follow these exports' symbolic shape arithmetic.
+exporters, imported once with the cache (or prompt) length symbolic and run at two lengths: every
+Softmax on a tvmattn kernel, the decode step on the one-query kernel (bottom-right causal, proved from
+the mask's position arithmetic), logits and presents as ONNX Runtime computes them.
 
 com.microsoft.GroupQueryAttention with per-sequence lengths and rotary embedding, and
 MultiHeadAttention with packed QKV / KV, against ONNX Runtime.
@@ -53,22 +53,23 @@ def test_hf_decoder_matches_onnx_runtime(family, exporter, past):
     model, exported = _decoder(family), _exported(family, exporter, past)
     rng = np.random.default_rng(0)
     inputs, _ = hd.names(model, past)
-    for length in (4, 9):  # the cache length (decode) or the prompt length (prefill)
-        pinned = hd.pin(exported, {"past" if past else "seq": length})
+    feeds = []
+    for length in (4, 9):  # the cache length (decode) or the prompt length (prefill): one import serves both
         feed = {"input_ids": rng.integers(0, hd.VOCAB, (1, 1 if past else length)).astype(np.int64)}
-        feed.update({name: randn(rng, *hd.cache_shape(model, length)) for name in inputs[1:]})
-        layers = model.config.num_hidden_layers
-        imported = assert_matches_ort(pinned, [feed], attentions=layers, softmaxes=layers)  # presents too
-        assert len(imported.run(feed)) == 1 + 2 * layers
-        for r in imported.report.replacements:
-            spec = r.spec
-            assert spec.causal and spec.attn_mask is None
-            if past:  # the decode kernel: one query against the cache and itself
-                assert (spec.seq_len, spec.kv_seq_len, spec.causal_align) == (1, length + 1, "bottom_right")
-            else:
-                assert spec.seq_len == spec.kv_seq_len == length and spec.causal_align == "top_left"
-            if family == "llama":
-                assert (spec.h, spec.h_kv) == (4, 2)
+        feeds.append(feed | {name: randn(rng, *hd.cache_shape(model, length)) for name in inputs[1:]})
+    layers = model.config.num_hidden_layers
+    imported = assert_matches_ort(exported, feeds, attentions=layers, softmaxes=layers)  # presents too
+    assert len(imported.run(feeds[0])) == 1 + 2 * layers
+    for r in imported.report.replacements:
+        spec = r.spec
+        assert spec.causal and spec.attn_mask is None, spec.describe()  # no mask read: the causal rule
+        assert isinstance(spec.kv_seq_len, str)  # symbolic
+        if past:  # the decode kernel: one query against the cache and itself
+            assert (spec.seq_len, spec.causal_align) == (1, "bottom_right")
+        else:
+            assert spec.seq_len == spec.kv_seq_len and spec.causal_align == "top_left"
+        if family == "llama":
+            assert (spec.h, spec.h_kv) == (4, 2)
 
 
 @functools.cache
@@ -86,13 +87,14 @@ def test_hf_decoder_batch_with_left_padding(family, exporter):
     model, exported = _decoder(family), _exported_with_mask(family, exporter)
     rng = np.random.default_rng(1)
     inputs, _ = hd.names(model, True, attention_mask=True)
-    length = 6
-    feed = {"input_ids": rng.integers(0, hd.VOCAB, (2, 1)).astype(np.int64),
-            "attention_mask": np.ones((2, length + 1), np.int64)}
-    feed["attention_mask"][1, :3] = 0
-    feed.update({name: randn(rng, *hd.cache_shape(model, length, 2)) for name in inputs[2:]})
+    feeds = []
+    for length, padding in ((6, 3), (2, 1)):  # one import, two cache lengths
+        feed = {"input_ids": rng.integers(0, hd.VOCAB, (2, 1)).astype(np.int64),
+                "attention_mask": np.ones((2, length + 1), np.int64)}
+        feed["attention_mask"][1, :padding] = 0
+        feeds.append(feed | {name: randn(rng, *hd.cache_shape(model, length, 2)) for name in inputs[2:]})
     layers = model.config.num_hidden_layers
-    imported = assert_matches_ort(hd.pin(exported, hd.decode_sizes(length)), [feed], layers, softmaxes=layers)
+    imported = assert_matches_ort(exported, feeds, layers, softmaxes=layers)
     spec = imported.report.replacements[0].spec
     assert (spec.batch, spec.seq_len, spec.attn_mask, spec.attn_mask_dims) == (2, 1, "additive", "bt")
 

@@ -31,7 +31,7 @@ from tvmattn.compiler.kernel import numpy_dtype
 from tvmattn.compiler.onnx import checks, graph, ops, patterns  # noqa: F401 (ops fills the converters' table)
 from tvmattn.compiler.onnx.converters import Node, find
 from tvmattn.compiler.onnx.kernels import Kernels, Replacement
-from tvmattn.compiler.onnx.shape_ops import BROADCASTING, SHAPE_FIXES, state_broadcast, state_shape
+from tvmattn.compiler.onnx.shape_ops import BROADCASTING, SHAPE_FIXES, as_onnx_value, state_broadcast, state_shape
 from tvmattn.compiler.target import is_cpu, resolve_target
 
 
@@ -263,6 +263,10 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
         self.kernels = kernels
         self.provenance: dict[relax.Expr, str] = {}
         self._by_name = {n.name: n for n in model.graph.node}
+        self._readers: dict[str, list[str]] = {}  # tensor name → the op types of the nodes reading it
+        for n in model.graph.node:
+            for name in n.input:
+                self._readers.setdefault(name, []).append(n.op_type)
         self._current: onnx.NodeProto | None = None
         self._shapes = graph.symbolic_shapes(model)
         self._symbols: dict[str, tirx.Var] = {}  # the graph inputs' named sizes, as TVM's importer made them
@@ -318,7 +322,9 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
                 sym = checks.slice_bounds(self.bb, node.name, sym)
             sym = self.bb.normalize(sym)
             if node is not None and len(node.output) == 1:
-                sym = state_shape(self.bb, sym, self._shapes.get(node.output[0]), self._symbols, node.output[0])
+                out = node.output[0]
+                sym = self.bb.normalize(as_onnx_value(sym, self._shapes.get(out), self._readers.get(out, [])))
+                sym = state_shape(self.bb, sym, self._shapes.get(out), self._symbols, out)
             if node is not None:
                 self.provenance[sym] = node.name
             return sym

@@ -36,7 +36,7 @@ from tvm import relax, tirx
 from tvm.relax.dpl import DFPattern, is_const, is_op, is_tuple_get_item, wildcard
 
 from tvmattn.compiler.errors import TvmAttnError
-from tvmattn.compiler.onnx import checks
+from tvmattn.compiler.onnx import checks, positions
 from tvmattn.compiler.onnx.kernels import Kernels, Mask, attend, shape_of
 
 SOURCE = "pattern: decomposed attention"
@@ -313,7 +313,8 @@ class _Match:
         if self.p.bias in self.m:
             bias = self.leaf(self.p.bias)
             if not isinstance(bias, tvm.ir.GenericConst):
-                return Mask(bias, "additive"), {}, None
+                causal = self._positional_causal(bias, negate=False, additive=True)
+                return (None, causal, None) if causal else (Mask(bias, "additive"), {}, None)
             values = bias.value.numpy().astype(np.float64)
             keep = values == 0
             if np.all(keep | (values <= _HUGE_NEGATIVE)) and _hides_only(keep, values):
@@ -336,7 +337,7 @@ class _Match:
                 return (*_keep(keep, self._scores_shape()), keep)
             bias = np.where(keep, 0.0, fill).astype(np.float32)
             return Mask(relax.const(bias), "additive"), {}, np.ones_like(keep)
-        causal = self._sliced_causal(cond, negate, fill)
+        causal = self._sliced_causal(cond, negate, fill) or self._positional_causal(cond, negate, fill=fill)
         if causal:
             return None, causal, None
         keep = self.bb.emit(relax.op.logical_not(cond)) if negate else cond
@@ -382,6 +383,37 @@ class _Match:
         if analyzer.can_prove_equal(offset, n_kv - n) and (fill == -np.inf or analyzer.can_prove(n_kv >= n)):
             return {"causal": True, "causal_align": "bottom_right"}
         return {}
+
+    def _positional_causal(self, mask: relax.Expr, negate: bool, additive: bool = False,
+                           fill: float = -np.inf) -> dict:
+        """The spec's causal rule when ``mask`` is computed from positions (`positions`) as a causal
+        rule at every length: a bool ``keep`` (``hide`` when ``negate``), or an additive where(keep, 0,
+        fill). Empty otherwise."""
+        *lead, n, n_kv = shape_of(self.m[self.p.scores], "the scores")
+        index = [tirx.Var(f"i{axis}", "int64") for axis in range(len(lead) + 2)]  # (B, h, query, key)
+        value = positions.rule(mask, positions.broadcast(index, mask), self.r.var2val)
+        if additive:
+            if not isinstance(value, tirx.Select):
+                return {}
+            hidden = [tvm.sym.Analyzer().simplify(v) for v in (value.true_value, value.false_value)]
+            if not all(isinstance(v, (tirx.FloatImm, tirx.IntImm)) for v in hidden):
+                return {}
+            (zero, fill), negate = (hidden, False) if hidden[0].value == 0 else (hidden[::-1], True)
+            value, fill = value.condition, fill.value
+            if zero.value != 0 or fill > _HUGE_NEGATIVE:
+                return {}
+        if value is None or positions.dtype(value) != "bool":
+            return {}
+        keep = tirx.Not(value) if negate else value
+        sizes = [v for v in tirx.analysis.undefined_vars(keep) if not any(v.same_as(i) for i in index)]
+        align = positions.causal(keep, index[-2], index[-1], n, n_kv, sizes)
+        if align == "bottom_right" and fill != -np.inf:  # a row that sees no key: uniform weights in the model
+            analyzer = tvm.sym.Analyzer()
+            for size in sizes + [v for v in tirx.analysis.undefined_vars(n_kv - n)]:
+                analyzer.update(size, tvm.sym.ConstIntBound(0, tvm.sym.ConstIntBound.POS_INF), True)
+            if not analyzer.can_prove(n_kv >= n):
+                return {}
+        return {"causal": True, "causal_align": align} if align else {}
 
     def _scores_shape(self) -> tuple[int | None, ...]:
         return tuple(int(d.value) if isinstance(d, tirx.IntImm) else None

@@ -9,9 +9,17 @@ inputs' named sizes; `state_shape` tells TVM with a ``match_cast`` (checked when
 
 Expand   a constant target shape on data with symbolic dimensions (TorchScript's
          ``mask.expand(bsz, heads, -1, -1)``): the stock converter reads every data dimension as a number.
+Range    integer bounds of shape arithmetic (the positions ``past .. past + seq`` of a decoder with a
+         cache): the stock converter computes the length as a tensor, a size of its own making that
+         the compiled model then fails to define; `relax.op.arange` of the bounds keeps it symbolic.
 Reshape  a scalar of shape arithmetic (``batch * heads`` from Shape → Squeeze → Mul, as the dynamo
          exporter writes it) reshaped to one element: the stock converter wants a tensor; a
          one-element shape is what the following Concat builds a shape from.
+
+TVM's importer keeps shape arithmetic as values (a scalar PrimExpr, a ShapeExpr) rather than tensors,
+which only some converters read; `as_onnx_value` gives such a value the rank ONNX says it has, as an
+int tensor where the next node cannot read it (the positions ``past + arange(seq)`` of a decoder with a cache,
+unsqueezed twice: TVM's Unsqueeze takes a scalar to a ShapeExpr, and a ShapeExpr nowhere further).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import ast
 import operator
 from typing import Callable
 
+import numpy as np
 import tvm
 from tvm import relax, tirx
 from tvm.sym import Analyzer
@@ -52,7 +61,55 @@ def reshape(inputs: list) -> relax.Expr | None:
     return relax.ShapeExpr([data])  # in TVM 0.27 a Relax scalar of shape arithmetic is the PrimExpr itself
 
 
-SHAPE_FIXES: dict[str, ShapeFix] = {"Expand": expand, "Reshape": reshape}
+def range_(inputs: list) -> relax.Expr | None:
+    bounds = [_int_scalar(x) for x in inputs[:3]]
+    if any(b is None for b in bounds) or all(isinstance(b, tirx.IntImm) for b in bounds):
+        return None  # a float range, a bound computed as a tensor, or all constant: the stock converter's
+    dtype = str(inputs[0].ty.dtype) if isinstance(inputs[0], tvm.ir.GenericConst) else str(inputs[0].ty)
+    return relax.op.arange(*bounds, dtype=dtype)
+
+
+def _int_scalar(x: relax.Expr) -> tirx.PrimExpr | None:
+    """An integer scalar (a one-element constant or a PrimExpr of shape arithmetic) as a PrimExpr."""
+    if isinstance(x, tvm.ir.GenericConst):
+        value = x.value.numpy()
+        return tirx.IntImm("int64", int(value.item())) if value.size == 1 and value.dtype.kind in "iu" else None
+    if isinstance(getattr(x, "ty", None), tvm.ir.PrimType) and "int" in str(x.ty):
+        return x if str(x.ty) == "int64" else tirx.Cast("int64", x)
+    return None
+
+
+SHAPE_FIXES: dict[str, ShapeFix] = {"Expand": expand, "Range": range_, "Reshape": reshape}
+
+# The ops TVM 0.27's importer lets read a ShapeExpr (its `shape_compatible_ops`); any other raises.
+READS_SHAPES = {"Reshape", "Resize", "ConstantOfShape", "Gather", "Slice", "Shape", "Expand", "Concat", "Equal",
+                "Where", "Cast", "CastLike", "Squeeze"}
+
+
+def as_onnx_value(value: relax.Expr, dims: tuple[int | str, ...] | None, readers: list[str]) -> relax.Expr:
+    """A scalar or ShapeExpr of shape arithmetic in the form its ONNX shape ``dims`` and its ``readers``
+    (op types) need: TVM's form can have another rank (a one-element Add of a scalar size is a scalar
+    to TVM, a Gather of one size a one-element ShapeExpr), and only some readers take a ShapeExpr.
+    It stays a symbolic value where it can (a Range's length must stay one); else it becomes the int
+    tensor ONNX says it is."""
+    ty = getattr(value, "ty", None)
+    if isinstance(ty, relax.ShapeType):
+        rank, length, dtype = 1, ty.ndim, "int64"
+    elif isinstance(ty, tvm.ir.PrimType):
+        rank, length, dtype = 0, 1, str(ty.dtype)
+    else:
+        return value
+    if dims is None or not all(isinstance(d, int) for d in dims) or int(np.prod(dims)) != length:
+        return value  # not a value ONNX's shape describes (or one of unknown length)
+    if len(dims) == 0:
+        if rank == 0:
+            return value
+        if isinstance(value, relax.ShapeExpr):
+            return relax.prim_value(value.values[0])
+    elif len(dims) == 1 and all(r in READS_SHAPES for r in readers):
+        return value if rank == 1 else relax.ShapeExpr([value])
+    tensor = relax.op.shape_to_tensor(value if rank else relax.ShapeExpr([value]))  # (length,) int64
+    return relax.op.astype(relax.op.reshape(tensor, dims), dtype)
 
 
 _ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: tirx.floordiv}

@@ -1,0 +1,151 @@
+"""Masks computed from positions: the rule a tensor of position arithmetic computes, proved causal.
+
+Dynamic-shape exports cannot bake a causal mask into a constant; they compute it where the model
+runs, from aranges of the sequence lengths (the dynamo exporter's ``arange(n_kv)[None, :] <=
+(past + arange(n))[:, None]``, then ``where(keep, 0, finfo.min)``). `rule` reads such an expression
+back as a TIR expression of the element's index, and `causal` proves that rule is the spec's causal
+one at every length, so the kernel skips the hidden key tiles instead of reading an (n, n_kv) mask.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import tvm
+from tvm import relax, tirx
+from tvm.ir.expr import Expr as PrimExpr
+
+from tvmattn.compiler.onnx import checks
+
+Index = list[PrimExpr]  # one index per axis of the tensor being read
+
+_BINARY: dict[str, Callable[[PrimExpr, PrimExpr], PrimExpr]] = {
+    "relax.add": lambda a, b: a + b, "relax.subtract": lambda a, b: a - b, "relax.multiply": lambda a, b: a * b,
+    "relax.less": tirx.LT, "relax.less_equal": tirx.LE, "relax.greater": tirx.GT,
+    "relax.greater_equal": tirx.GE, "relax.equal": tirx.EQ, "relax.not_equal": tirx.NE,
+    "relax.logical_and": tirx.And, "relax.logical_or": tirx.Or,
+}
+_PASS_THROUGH = ("relax.astype", "relax.broadcast_to", "relax.reshape", "relax.expand_dims")
+
+
+def rule(expr: relax.Expr, index: Index | None, var2val: dict) -> PrimExpr | None:
+    """The value of ``expr`` at ``index`` (its own rank's worth of indices) as an expression of the
+    indices and the model's symbolic sizes, or None where it reads anything but positions (a tensor
+    input, a constant of more than one value) or through an op this does not follow."""
+    if index is None:
+        return None
+    expr = checks.unchecked(var2val.get(expr, expr), var2val)
+    expr = var2val.get(expr, expr)
+    if isinstance(expr, tvm.ir.GenericConst):
+        value = expr.value.numpy()
+        return tirx.const(value.item(), str(value.dtype)) if value.size == 1 else None
+    if not isinstance(expr, relax.Call) or not isinstance(expr.op, tvm.ir.Op):
+        return None
+    name, args = expr.op.name, expr.args
+    if name == "relax.arange" and len(index) == 1:
+        start, _, step = (_prim(a) for a in args)
+        return None if start is None or step is None else start + step * index[0]
+    if name == "relax.shape_to_tensor" and len(index) == 1:  # shape arithmetic as a tensor
+        shape = var2val.get(args[0], args[0])
+        values = list(shape.values) if isinstance(shape, relax.ShapeExpr) else []
+        if len(values) == 1 or (values and isinstance(index[0], tirx.IntImm)):
+            return values[0 if len(values) == 1 else index[0].value]
+        return None
+    if name in _BINARY:
+        a, b = (rule(x, broadcast(index, x), var2val) for x in args)
+        return None if a is None or b is None else _BINARY[name](*_same_type(a, b))
+    if name == "relax.logical_not":
+        a = rule(args[0], index, var2val)
+        return None if a is None else tirx.Not(a)
+    if name == "relax.where":
+        c, a, b = (rule(x, broadcast(index, x), var2val) for x in args)
+        return None if c is None or a is None or b is None else tirx.Select(c, *_same_type(a, b))
+    if name in _PASS_THROUGH:
+        inner = _unit_axes_dropped(expr, args[0], index)
+        return None if inner is None else rule(args[0], inner, var2val)
+    return None
+
+
+def causal(keep: PrimExpr, query: tirx.Var, key: tirx.Var, n: PrimExpr, n_kv: PrimExpr,
+           sizes: list[tirx.Var]) -> str | None:
+    """The causal alignment ("top_left": key j ≤ query i, "bottom_right": j ≤ i + n_kv − n) that the
+    bool rule ``keep`` is for every query < n, key < n_kv and size ≥ 0, or None: it must be one
+    comparison, linear in the key and query with coefficients ±1 (any for the query when n is 1),
+    and depend on nothing else."""
+    analyzer = tvm.sym.Analyzer()
+    for size in sizes:
+        analyzer.update(size, tvm.sym.ConstIntBound(0, tvm.sym.ConstIntBound.POS_INF))
+    keep = analyzer.simplify(keep)
+    # j ≤ i + o as  j − i − o ≤ 0; a strict comparison of integers moves the bound by one
+    forms = {tirx.LE: (1, 0), tirx.LT: (1, 1), tirx.GE: (-1, 0), tirx.GT: (-1, 1)}
+    form = next((f for t, f in forms.items() if isinstance(keep, t)), None)
+    if form is None:
+        return None
+    sign, strict = form
+    linear = tvm.sym.detect_linear_equation(sign * (keep.a - keep.b), [key, query])
+    if len(linear) != 3:
+        return None
+    a_key, a_query, rest = (analyzer.simplify(c) for c in linear)
+    if not (_is(a_key, 1) and (_is(a_query, -1) or _is(n, 1))):  # one query: i is 0, its coefficient moot
+        return None
+    if any(v.same_as(query) or v.same_as(key) for v in tirx.analysis.undefined_vars(rest)):
+        return None
+    offset = analyzer.simplify(-rest - strict)  # keep ⇔ j ≤ i + offset
+    if analyzer.can_prove_equal(offset, 0):
+        return "top_left"
+    if analyzer.can_prove_equal(offset, n_kv - n):
+        return "bottom_right"
+    return None
+
+
+def dtype(value: PrimExpr) -> str:
+    return str(value.ty)  # TVM 0.27: a Var's .dtype is its buffer's
+
+
+def _is(value: PrimExpr, number: int) -> bool:
+    return isinstance(value, tirx.IntImm) and value.value == number
+
+
+def _prim(arg: relax.Expr) -> PrimExpr | None:
+    """An arange bound: a number or shape arithmetic."""
+    return arg if tvm.ir.is_prim_expr(arg) else None
+
+
+def _same_type(a: PrimExpr, b: PrimExpr) -> tuple[PrimExpr, PrimExpr]:
+    """Both operands in one dtype (ONNX's operands already agree; TIR's constants may not)."""
+    if dtype(a) == dtype(b):
+        return a, b
+    wide = "int64" if "int" in dtype(a) and "int" in dtype(b) else "float64"
+    return tirx.Cast(wide, a), tirx.Cast(wide, b)
+
+
+def _dims(expr: relax.Expr) -> list[PrimExpr] | None:
+    ty = getattr(expr, "ty", None)
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+        return None
+    return list(ty.shape.values)
+
+
+def broadcast(index: Index, operand: relax.Expr) -> Index | None:
+    """The index into a broadcast operand: the trailing axes, 0 along its axes of size 1."""
+    dims = _dims(operand)
+    if dims is None or len(dims) > len(index):
+        return None
+    return [tirx.IntImm("int64", 0) if _is(d, 1) else i for d, i in zip(dims, index[len(index) - len(dims):])]
+
+
+def _unit_axes_dropped(expr: relax.Expr, data: relax.Expr, index: Index) -> Index | None:
+    """The index into ``data`` of an op that only adds or removes axes of size 1 or broadcasts them
+    (expand_dims, a reshape that keeps the other sizes in order, broadcast_to, a cast): None else."""
+    out, into = _dims(expr), _dims(data)
+    if out is None or into is None:
+        return None
+    kept = [(d, i) for d, i in zip(out, index) if not _is(d, 1)]
+    if getattr(expr.op, "name", "") == "relax.broadcast_to":
+        return broadcast(index, data)
+    analyzer = tvm.sym.Analyzer()
+    wanted = [d for d in into if not _is(d, 1)]
+    if len(wanted) != len(kept) or not all(analyzer.can_prove_equal(a, b) for a, (b, _) in zip(wanted, kept)):
+        return None
+    picked = iter(i for _, i in kept)
+    return [tirx.IntImm("int64", 0) if _is(d, 1) else next(picked) for d in into]
