@@ -93,28 +93,54 @@ def tvm_compile(mod: tvm.IRModule, target: Target) -> tvm.runtime.Executable:
     return tvm.compile(mod, target, tir_pipeline=CPU_PIPELINE if is_cpu(target) else "default")
 
 
+_OPAQUE = 8  # relax's OpPatternKind kOpaque: FuseOps fuses nothing into or out of it
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvmattn.ProducersUnfused")
+def _producers_unfused(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """PrimFuncs that read no tensor and write one of symbolic size (an arange over a sequence
+    length), kept out of fused groups: FuseTIR fails on a group that passes their sizes to them
+    (TVM 0.27, "VarRemapGet(source) == nullptr")."""
+    for gv, func in list(mod.functions.items()):
+        if not isinstance(func, tvm.tirx.PrimFunc):
+            continue
+        buffers = [p for p in func.params if isinstance(p.ty, tvm.tirx.BufferType)]
+        if len(buffers) == 1 and any(not isinstance(d, tvm.tirx.IntImm) for d in buffers[0].shape):
+            mod[gv] = func.with_attr("op_pattern", _OPAQUE)
+    return mod
+
+
 def compile_model(mod: tvm.IRModule, target: Target) -> tuple[tvm.runtime.Executable, dict[str, str], list[str]]:
     """A Relax module (an imported model) compiled for ``target``, the schedule rule that took each of
     its PrimFuncs (function name → rule) and the functions built from a tuning record. CPU: Relax's CPU
     pipeline with `schedules.ops` after operator fusion (TVM's schedules none); CUDA: Relax's, which
-    applies dlight's GPU rules."""
-    if not is_cpu(target):
-        return tvm_compile(mod, target), {}, []
-    from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
+    applies dlight's GPU rules. Both keep symbolic-size producers unfused (`_producers_unfused`)."""
+    if is_cpu(target):
+        from tvm.relax.backend.cpu_generic import pipeline as backend
 
-    from tvmattn.compiler.tuning.model import tuned_knobs  # it builds candidates with this module
+        from tvmattn.compiler.tuning.model import tuned_knobs  # it builds candidates with this module
 
-    scheduler = ScheduleFunctions(target, tuned_knobs(target))
+        scheduler = ScheduleFunctions(target, tuned_knobs(target))
+        after_fusion = [scheduler]
+    else:
+        from tvm.relax.backend.cuda import pipeline as backend
 
-    @tvm.transform.module_pass(opt_level=0, name="tvmattn.RelaxCpuPipeline")
+        after_fusion = []
+    legalize = backend.legalize_passes(target)
+    fuse = [p.info.name for p in legalize].index("FuseOps")
+    legalize = legalize[:fuse] + [_producers_unfused] + legalize[fuse:]
+
+    @tvm.transform.module_pass(opt_level=0, name="tvmattn.RelaxModelPipeline")
     def pipeline(m: tvm.IRModule, _ctx) -> tvm.IRModule:
         with target:
             return tvm.transform.Sequential(
-                cpu_generic.library_dispatch_passes(target) + cpu_generic.legalize_passes(target) + [scheduler]
-                + cpu_generic.dataflow_lower_passes(target) + cpu_generic.finalize_passes(target))(m)
+                backend.library_dispatch_passes(target) + legalize + after_fusion
+                + backend.dataflow_lower_passes(target) + backend.finalize_passes(target))(m)
 
-    return tvm.compile(mod, target, relax_pipeline=pipeline, tir_pipeline=CPU_PIPELINE), scheduler.rule_of, \
-        scheduler.tuned_functions
+    if not is_cpu(target):
+        return compile_cuda(mod, target, relax_pipeline=pipeline), {}, []
+    executable = tvm.compile(mod, target, relax_pipeline=pipeline, tir_pipeline=CPU_PIPELINE)
+    return executable, scheduler.rule_of, scheduler.tuned_functions
 
 
 def build_module(mod: tvm.IRModule, spec: AttentionSpec, target: Target) -> tvm.runtime.Executable:

@@ -75,10 +75,13 @@ def _positional_mask_model(rule: str) -> onnx.ModelProto:
              oh.make_node("Unsqueeze", ["qpos", "axis1"], ["qcol"])]
     if rule == "strict":  # j < i + past + 1
         nodes += [oh.make_node("Add", ["qcol", "one"], ["qnext"]), oh.make_node("Less", ["kpos", "qnext"], ["keep"])]
-    elif rule == "window":  # causal and j > i + past − 3: a sliding window, not the causal rule
+    elif rule == "window":  # causal and j > i + past − 3: a sliding window of 3 keys
         nodes += [oh.make_node("LessOrEqual", ["kpos", "qcol"], ["causal"]),
                   oh.make_node("Sub", ["qcol", "three"], ["low"]), oh.make_node("Greater", ["kpos", "low"], ["near"]),
                   oh.make_node("And", ["causal", "near"], ["keep"])]
+    elif rule == "far_keys":  # j ≤ i + past − 3 only: not a rule of the spec's
+        nodes += [oh.make_node("Sub", ["qcol", "three"], ["low"]),
+                  oh.make_node("LessOrEqual", ["kpos", "low"], ["keep"])]
     else:
         nodes += [oh.make_node("LessOrEqual", ["kpos", "qcol"], ["keep"])]
     nodes += [oh.make_node("Where", ["keep", "zero_f", "min_f"], ["bias"]),
@@ -97,19 +100,21 @@ def _positional_mask_model(rule: str) -> onnx.ModelProto:
     return model
 
 
-@pytest.mark.parametrize("rule,align", [("bottom_right", "bottom_right"), ("top_left", "top_left"),
-                                        ("strict", "bottom_right"), ("window", None), ("past_plus_one", None)])
-def test_mask_computed_from_positions(rule, align):
-    """A mask of position arithmetic is the causal rule only where it provably is at every length (then no
-    mask is read); a sliding window or an offset of one more key stays a mask. Each at three (past,
-    new) sizes, one of them a decode step."""
+@pytest.mark.parametrize("rule,align,window", [
+    ("bottom_right", "bottom_right", None), ("top_left", "top_left", None), ("strict", "bottom_right", None),
+    ("window", "bottom_right", 3), ("past_plus_one", None, None), ("far_keys", None, None)])
+def test_mask_computed_from_positions(rule, align, window):
+    """A mask of position arithmetic is the causal rule (with its window) only where it provably is at
+    every length: then no mask is read. An offset of one more key, or keys only far back, stay a mask.
+    Each at three (past, new) sizes, one of them a decode step."""
     rng = np.random.default_rng(2)
     feeds = [{"q": randn(rng, b, 2, s, D), "kn": randn(rng, b, 2, s, D), "vn": randn(rng, b, 2, s, D),
               "pk": randn(rng, b, 2, p, D), "pv": randn(rng, b, 2, p, D)}
              for b, p, s in ((2, 3, 4), (1, 1, 5), (1, 6, 1))]
     spec = assert_matches_ort(_positional_mask_model(rule), feeds, 1).report.replacements[0].spec
     if align:
-        assert spec.causal and spec.causal_align == align and spec.attn_mask is None, spec.describe()
+        assert (spec.causal, spec.causal_align, spec.window, spec.attn_mask) == (True, align, window, None), \
+            spec.describe()
     else:
         assert not spec.causal and spec.attn_mask == "additive", spec.describe()
 
@@ -254,17 +259,22 @@ def test_ms_group_query_attention_packed_prompt():
 
 
 # ---- what is not replaced, and the report ---------------------------------------------------------------
-def _decomposed(fill: float) -> onnx.ModelProto:
-    """softmax(where(keep, q·kᵀ, fill))·v over (B, 2, S, D) inputs."""
+def _decomposed(fill: float, nan_guard: bool = False) -> onnx.ModelProto:
+    """softmax(where(keep, q·kᵀ, fill))·v over (B, 2, S, D) inputs; with ``nan_guard`` the weights are
+    where(isnan(p), 0, p) first, as torch's exporter writes scaled_dot_product_attention."""
+    guard = [oh.make_node("IsNaN", ["p"], ["nan"]), oh.make_node("Where", ["nan", "zero", "p"], ["w"])]
     nodes = [oh.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
              oh.make_node("MatMul", ["q", "kt"], ["s"]),
              oh.make_node("Where", ["keep", "s", "fill"], ["masked"]),
              oh.make_node("Softmax", ["masked"], ["p"], axis=-1),
-             oh.make_node("MatMul", ["p", "v"], ["y"])]
+             *(guard if nan_guard else []),
+             oh.make_node("MatMul", ["w" if nan_guard else "p", "v"], ["y"])]
     model = _model(nodes, [("q", TP.FLOAT, ["B", 2, "S", D]), ("k", TP.FLOAT, ["B", 2, "S", D]),
                            ("v", TP.FLOAT, ["B", 2, "S", D]), ("keep", TP.BOOL, ["B", 1, "S", "S"])],
                    [("y", TP.FLOAT, ["B", 2, "S", D])], (("", 17),))
     model.graph.initializer.append(onnx.numpy_helper.from_array(np.float32(fill), "fill"))
+    if nan_guard:
+        model.graph.initializer.append(onnx.numpy_helper.from_array(np.float32(0), "zero"))
     return model
 
 
@@ -280,6 +290,16 @@ def test_decomposed_attention_with_minus_inf_mask_is_replaced():
     assert "pattern: decomposed attention" in str(imported.report)
     assert "Softmax_3" in str(imported.report)  # names the ONNX nodes it replaced
     assert [(f.node, f.kernel) for f in imported.report.softmaxes] == [("Softmax_3", "tvmattn_attention0")]
+
+
+def test_nan_guard_of_the_weights_is_the_kernels_empty_row():
+    """torch's exporter zeroes the NaN rows of the weights (those whose mask hides every key): what the
+    kernel does for such a row. One row of each batch sees no key here."""
+    rng = np.random.default_rng(12)
+    feed = _decomposed_feed(rng)
+    feed["keep"][:, :, 2] = False
+    imported = assert_matches_ort(_decomposed(-np.inf, nan_guard=True), [feed], 1)
+    assert np.all(imported.run(feed)[0][:, :, 2] == 0)
 
 
 def test_inexact_match_is_left_to_tvm_and_reported():
@@ -336,6 +356,28 @@ def test_unsupported_attribute_value_names_the_node():
                    [("y", TP.FLOAT, [1, 3, 2 * D])], MS)
     with pytest.raises(tvmattn.TvmAttnError, match="'gqa'.*smooth_softmax=1 is not supported"):
         tvmattn.import_onnx(model)
+
+
+def test_contradicting_shapes_are_refused_and_data_propagation_is_not_the_judge():
+    """A graph whose shapes contradict each other is one error; a sound one that ONNX's data propagation
+    trips on (both branches of an If naming a tensor alike, as optimum's merged decoders do) loads."""
+    from tvmattn.compiler.errors import TvmAttnError
+    from tvmattn.compiler.onnx import graph
+
+    bad = _model([oh.make_node("Add", ["a", "b"], ["y"])], [("a", TP.FLOAT, [2, 3]), ("b", TP.FLOAT, [4, 3])],
+                 [("y", TP.FLOAT, [2, 3])])
+    with pytest.raises(TvmAttnError, match="^the model's shapes or types are inconsistent"):
+        graph.load(bad)
+
+    def branch(name: str) -> onnx.GraphProto:
+        return oh.make_graph([oh.make_node("Shape", ["x"], ["s"]), oh.make_node("Identity", ["s"], [name])], name,
+                             [], [oh.make_tensor_value_info(name, TP.INT64, [2])])
+
+    node = oh.make_node("If", ["c"], ["y"], then_branch=branch("t"), else_branch=branch("e"))
+    sound = _model([node], [("c", TP.BOOL, []), ("x", TP.FLOAT, ["B", 3])], [("y", TP.INT64, [2])])
+    with pytest.raises(onnx.shape_inference.InferenceError, match="already exists"):
+        onnx.shape_inference.infer_shapes(sound, check_type=True, strict_mode=True, data_prop=True)
+    assert graph.load(sound) is sound
 
 
 def test_shape_that_cannot_be_inferred_names_the_node():
@@ -403,3 +445,18 @@ def test_slice_past_a_table_is_a_clean_error():
     np.testing.assert_allclose(imported.run({"x": x})[0], ort_run(model, {"x": x})[0], rtol=1e-6)
     with pytest.raises(tvmattn.TvmAttnError, match="node 'positions' \\(Slice\\): its end is past the 8 entries"):
         imported.run({"x": randn(np.random.default_rng(0), 1, 9)})
+
+
+def test_slice_from_a_symbolic_start_to_the_end():
+    """x[:, -seq:] with ONNX's INT64_MAX end (T5's position-bias slice): the last seq columns, all of x
+    where seq is longer."""
+    c = onnx.numpy_helper.from_array
+    nodes = [oh.make_node("Shape", ["y"], ["shape"]), oh.make_node("Gather", ["shape", "one"], ["s"]),
+             oh.make_node("Neg", ["s"], ["minus_s"]), oh.make_node("Unsqueeze", ["minus_s", "axes"], ["start"]),
+             oh.make_node("Slice", ["x", "start", "end", "axis1"], ["out"])]
+    model = _model(nodes, [("x", TP.FLOAT, ["B", "T"]), ("y", TP.FLOAT, ["B", "S"])], [("out", TP.FLOAT, ["B", None])],
+                   (("", 17),))
+    model.graph.initializer.extend([c(np.array([2**63 - 1], np.int64), "end"), c(np.array([0], np.int64), "axes"),
+                                    c(np.array([1], np.int64), "axis1"), c(np.array(1, np.int64), "one")])
+    rng = np.random.default_rng(4)
+    assert_matches_ort(model, [{"x": randn(rng, 2, t), "y": randn(rng, 2, s)} for t, s in ((7, 3), (4, 6))], 0)

@@ -1,7 +1,8 @@
 """Whole Hugging Face models, as their exporters write them, imported and checked against ONNX Runtime.
 
 Families (random weights from small configs, 2 layers, d = 64): GPT-2, BERT (with a padding mask),
-Llama (GQA + rotary), Qwen2 (GQA), T5 (encoder-decoder, relative bias), ViT. Exporters: torch's
+Llama (GQA + rotary), Qwen2 (GQA), Mistral (GQA, a sliding window of 4 keys: shorter than the inputs),
+T5 (encoder-decoder, relative bias), ViT. Exporters: torch's
 TorchScript exporter, its dynamo exporter at its default opset and at opset 23 (RotaryEmbedding,
 RMSNormalization), and ONNX Runtime's transformer optimizer over one of those (contrib ops). Batch and
 sequence stay symbolic; every model runs at two shapes and all its attention must be on tvmattn
@@ -28,9 +29,9 @@ transformers = pytest.importorskip("transformers")
 from onnx_testing import assert_matches_ort, kernels_used  # noqa: E402
 
 VOCAB, D, HEADS, LAYERS = 128, 64, 4, 2
-DECODERS = {"gpt2", "llama", "qwen2"}
 ATTENTIONS = {"t5": 3 * LAYERS}  # encoder, decoder and cross attention per layer; others one per layer
-ORT_MODEL_TYPE = {"gpt2": "gpt2", "bert": "bert", "vit": "vit", "t5": "t5", "llama": "gpt2", "qwen2": "gpt2"}
+ORT_MODEL_TYPE = {"gpt2": "gpt2", "bert": "bert", "vit": "vit", "t5": "t5", "llama": "gpt2", "qwen2": "gpt2",
+                  "mistral": "gpt2"}
 
 
 def build(family: str) -> torch.nn.Module:
@@ -47,6 +48,9 @@ def build(family: str) -> torch.nn.Module:
         model = auto.from_config(transformers.LlamaConfig(**common, num_key_value_heads=2), **eager)
     elif family == "qwen2":
         model = auto.from_config(transformers.Qwen2Config(**common, num_key_value_heads=2), **eager)
+    elif family == "mistral":
+        model = auto.from_config(transformers.MistralConfig(**common, num_key_value_heads=2, sliding_window=4),
+                                 **eager)
     elif family == "bert":
         model = transformers.AutoModel.from_config(transformers.BertConfig(**common), **eager)
     elif family == "t5":
@@ -156,7 +160,7 @@ def feeds(model: onnx.ModelProto, family: str, shapes: list[tuple[int, int]]) ->
 
 def check(family: str, exporter: str) -> None:
     model = export(family, exporter)
-    rotary23 = exporter == "dynamo23" and family in {"llama", "qwen2"}
+    rotary23 = exporter == "dynamo23" and family in {"llama", "qwen2", "mistral"}
     # ONNX Runtime 1.32 rejects the dynamo exporter's opset-23 RotaryEmbedding at batch 2 (its cos/sin
     # cache shape): the two shapes there vary the length; batch 2 is checked against PyTorch
     shapes = [(1, 5), (1, 8)] if rotary23 else [(1, 5), (2, 8)]
@@ -175,7 +179,7 @@ def test_model_as_exported(family, exporter):
     check(family, exporter)
 
 
-MATRIX = [(f, e) for f in ("gpt2", "bert", "llama", "qwen2", "t5", "vit")
+MATRIX = [(f, e) for f in ("gpt2", "bert", "llama", "qwen2", "mistral", "t5", "vit")
           for e in ("torchscript", "dynamo", "dynamo23", "ort")]
 
 

@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import tvm
 import tvm_ffi
 from tvm import tirx
@@ -86,10 +88,10 @@ def _pipeline_factory():
 _CONFIG = {"tirx.use_async_copy": True, "tirx.disable_storage_rewrite": True}
 
 
-def compile_cuda(mod: tvm.IRModule, target: Target) -> tvm.runtime.Executable:
-    """`tvm.compile` with the pipeline above."""
+def compile_cuda(mod: tvm.IRModule, target: Target, relax_pipeline: Any = "default") -> tvm.runtime.Executable:
+    """`tvm.compile` with the TIR pipeline above (and Relax's, or ``relax_pipeline``, for a Relax module)."""
     with tvm.transform.PassContext(config=_CONFIG):
-        return tvm.compile(mod, target, tir_pipeline=PIPELINE)
+        return tvm.compile(mod, target, relax_pipeline=relax_pipeline, tir_pipeline=PIPELINE)
 
 
 def lower_cuda(mod: tvm.IRModule, target: Target) -> tvm.IRModule:

@@ -61,13 +61,21 @@ def load(model: Any) -> onnx.ModelProto:
                            f"onnx.checker.check_model") from None
     if not proto.graph.node:
         raise TvmAttnError("the ONNX graph has no nodes: is the file complete?")
-    try:  # ONNX Runtime rejects a graph whose shapes or types contradict each other; so do we, by name
-        onnx.shape_inference.infer_shapes(checked, check_type=True, strict_mode=True, data_prop=True)
-    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, ValueError, RuntimeError) as err:
-        first = first_line(err)
-        raise TvmAttnError(f"the model's shapes or types are inconsistent ({first}): re-export it, or check "
-                           f"it with onnx.shape_inference.infer_shapes(model, strict_mode=True)") from None
-    return proto
+    # ONNX Runtime rejects a graph whose shapes or types contradict each other; so do we, by name. ONNX's
+    # data propagation finds more contradictions but fails on some sound graphs of its own (a Shape in
+    # both branches of an If, as optimum's merged decoders have: "Data for input 0 already exists"), so
+    # a model is refused only when the plain strict inference refuses it too
+    for data_prop in (True, False):
+        try:
+            onnx.shape_inference.infer_shapes(checked, check_type=True, strict_mode=True, data_prop=data_prop)
+            return proto
+        except _INFERENCE_ERRORS as err:
+            first = first_line(err)
+    raise TvmAttnError(f"the model's shapes or types are inconsistent ({first}): re-export it, or check "
+                       f"it with onnx.shape_inference.infer_shapes(model, strict_mode=True)") from None
+
+
+_INFERENCE_ERRORS = (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, ValueError, RuntimeError)
 
 
 # Contrib ops ONNX Runtime registers in the ONNX domain (its transformer optimizer writes them there for

@@ -107,6 +107,8 @@ class AttentionPattern:
         # ONNX's guard: a row whose bias is -inf everywhere gets zeros
         self.guard_bias = wildcard()
         self.guard_rule = _op("equal", _op("max", self.guard_bias), is_const())
+        # torch's exporter's: where(isnan(probs), 0, probs), NaN exactly in the rows that see no key
+        self.guard_nan = _op("isnan", _cast(self.softmax))
 
 
 def rewrite(mod: tvm.IRModule, kernels: Kernels, provenance: dict,
@@ -386,9 +388,9 @@ class _Match:
 
     def _positional_causal(self, mask: relax.Expr, negate: bool, additive: bool = False,
                            fill: float = -np.inf) -> dict:
-        """The spec's causal rule when ``mask`` is computed from positions (`positions`) as a causal
-        rule at every length: a bool ``keep`` (``hide`` when ``negate``), or an additive where(keep, 0,
-        fill). Empty otherwise."""
+        """The spec's causal rule (and sliding window) when ``mask`` is computed from positions
+        (`positions`) as that rule at every length: a bool ``keep`` (``hide`` when ``negate``), or an
+        additive where(keep, 0, fill). Empty otherwise."""
         *lead, n, n_kv = shape_of(self.m[self.p.scores], "the scores")
         index = [tirx.Var(f"i{axis}", "int64") for axis in range(len(lead) + 2)]  # (B, h, query, key)
         value = positions.rule(mask, positions.broadcast(index, mask), self.r.var2val)
@@ -406,14 +408,15 @@ class _Match:
             return {}
         keep = tirx.Not(value) if negate else value
         sizes = [v for v in tirx.analysis.undefined_vars(keep) if not any(v.same_as(i) for i in index)]
-        align = positions.causal(keep, index[-2], index[-1], n, n_kv, sizes)
-        if align == "bottom_right" and fill != -np.inf:  # a row that sees no key: uniform weights in the model
+        rule = positions.key_rule(keep, index[-2], index[-1], n, n_kv, sizes)
+        if rule and fill != -np.inf and (rule["causal_align"] == "bottom_right" or "window" in rule):
+            # a row that sees no key: uniform weights in the model, zeros from the kernel
             analyzer = tvm.sym.Analyzer()
-            for size in sizes + [v for v in tirx.analysis.undefined_vars(n_kv - n)]:
+            for size in sizes + list(tirx.analysis.undefined_vars(n_kv - n)):
                 analyzer.update(size, tvm.sym.ConstIntBound(0, tvm.sym.ConstIntBound.POS_INF), True)
             if not analyzer.can_prove(n_kv >= n):
                 return {}
-        return {"causal": True, "causal_align": align} if align else {}
+        return rule or {}
 
     def _scores_shape(self) -> tuple[int | None, ...]:
         return tuple(int(d.value) if isinstance(d, tirx.IntImm) else None
@@ -433,6 +436,9 @@ class _Match:
             no_key = ~keep.any(axis=-1, keepdims=True)
             if not np.array_equal(*np.broadcast_arrays(guard.value.numpy(), no_key)):
                 raise _NoMatch("the weights' guard zeroes other rows than those whose mask hides every key")
+            return
+        nan = self.p.guard_nan.extract_matched_expr(self.r.var2val.get(guard, guard), self.r.var2val)
+        if nan is not None and nan[self.p.softmax].same_as(self.m[self.p.softmax]):
             return
         rule = self.p.guard_rule.extract_matched_expr(self.r.var2val.get(guard, guard), self.r.var2val)
         if (rule is None or self.p.bias not in self.m or not rule[self.p.guard_bias].same_as(self.m[self.p.bias])

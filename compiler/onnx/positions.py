@@ -3,8 +3,9 @@
 Dynamic-shape exports cannot bake a causal mask into a constant; they compute it where the model
 runs, from aranges of the sequence lengths (the dynamo exporter's ``arange(n_kv)[None, :] <=
 (past + arange(n))[:, None]``, then ``where(keep, 0, finfo.min)``). `rule` reads such an expression
-back as a TIR expression of the element's index, and `causal` proves that rule is the spec's causal
-one at every length, so the kernel skips the hidden key tiles instead of reading an (n, n_kv) mask.
+back as a TIR expression of the element's index, and `key_rule` proves that rule is the spec's causal
+one (with or without a sliding window) at every length, so the kernel skips the hidden key tiles
+instead of reading an (n, n_kv) mask.
 """
 
 from __future__ import annotations
@@ -66,35 +67,59 @@ def rule(expr: relax.Expr, index: Index | None, var2val: dict) -> PrimExpr | Non
     return None
 
 
-def causal(keep: PrimExpr, query: tirx.Var, key: tirx.Var, n: PrimExpr, n_kv: PrimExpr,
-           sizes: list[tirx.Var]) -> str | None:
-    """The causal alignment ("top_left": key j ≤ query i, "bottom_right": j ≤ i + n_kv − n) that the
-    bool rule ``keep`` is for every query < n, key < n_kv and size ≥ 0, or None: it must be one
-    comparison, linear in the key and query with coefficients ±1 (any for the query when n is 1),
-    and depend on nothing else."""
+def key_rule(keep: PrimExpr, query: tirx.Var, key: tirx.Var, n: PrimExpr, n_kv: PrimExpr,
+             sizes: list[tirx.Var]) -> dict | None:
+    """The spec's position rule that the bool rule ``keep`` is for every query i < n, key j < n_kv and
+    size ≥ 0: causal, top-left (j ≤ i) or bottom-right (j ≤ i + n_kv − n), optionally with a sliding
+    window of W keys (j > i + offset − W); else None. ``keep`` must be a conjunction of at most two
+    comparisons, each linear in the key and query with coefficients ±1 (any for the query when n is
+    1), depending on nothing else."""
     analyzer = tvm.sym.Analyzer()
     for size in sizes:
         analyzer.update(size, tvm.sym.ConstIntBound(0, tvm.sym.ConstIntBound.POS_INF))
-    keep = analyzer.simplify(keep)
-    # j ≤ i + o as  j − i − o ≤ 0; a strict comparison of integers moves the bound by one
+    bounds = [_key_bound(c, query, key, n, analyzer) for c in _conjuncts(analyzer.simplify(keep))]
+    upper = [offset for side, offset in filter(None, bounds) if side == "upper"]
+    lower = [offset for side, offset in filter(None, bounds) if side == "lower"]
+    if None in bounds or len(upper) != 1 or len(lower) > 1:
+        return None
+    if analyzer.can_prove_equal(upper[0], 0):
+        rule = {"causal": True, "causal_align": "top_left"}
+    elif analyzer.can_prove_equal(upper[0], n_kv - n):
+        rule = {"causal": True, "causal_align": "bottom_right"}
+    else:
+        return None
+    if lower:  # j ≥ i + l  is  j > i + u − W  with  W = u − l + 1
+        window = analyzer.simplify(upper[0] - lower[0] + 1)
+        if not isinstance(window, tirx.IntImm) or window.value < 1:
+            return None
+        rule["window"] = int(window.value)
+    return rule
+
+
+def _conjuncts(rule: PrimExpr) -> list[PrimExpr]:
+    return _conjuncts(rule.a) + _conjuncts(rule.b) if isinstance(rule, tirx.And) else [rule]
+
+
+def _key_bound(comparison: PrimExpr, query: tirx.Var, key: tirx.Var, n: PrimExpr,
+               analyzer: tvm.sym.Analyzer) -> tuple[str, PrimExpr] | None:
+    """("upper", u) for j ≤ i + u, ("lower", l) for j ≥ i + l, or None for any other rule."""
+    # as E ≤ 0 with E = ±(a − b); a strict comparison of integers moves the bound by one
     forms = {tirx.LE: (1, 0), tirx.LT: (1, 1), tirx.GE: (-1, 0), tirx.GT: (-1, 1)}
-    form = next((f for t, f in forms.items() if isinstance(keep, t)), None)
+    form = next((f for t, f in forms.items() if isinstance(comparison, t)), None)
     if form is None:
         return None
     sign, strict = form
-    linear = tvm.sym.detect_linear_equation(sign * (keep.a - keep.b), [key, query])
+    linear = tvm.sym.detect_linear_equation(sign * (comparison.a - comparison.b) + strict, [key, query])
     if len(linear) != 3:
         return None
     a_key, a_query, rest = (analyzer.simplify(c) for c in linear)
-    if not (_is(a_key, 1) and (_is(a_query, -1) or _is(n, 1))):  # one query: i is 0, its coefficient moot
-        return None
     if any(v.same_as(query) or v.same_as(key) for v in tirx.analysis.undefined_vars(rest)):
         return None
-    offset = analyzer.simplify(-rest - strict)  # keep ⇔ j ≤ i + offset
-    if analyzer.can_prove_equal(offset, 0):
-        return "top_left"
-    if analyzer.can_prove_equal(offset, n_kv - n):
-        return "bottom_right"
+    one_query = _is(n, 1)  # i is 0: its coefficient is moot
+    if _is(a_key, 1) and (_is(a_query, -1) or one_query):  # j − i + r ≤ 0
+        return "upper", analyzer.simplify(-rest)
+    if _is(a_key, -1) and (_is(a_query, 1) or one_query):  # i − j + r ≤ 0
+        return "lower", rest
     return None
 
 

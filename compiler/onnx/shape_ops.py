@@ -10,8 +10,12 @@ inputs' named sizes; `state_shape` tells TVM with a ``match_cast`` (checked when
 Expand   a constant target shape on data with symbolic dimensions (TorchScript's
          ``mask.expand(bsz, heads, -1, -1)``): the stock converter reads every data dimension as a number.
 Range    integer bounds of shape arithmetic (the positions ``past .. past + seq`` of a decoder with a
-         cache): the stock converter computes the length as a tensor, a size of its own making that
-         the compiled model then fails to define; `relax.op.arange` of the bounds keeps it symbolic.
+         cache): the stock converter computes the length from a tensor, a size of its own making that
+         Relax's memory planner uses before it is defined; `relax.op.arange` of the bounds keeps the
+         length in the inputs' sizes (and `build.compile_model` keeps such producers unfused).
+Slice    a start of shape arithmetic (T5's ``bias[:, :, -seq:]``, ends INT64_MAX): the stock converter then
+         assumes every bound in range and sizes the axis ``INT64_MAX + seq``; ONNX's clamping is
+         spelled out instead.
 Reshape  a scalar of shape arithmetic (``batch * heads`` from Shape → Squeeze → Mul, as the dynamo
          exporter writes it) reshaped to one element: the stock converter wants a tensor; a
          one-element shape is what the following Concat builds a shape from.
@@ -33,10 +37,10 @@ import tvm
 from tvm import relax, tirx
 from tvm.sym import Analyzer
 
-ShapeFix = Callable[[list], relax.Expr | None]
+ShapeFix = Callable[[relax.BlockBuilder, list], relax.Expr | None]
 
 
-def expand(inputs: list) -> relax.Expr | None:
+def expand(_bb: relax.BlockBuilder, inputs: list) -> relax.Expr | None:
     data, shape = inputs[0], inputs[1]
     if not isinstance(shape, tvm.ir.GenericConst) or not isinstance(data.ty, relax.TensorType):
         return None
@@ -52,7 +56,7 @@ def expand(inputs: list) -> relax.Expr | None:
     return relax.op.broadcast_to(data, relax.ShapeExpr(out))
 
 
-def reshape(inputs: list) -> relax.Expr | None:
+def reshape(_bb: relax.BlockBuilder, inputs: list) -> relax.Expr | None:
     data, shape = inputs[0], inputs[1]
     if not isinstance(data.ty, tvm.ir.PrimType) or not isinstance(shape, tvm.ir.GenericConst):
         return None
@@ -61,7 +65,38 @@ def reshape(inputs: list) -> relax.Expr | None:
     return relax.ShapeExpr([data])  # in TVM 0.27 a Relax scalar of shape arithmetic is the PrimExpr itself
 
 
-def range_(inputs: list) -> relax.Expr | None:
+_TO_THE_END = 2**62  # an end at least this large means the axis' end (exporters write INT64_MAX)
+
+
+def slice_(_bb: relax.BlockBuilder, inputs: list) -> relax.Expr | None:
+    data, starts, ends = inputs[:3]
+    axes, steps = (inputs[i] if len(inputs) > i else None for i in (3, 4))
+    start, end = _int_scalar(starts), _int_scalar(ends)
+    dims = list(data.ty.shape.values) if isinstance(getattr(data, "ty", None), relax.TensorType) and \
+        isinstance(data.ty.shape, relax.ShapeExpr) else None
+    if dims is None or start is None or isinstance(start, tirx.IntImm) or not isinstance(end, tirx.IntImm):
+        return None  # constant starts, or a bound computed as a tensor: the stock converter's
+    step = _int_scalar(steps) if steps is not None else tirx.IntImm("int64", 1)
+    if not (isinstance(step, tirx.IntImm) and step.value == 1) or end.value < _TO_THE_END:
+        return None  # other steps or ends: the stock converter's
+    axis = _int_scalar(axes) if axes is not None else tirx.IntImm("int64", 0)
+    if not isinstance(axis, tirx.IntImm):
+        return None
+    axis = int(axis.value) % len(dims)
+    size = dims[axis]
+    analyzer = Analyzer()
+    for var in tirx.analysis.undefined_vars(start):  # sizes: the importer refuses empty dimensions
+        analyzer.update(var, tvm.sym.ConstIntBound(1, tvm.sym.ConstIntBound.POS_INF))
+    if analyzer.can_prove(start < 0):  # ONNX: a negative bound counts from the end, then clamps
+        start = tirx.max(size + start, 0)
+    elif analyzer.can_prove(start >= 0):
+        start = tirx.min(start, size)
+    else:
+        return None
+    return relax.op.strided_slice(data, [axis], [analyzer.simplify(start)], [size], [1], assume_inbound=True)
+
+
+def range_(_bb: relax.BlockBuilder, inputs: list) -> relax.Expr | None:
     bounds = [_int_scalar(x) for x in inputs[:3]]
     if any(b is None for b in bounds) or all(isinstance(b, tirx.IntImm) for b in bounds):
         return None  # a float range, a bound computed as a tensor, or all constant: the stock converter's
@@ -70,16 +105,18 @@ def range_(inputs: list) -> relax.Expr | None:
 
 
 def _int_scalar(x: relax.Expr) -> tirx.PrimExpr | None:
-    """An integer scalar (a one-element constant or a PrimExpr of shape arithmetic) as a PrimExpr."""
+    """An integer scalar (a one-element constant, ShapeExpr or PrimExpr of shape arithmetic) as a PrimExpr."""
     if isinstance(x, tvm.ir.GenericConst):
         value = x.value.numpy()
         return tirx.IntImm("int64", int(value.item())) if value.size == 1 and value.dtype.kind in "iu" else None
+    if isinstance(x, relax.ShapeExpr) and len(x.values) == 1:
+        return x.values[0]
     if isinstance(getattr(x, "ty", None), tvm.ir.PrimType) and "int" in str(x.ty):
         return x if str(x.ty) == "int64" else tirx.Cast("int64", x)
     return None
 
 
-SHAPE_FIXES: dict[str, ShapeFix] = {"Expand": expand, "Range": range_, "Reshape": reshape}
+SHAPE_FIXES: dict[str, ShapeFix] = {"Expand": expand, "Range": range_, "Reshape": reshape, "Slice": slice_}
 
 # The ops TVM 0.27's importer lets read a ShapeExpr (its `shape_compatible_ops`); any other raises.
 READS_SHAPES = {"Reshape", "Resize", "ConstantOfShape", "Gather", "Slice", "Shape", "Expand", "Concat", "Equal",
