@@ -109,6 +109,32 @@ def test_report_says_why_a_softmax_is_not_attention():
     assert (fate.node, fate.kernel, fate.reason) == ("classifier", None, NOT_ATTENTION)
 
 
+def test_report_lists_the_softmaxes_inside_subgraphs():
+    """optimum's merged decoder keeps both decoders in the branches of an If: their Softmaxes are the
+    graph's too. Each branch here is decomposed attention, the else branch with a fill of -10 (no mask)."""
+    def branch(name: str, fill: float) -> onnx.GraphProto:
+        nodes = [oh.make_node("Transpose", ["k"], [f"{name}_kt"], perm=[0, 1, 3, 2]),
+                 oh.make_node("MatMul", ["q", f"{name}_kt"], [f"{name}_s"]),
+                 oh.make_node("Where", ["keep", f"{name}_s", f"{name}_fill"], [f"{name}_m"]),
+                 oh.make_node("Softmax", [f"{name}_m"], [f"{name}_p"], axis=-1, name=f"{name}_softmax"),
+                 oh.make_node("MatMul", [f"{name}_p", "v"], [f"{name}_y"])]
+        return oh.make_graph(nodes, name, [], [oh.make_tensor_value_info(f"{name}_y", TP.FLOAT, [1, 2, 4, 8])],
+                             [onnx.numpy_helper.from_array(np.float32(fill), f"{name}_fill")])
+
+    node = oh.make_node("If", ["c"], ["y"], then_branch=branch("then", -np.inf), else_branch=branch("else", -10.0))
+    inputs = [("c", TP.BOOL, []), ("keep", TP.BOOL, [1, 1, 4, 4])] + [(n, TP.FLOAT, [1, 2, 4, 8]) for n in "qkv"]
+    model = _model([node], inputs, [("y", TP.FLOAT, [1, 2, 4, 8])], (("", 17),))
+    rng = np.random.default_rng(5)
+    feeds = [{"c": np.array(c), "keep": np.tri(4, dtype=bool)[None, None],
+              **{n: randn(rng, 1, 2, 4, 8) for n in "qkv"}} for c in (True, False)]
+    imported = tvmattn.import_onnx(model)
+    for feed in feeds:
+        np.testing.assert_allclose(imported.run(feed)[0], ort_run(model, feed)[0], rtol=1e-4, atol=1e-5)
+    fates = {f.node: f for f in imported.report.softmaxes}
+    assert fates["then_softmax"].kernel and not fates["else_softmax"].kernel, str(imported.report)
+    assert "fill -10" in fates["else_softmax"].reason
+
+
 # ---- com.microsoft.GroupQueryAttention: per-sequence lengths, rotary ---------------------------------------
 H, H_KV, MAX_POS = 4, 2, 64
 MS = (("", 17), ("com.microsoft", 1))

@@ -12,7 +12,7 @@ import logging
 import os
 import re
 import tempfile
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -137,12 +137,22 @@ def opset_of(model: onnx.ModelProto, domain: str = "") -> int | None:
     return next((o.version for o in model.opset_import if o.domain in names), None)
 
 
+def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """The graph's nodes and those of its subgraphs (an If's branches, a Loop's body), outer first."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                yield from all_nodes(sub)
+
+
 def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy in which every node has a unique, non-empty name (reports and errors cite them)."""
+    """A copy in which every node, subgraphs' too, has a unique, non-empty name (reports and errors cite
+    them)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     seen: set[str] = set()
-    for i, node in enumerate(out.graph.node):
+    for i, node in enumerate(all_nodes(out.graph)):
         name = node.name or f"{node.op_type}_{i}"
         while name in seen:
             name = f"{name}_{i}"

@@ -240,7 +240,8 @@ def _convert(model: Any, tgt: Target, shapes: Mapping[str, Sequence[int | str]])
             first = first_line(err)
             raise TvmAttnError(f"the shapes given do not fit the model ({first})") from None
     proto = graph.name_nodes(graph.name_dims(proto))
-    softmax_nodes = [n.name for n in proto.graph.node if n.op_type == "Softmax" and n.domain in graph.DEFAULT_DOMAINS]
+    softmax_nodes = [n.name for n in graph.all_nodes(proto.graph)
+                     if n.op_type == "Softmax" and n.domain in graph.DEFAULT_DOMAINS]
     proto = graph.fold_static(proto, keep=[(n.domain, n.op_type) for n in proto.graph.node if find(n)])
     kernels = Kernels(tgt)
     importer = _Importer(proto, kernels)
@@ -262,9 +263,9 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
         self.model = model
         self.kernels = kernels
         self.provenance: dict[relax.Expr, str] = {}
-        self._by_name = {n.name: n for n in model.graph.node}
+        self._by_name = {n.name: n for n in graph.all_nodes(model.graph)}
         self._readers: dict[str, list[str]] = {}  # tensor name → the op types of the nodes reading it
-        for n in model.graph.node:
+        for n in self._by_name.values():
             for name in n.input:
                 self._readers.setdefault(name, []).append(n.op_type)
         self._current: onnx.NodeProto | None = None
