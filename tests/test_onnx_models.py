@@ -30,6 +30,8 @@ from onnx_testing import assert_matches_ort, kernels_used  # noqa: E402
 
 VOCAB, D, HEADS, LAYERS = 128, 64, 4, 2
 ATTENTIONS = {"t5": 3 * LAYERS}  # encoder, decoder and cross attention per layer; others one per layer
+# the decoders' masks, computed from positions where the model runs, are proved causal: no mask is read
+CAUSAL = {"gpt2": None, "llama": None, "qwen2": None, "mistral": 4}  # family → sliding window
 ORT_MODEL_TYPE = {"gpt2": "gpt2", "bert": "bert", "vit": "vit", "t5": "t5", "llama": "gpt2", "qwen2": "gpt2",
                   "mistral": "gpt2"}
 
@@ -172,6 +174,9 @@ def check(family: str, exporter: str) -> None:
         got = imported.run(feed)[0]
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
     assert kernels_used(imported) == ATTENTIONS.get(family, LAYERS)
+    if family in CAUSAL:
+        for r in imported.report.replacements:
+            assert (r.spec.causal, r.spec.window, r.spec.attn_mask) == (True, CAUSAL[family], None), r.spec.describe()
 
 
 @pytest.mark.parametrize("family, exporter", [("gpt2", "dynamo"), ("llama", "dynamo23"), ("bert", "ort")])

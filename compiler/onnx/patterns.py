@@ -144,6 +144,9 @@ class _Rewriter(relax.PyExprMutator):
         self.mod, self.pattern, self.kernels, self.provenance = mod, pattern, kernels, provenance
         self.reasons = reasons
         self.var2val = relax.analysis.get_var2val(mod["main"])
+        # every binding's value, match_cast's included (position arithmetic restates shapes with them)
+        self.values = dict(self.var2val.items()) | {b.var: b.value for block in mod["main"].body.blocks
+                                                    for b in block.bindings if isinstance(b, relax.MatchCast)}
         self.matches = self._maximal_matches()
 
     def _maximal_matches(self) -> dict:
@@ -393,7 +396,7 @@ class _Match:
         additive where(keep, 0, fill). Empty otherwise."""
         *lead, n, n_kv = shape_of(self.m[self.p.scores], "the scores")
         index = [tirx.Var(f"i{axis}", "int64") for axis in range(len(lead) + 2)]  # (B, h, query, key)
-        value = positions.rule(mask, positions.broadcast(index, mask), self.r.var2val)
+        value = positions.rule(mask, positions.broadcast(index, mask), self.r.values)
         if additive:
             if not isinstance(value, tirx.Select):
                 return {}

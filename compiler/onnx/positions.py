@@ -26,7 +26,7 @@ _BINARY: dict[str, Callable[[PrimExpr, PrimExpr], PrimExpr]] = {
     "relax.greater_equal": tirx.GE, "relax.equal": tirx.EQ, "relax.not_equal": tirx.NE,
     "relax.logical_and": tirx.And, "relax.logical_or": tirx.Or,
 }
-_PASS_THROUGH = ("relax.astype", "relax.broadcast_to", "relax.reshape", "relax.expand_dims")
+_PASS_THROUGH = ("relax.broadcast_to", "relax.reshape", "relax.expand_dims")
 
 
 def rule(expr: relax.Expr, index: Index | None, var2val: dict) -> PrimExpr | None:
@@ -48,10 +48,58 @@ def rule(expr: relax.Expr, index: Index | None, var2val: dict) -> PrimExpr | Non
         return None if start is None or step is None else start + step * index[0]
     if name == "relax.shape_to_tensor" and len(index) == 1:  # shape arithmetic as a tensor
         shape = var2val.get(args[0], args[0])
-        values = list(shape.values) if isinstance(shape, relax.ShapeExpr) else []
+        if _is_call(shape, "relax.shape_of"):
+            values = _dims(shape.args[0]) or []
+        else:
+            values = list(shape.values) if isinstance(shape, relax.ShapeExpr) else []
         if len(values) == 1 or (values and isinstance(index[0], tirx.IntImm)):
             return values[0 if len(values) == 1 else index[0].value]
         return None
+    if name == "relax.astype":
+        a = rule(args[0], index, var2val)
+        return None if a is None else tirx.Cast(str(expr.attrs.dtype), a)
+    if name == "relax.strided_slice":  # element i of the slice is element begin + stride·i
+        axes, begins, strides = (_prims(a) for a in (args[1], args[2], args[4] if len(args) > 4 else None))
+        if axes is None or begins is None or any(isinstance(b, tirx.IntImm) and b.value < 0 for b in begins):
+            return None
+        inner = list(index)
+        for k, (axis, begin) in enumerate(zip(axes, begins)):
+            axis = int(axis) % len(index)
+            inner[axis] = begin + (strides[k] if strides else 1) * index[axis]
+        return rule(args[0], inner, var2val)
+    if name == "relax.concat":  # the part the index falls in, at the index less the parts before it
+        parts = var2val.get(args[0], args[0])
+        dims = [_dims(p) for p in getattr(parts, "fields", [])]
+        if not dims or any(d is None for d in dims):
+            return None
+        axis = int(expr.attrs.axis) % len(index)
+        starts = [sum((d[axis] for d in dims[:k]), tirx.IntImm("int64", 0)) for k in range(len(dims))]
+        values = [rule(p, index[:axis] + [index[axis] - at] + index[axis + 1:], var2val)
+                  for p, at in zip(parts.fields, starts)]
+        if any(v is None for v in values):
+            return None
+        value = values[-1]
+        for at, v in zip(reversed(starts[1:]), reversed(values[:-1])):
+            value = _select(index[axis] < at, *_same_type(v, value))
+        return value
+    if name == "relax.gather_nd" and int(expr.attrs.batch_dims) == 0:  # data[indices[..., 0], indices[..., 1], …]
+        dims = _dims(args[1])
+        if dims is None or not isinstance(dims[-1], tirx.IntImm):
+            return None
+        lead, tail = index[:len(dims) - 1], index[len(dims) - 1:]
+        coords = [rule(args[1], lead + [tirx.IntImm("int64", k)], var2val) for k in range(dims[-1].value)]
+        return None if any(c is None for c in coords) else rule(args[0], coords + tail, var2val)
+    if name == "relax.cumsum" and expr.attrs.axis is not None:  # a sum of equal terms: the term times the count
+        axis = int(expr.attrs.axis) % len(index)
+        k = tirx.Var("k", "int64")
+        term = rule(args[0], index[:axis] + [k] + index[axis + 1:], var2val)
+        if term is None:
+            return None
+        term = _non_negative(term).simplify(term)
+        if any(v.same_as(k) for v in tirx.analysis.undefined_vars(term)):
+            return None
+        count = index[axis] + (0 if expr.attrs.exclusive else 1)
+        return tirx.Cast("int64", term) * count
     if name in _BINARY:
         a, b = (rule(x, broadcast(index, x), var2val) for x in args)
         return None if a is None or b is None else _BINARY[name](*_same_type(a, b))
@@ -60,7 +108,7 @@ def rule(expr: relax.Expr, index: Index | None, var2val: dict) -> PrimExpr | Non
         return None if a is None else tirx.Not(a)
     if name == "relax.where":
         c, a, b = (rule(x, broadcast(index, x), var2val) for x in args)
-        return None if c is None or a is None or b is None else tirx.Select(c, *_same_type(a, b))
+        return None if c is None or a is None or b is None else _select(c, *_same_type(a, b))
     if name in _PASS_THROUGH:
         inner = _unit_axes_dropped(expr, args[0], index)
         return None if inner is None else rule(args[0], inner, var2val)
@@ -129,6 +177,40 @@ def dtype(value: PrimExpr) -> str:
 
 def _is(value: PrimExpr, number: int) -> bool:
     return isinstance(value, tirx.IntImm) and value.value == number
+
+
+def _is_call(expr: relax.Expr, name: str) -> bool:
+    return isinstance(expr, relax.Call) and getattr(expr.op, "name", "") == name
+
+
+def _prims(arg) -> list[PrimExpr] | None:
+    """An op's tuple attribute (axes, begins, strides) as PrimExprs; None where it is not one."""
+    if arg is None:
+        return None
+    values = list(arg.values) if isinstance(arg, relax.ShapeExpr) else list(getattr(arg, "fields", arg))
+    return values if all(tvm.ir.is_prim_expr(v) or isinstance(v, (int, tirx.IntImm)) for v in values) else None
+
+
+def _select(cond: PrimExpr, a: PrimExpr, b: PrimExpr) -> PrimExpr:
+    """Select(cond, a, b), as the one branch it is where that is provable (the index normalisation
+    where(i < 0, i + n, i) of an index i ≥ 0; a concat whose parts agree at their seam)."""
+    analyzer = _non_negative(tirx.Select(cond, a, b))
+    if analyzer.can_prove(cond):
+        return a
+    if analyzer.can_prove(tirx.Not(cond)):
+        return b
+    with analyzer.constraint_scope(cond):
+        if analyzer.can_prove_equal(a, b):
+            return b
+    return tirx.Select(cond, a, b)
+
+
+def _non_negative(expr: PrimExpr) -> tvm.sym.Analyzer:
+    """An analyzer that knows every variable of ``expr`` is ≥ 0: they are indices and sizes."""
+    analyzer = tvm.sym.Analyzer()
+    for var in tirx.analysis.undefined_vars(expr):
+        analyzer.update(var, tvm.sym.ConstIntBound(0, tvm.sym.ConstIntBound.POS_INF))
+    return analyzer
 
 
 def _prim(arg: relax.Expr) -> PrimExpr | None:
