@@ -60,8 +60,8 @@ def rule(expr: relax.Expr, index: Index | None, var2val: dict) -> PrimExpr | Non
         return None if a is None else tirx.Cast(str(expr.attrs.dtype), a)
     if name == "relax.strided_slice":  # element i of the slice is element begin + stride·i
         axes, begins, strides = (_prims(a) for a in (args[1], args[2], args[4] if len(args) > 4 else None))
-        if axes is None or begins is None or any(isinstance(b, tirx.IntImm) and b.value < 0 for b in begins):
-            return None
+        if axes is None or begins is None or not all(_non_negative(b).can_prove(b >= 0) for b in begins):
+            return None  # a begin that may count from the end
         inner = list(index)
         for k, (axis, begin) in enumerate(zip(axes, begins)):
             axis = int(axis) % len(index)
@@ -88,7 +88,9 @@ def rule(expr: relax.Expr, index: Index | None, var2val: dict) -> PrimExpr | Non
             return None
         lead, tail = index[:len(dims) - 1], index[len(dims) - 1:]
         coords = [rule(args[1], lead + [tirx.IntImm("int64", k)], var2val) for k in range(dims[-1].value)]
-        return None if any(c is None for c in coords) else rule(args[0], coords + tail, var2val)
+        if any(c is None or not _non_negative(c).can_prove(c >= 0) for c in coords):
+            return None  # a coordinate that may count from the end
+        return rule(args[0], coords + tail, var2val)
     if name == "relax.cumsum" and expr.attrs.axis is not None:  # a sum of equal terms: the term times the count
         axis = int(expr.attrs.axis) % len(index)
         k = tirx.Var("k", "int64")
