@@ -314,7 +314,7 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
             if op_name in BROADCASTING and node is not None and len(node.output) == 1:
                 inputs = state_broadcast(self.bb, list(inputs), self._shapes.get(node.output[0]), self._symbols)
             fix = SHAPE_FIXES.get(op_name)
-            sym = fix(self.bb, list(inputs)) if fix is not None else None
+            sym = fix(list(inputs)) if fix is not None else None
             if op_name == "Gather" and node is not None and is_cpu(self.kernels.target):
                 sym = checks.gather(self.bb, node.name, list(inputs), attrs)
             if sym is None:

@@ -410,14 +410,10 @@ class _Match:
         if value is None or positions.dtype(value) != "bool":
             return {}
         keep = tirx.Not(value) if negate else value
-        sizes = [v for v in tirx.analysis.undefined_vars(keep) if not any(v.same_as(i) for i in index)]
-        rule = positions.key_rule(keep, index[-2], index[-1], n, n_kv, sizes)
+        rule = positions.key_rule(keep, index, n, n_kv)
         if rule and fill != -np.inf and (rule["causal_align"] == "bottom_right" or "window" in rule):
             # a row that sees no key: uniform weights in the model, zeros from the kernel
-            analyzer = tvm.sym.Analyzer()
-            for size in sizes + list(tirx.analysis.undefined_vars(n_kv - n)):
-                analyzer.update(size, tvm.sym.ConstIntBound(0, tvm.sym.ConstIntBound.POS_INF), True)
-            if not analyzer.can_prove(n_kv >= n):
+            if not positions.non_negative(n_kv - n).can_prove(n_kv >= n):
                 return {}
         return rule or {}
 

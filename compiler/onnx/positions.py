@@ -26,13 +26,12 @@ _BINARY: dict[str, Callable[[PrimExpr, PrimExpr], PrimExpr]] = {
     "relax.greater_equal": tirx.GE, "relax.equal": tirx.EQ, "relax.not_equal": tirx.NE,
     "relax.logical_and": tirx.And, "relax.logical_or": tirx.Or,
 }
-_PASS_THROUGH = ("relax.broadcast_to", "relax.reshape", "relax.expand_dims")
 
 
 def rule(expr: relax.Expr, index: Index | None, var2val: dict) -> PrimExpr | None:
     """The value of ``expr`` at ``index`` (its own rank's worth of indices) as an expression of the
     indices and the model's symbolic sizes, or None where it reads anything but positions (a tensor
-    input, a constant of more than one value) or through an op this does not follow."""
+    input, a constant of more than one value) or through an op no rule of `_RULES` follows."""
     if index is None:
         return None
     expr = checks.unchecked(var2val.get(expr, expr), var2val)
@@ -42,92 +41,124 @@ def rule(expr: relax.Expr, index: Index | None, var2val: dict) -> PrimExpr | Non
         return tirx.const(value.item(), str(value.dtype)) if value.size == 1 else None
     if not isinstance(expr, relax.Call) or not isinstance(expr.op, tvm.ir.Op):
         return None
-    name, args = expr.op.name, expr.args
-    if name == "relax.arange" and len(index) == 1:
-        start, _, step = (_prim(a) for a in args)
-        return None if start is None or step is None else start + step * index[0]
-    if name == "relax.shape_to_tensor" and len(index) == 1:  # shape arithmetic as a tensor
-        shape = var2val.get(args[0], args[0])
-        if _is_call(shape, "relax.shape_of"):
-            values = _dims(shape.args[0]) or []
-        else:
-            values = list(shape.values) if isinstance(shape, relax.ShapeExpr) else []
-        if len(values) == 1 or (values and isinstance(index[0], tirx.IntImm)):
-            return values[0 if len(values) == 1 else index[0].value]
+    if expr.op.name in _BINARY:
+        a, b = (rule(x, broadcast(index, x), var2val) for x in expr.args)
+        return None if a is None or b is None else _BINARY[expr.op.name](*_same_type(a, b))
+    follow = _RULES.get(expr.op.name)
+    return follow(expr, index, var2val) if follow is not None else None
+
+
+# ---- one rule per op: the element at ``index`` of the op's output, from its operands' ----------------------
+def _arange(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
+    start, _, step = (a if tvm.ir.is_prim_expr(a) else None for a in expr.args)
+    return None if start is None or step is None or len(index) != 1 else start + step * index[0]
+
+
+def _shape_to_tensor(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
+    """Shape arithmetic as a tensor: a ShapeExpr's values, or the static shape of a shape_of."""
+    shape = var2val.get(expr.args[0], expr.args[0])
+    values = (_dims(shape.args[0]) or [] if _is_call(shape, "relax.shape_of")
+              else list(shape.values) if isinstance(shape, relax.ShapeExpr) else [])
+    if len(index) != 1 or not (len(values) == 1 or (values and isinstance(index[0], tirx.IntImm))):
         return None
-    if name == "relax.astype":
-        a = rule(args[0], index, var2val)
-        return None if a is None else tirx.Cast(str(expr.attrs.dtype), a)
-    if name == "relax.strided_slice":  # element i of the slice is element begin + stride·i
-        axes, begins, strides = (_prims(a) for a in (args[1], args[2], args[4] if len(args) > 4 else None))
-        if axes is None or begins is None or not all(_non_negative(b).can_prove(b >= 0) for b in begins):
-            return None  # a begin that may count from the end
-        inner = list(index)
-        for k, (axis, begin) in enumerate(zip(axes, begins)):
-            axis = int(axis) % len(index)
-            inner[axis] = begin + (strides[k] if strides else 1) * index[axis]
-        return rule(args[0], inner, var2val)
-    if name == "relax.concat":  # the part the index falls in, at the index less the parts before it
-        parts = var2val.get(args[0], args[0])
-        dims = [_dims(p) for p in getattr(parts, "fields", [])]
-        if not dims or any(d is None for d in dims):
-            return None
-        axis = int(expr.attrs.axis) % len(index)
-        starts = [sum((d[axis] for d in dims[:k]), tirx.IntImm("int64", 0)) for k in range(len(dims))]
-        values = [rule(p, index[:axis] + [index[axis] - at] + index[axis + 1:], var2val)
-                  for p, at in zip(parts.fields, starts)]
-        if any(v is None for v in values):
-            return None
-        value = values[-1]
-        for at, v in zip(reversed(starts[1:]), reversed(values[:-1])):
-            value = _select(index[axis] < at, *_same_type(v, value))
-        return value
-    if name == "relax.gather_nd" and int(expr.attrs.batch_dims) == 0:  # data[indices[..., 0], indices[..., 1], …]
-        dims = _dims(args[1])
-        if dims is None or not isinstance(dims[-1], tirx.IntImm):
-            return None
-        lead, tail = index[:len(dims) - 1], index[len(dims) - 1:]
-        coords = [rule(args[1], lead + [tirx.IntImm("int64", k)], var2val) for k in range(dims[-1].value)]
-        if any(c is None or not _non_negative(c).can_prove(c >= 0) for c in coords):
-            return None  # a coordinate that may count from the end
-        return rule(args[0], coords + tail, var2val)
-    if name == "relax.cumsum" and expr.attrs.axis is not None:  # a sum of equal terms: the term times the count
-        axis = int(expr.attrs.axis) % len(index)
-        k = tirx.Var("k", "int64")
-        term = rule(args[0], index[:axis] + [k] + index[axis + 1:], var2val)
-        if term is None:
-            return None
-        term = _non_negative(term).simplify(term)
-        if any(v.same_as(k) for v in tirx.analysis.undefined_vars(term)):
-            return None
-        count = index[axis] + (0 if expr.attrs.exclusive else 1)
-        return tirx.Cast("int64", term) * count
-    if name in _BINARY:
-        a, b = (rule(x, broadcast(index, x), var2val) for x in args)
-        return None if a is None or b is None else _BINARY[name](*_same_type(a, b))
-    if name == "relax.logical_not":
-        a = rule(args[0], index, var2val)
-        return None if a is None else tirx.Not(a)
-    if name == "relax.where":
-        c, a, b = (rule(x, broadcast(index, x), var2val) for x in args)
-        return None if c is None or a is None or b is None else _select(c, *_same_type(a, b))
-    if name in _PASS_THROUGH:
-        inner = _unit_axes_dropped(expr, args[0], index)
-        return None if inner is None else rule(args[0], inner, var2val)
-    return None
+    return values[0 if len(values) == 1 else index[0].value]
 
 
-def key_rule(keep: PrimExpr, query: tirx.Var, key: tirx.Var, n: PrimExpr, n_kv: PrimExpr,
-             sizes: list[tirx.Var]) -> dict | None:
-    """The spec's position rule that the bool rule ``keep`` is for every query i < n, key j < n_kv and
-    size ≥ 0: causal, top-left (j ≤ i) or bottom-right (j ≤ i + n_kv − n), optionally with a sliding
-    window of W keys (j > i + offset − W); else None. ``keep`` must be a conjunction of at most two
-    comparisons, each linear in the key and query with coefficients ±1 (any for the query when n is
-    1), depending on nothing else."""
-    analyzer = tvm.sym.Analyzer()
-    for size in sizes:
-        analyzer.update(size, tvm.sym.ConstIntBound(0, tvm.sym.ConstIntBound.POS_INF))
-    bounds = [_key_bound(c, query, key, n, analyzer) for c in _conjuncts(analyzer.simplify(keep))]
+def _astype(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
+    a = rule(expr.args[0], index, var2val)
+    return None if a is None else tirx.Cast(str(expr.attrs.dtype), a)
+
+
+def _strided_slice(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
+    """Element i of the slice is element begin + stride·i."""
+    args = expr.args
+    axes, begins, strides = (_prims(a) for a in (args[1], args[2], args[4] if len(args) > 4 else None))
+    if axes is None or begins is None or not all(non_negative(b).can_prove(b >= 0) for b in begins):
+        return None  # a begin that may count from the end
+    inner = list(index)
+    for k, (axis, begin) in enumerate(zip(axes, begins)):
+        axis = int(axis) % len(index)
+        inner[axis] = begin + (strides[k] if strides else 1) * index[axis]
+    return rule(args[0], inner, var2val)
+
+
+def _concat(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
+    """The part the index falls in, at the index less the sizes of the parts before it."""
+    parts = var2val.get(expr.args[0], expr.args[0])
+    dims = [_dims(p) for p in getattr(parts, "fields", [])]
+    if not dims or any(d is None for d in dims):
+        return None
+    axis = int(expr.attrs.axis) % len(index)
+    starts = [sum((d[axis] for d in dims[:k]), tirx.IntImm("int64", 0)) for k in range(len(dims))]
+    values = [rule(p, index[:axis] + [index[axis] - at] + index[axis + 1:], var2val)
+              for p, at in zip(parts.fields, starts)]
+    if any(v is None for v in values):
+        return None
+    value = values[-1]
+    for at, v in zip(reversed(starts[1:]), reversed(values[:-1])):
+        value = _select(index[axis] < at, *_same_type(v, value))
+    return value
+
+
+def _gather_nd(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
+    """data[indices[..., 0], indices[..., 1], …] (Hugging Face's vmap masks index positions so)."""
+    dims = _dims(expr.args[1])
+    if int(expr.attrs.batch_dims) != 0 or dims is None or not isinstance(dims[-1], tirx.IntImm):
+        return None
+    lead, tail = index[:len(dims) - 1], index[len(dims) - 1:]
+    coords = [rule(expr.args[1], lead + [tirx.IntImm("int64", k)], var2val) for k in range(dims[-1].value)]
+    if any(c is None or not non_negative(c).can_prove(c >= 0) for c in coords):
+        return None  # a coordinate that may count from the end
+    return rule(expr.args[0], coords + tail, var2val)
+
+
+def _cumsum(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
+    """A sum of equal terms (a packed-sequence id where positions simply count up): term × count."""
+    if expr.attrs.axis is None:
+        return None
+    axis = int(expr.attrs.axis) % len(index)
+    k = tirx.Var("k", "int64")
+    term = rule(expr.args[0], index[:axis] + [k] + index[axis + 1:], var2val)
+    if term is None:
+        return None
+    term = non_negative(term).simplify(term)
+    if any(v.same_as(k) for v in tirx.analysis.undefined_vars(term)):
+        return None
+    return tirx.Cast("int64", term) * (index[axis] + (0 if expr.attrs.exclusive else 1))
+
+
+def _logical_not(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
+    a = rule(expr.args[0], index, var2val)
+    return None if a is None else tirx.Not(a)
+
+
+def _where(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
+    c, a, b = (rule(x, broadcast(index, x), var2val) for x in expr.args)
+    return None if c is None or a is None or b is None else _select(c, *_same_type(a, b))
+
+
+def _unit_axes(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
+    """expand_dims, broadcast_to, and a reshape that only adds or removes axes of size 1."""
+    inner = _unit_axes_dropped(expr, expr.args[0], index)
+    return None if inner is None else rule(expr.args[0], inner, var2val)
+
+
+_RULES: dict[str, Callable[[relax.Call, Index, dict], PrimExpr | None]] = {
+    "relax.arange": _arange, "relax.shape_to_tensor": _shape_to_tensor, "relax.astype": _astype,
+    "relax.strided_slice": _strided_slice, "relax.concat": _concat, "relax.gather_nd": _gather_nd,
+    "relax.cumsum": _cumsum, "relax.logical_not": _logical_not, "relax.where": _where,
+    "relax.broadcast_to": _unit_axes, "relax.reshape": _unit_axes, "relax.expand_dims": _unit_axes,
+}
+
+
+def key_rule(keep: PrimExpr, index: list[tirx.Var], n: PrimExpr, n_kv: PrimExpr) -> dict | None:
+    """The spec's position rule that the bool rule ``keep`` of the scores' ``index`` (…, query i, key j)
+    is for every i < n, j < n_kv and size ≥ 0: causal, top-left (j ≤ i) or bottom-right (j ≤ i + n_kv
+    − n), optionally with a sliding window of W keys (j > i + offset − W); else None. ``keep`` must be
+    one such upper bound and at most one lower bound, each linear in the key and query with
+    coefficients ±1 (any for the query when n is 1), depending on nothing else."""
+    analyzer = non_negative(keep)
+    bounds = [_key_bound(c, index, n, analyzer) for c in _conjuncts(analyzer.simplify(keep))]
     upper = [offset for side, offset in filter(None, bounds) if side == "upper"]
     lower = [offset for side, offset in filter(None, bounds) if side == "lower"]
     if None in bounds or len(upper) != 1 or len(lower) > 1:
@@ -150,9 +181,11 @@ def _conjuncts(rule: PrimExpr) -> list[PrimExpr]:
     return _conjuncts(rule.a) + _conjuncts(rule.b) if isinstance(rule, tirx.And) else [rule]
 
 
-def _key_bound(comparison: PrimExpr, query: tirx.Var, key: tirx.Var, n: PrimExpr,
+def _key_bound(comparison: PrimExpr, index: list[tirx.Var], n: PrimExpr,
                analyzer: tvm.sym.Analyzer) -> tuple[str, PrimExpr] | None:
-    """("upper", u) for j ≤ i + u, ("lower", l) for j ≥ i + l, or None for any other rule."""
+    """("upper", u) for j ≤ i + u, ("lower", l) for j ≥ i + l (u, l free of every index: the same rule
+    for each batch and head), or None for any other rule."""
+    query, key = index[-2], index[-1]
     # as E ≤ 0 with E = ±(a − b); a strict comparison of integers moves the bound by one
     forms = {tirx.LE: (1, 0), tirx.LT: (1, 1), tirx.GE: (-1, 0), tirx.GT: (-1, 1)}
     form = next((f for t, f in forms.items() if isinstance(comparison, t)), None)
@@ -163,7 +196,7 @@ def _key_bound(comparison: PrimExpr, query: tirx.Var, key: tirx.Var, n: PrimExpr
     if len(linear) != 3:
         return None
     a_key, a_query, rest = (analyzer.simplify(c) for c in linear)
-    if any(v.same_as(query) or v.same_as(key) for v in tirx.analysis.undefined_vars(rest)):
+    if any(v.same_as(i) for v in tirx.analysis.undefined_vars(rest) for i in index):
         return None
     one_query = _is(n, 1)  # i is 0: its coefficient is moot
     if _is(a_key, 1) and (_is(a_query, -1) or one_query):  # j − i + r ≤ 0
@@ -196,7 +229,7 @@ def _prims(arg) -> list[PrimExpr] | None:
 def _select(cond: PrimExpr, a: PrimExpr, b: PrimExpr) -> PrimExpr:
     """Select(cond, a, b), as the one branch it is where that is provable (the index normalisation
     where(i < 0, i + n, i) of an index i ≥ 0; a concat whose parts agree at their seam)."""
-    analyzer = _non_negative(tirx.Select(cond, a, b))
+    analyzer = non_negative(tirx.Select(cond, a, b))
     if analyzer.can_prove(cond):
         return a
     if analyzer.can_prove(tirx.Not(cond)):
@@ -207,17 +240,12 @@ def _select(cond: PrimExpr, a: PrimExpr, b: PrimExpr) -> PrimExpr:
     return tirx.Select(cond, a, b)
 
 
-def _non_negative(expr: PrimExpr) -> tvm.sym.Analyzer:
+def non_negative(expr: PrimExpr) -> tvm.sym.Analyzer:
     """An analyzer that knows every variable of ``expr`` is ≥ 0: they are indices and sizes."""
     analyzer = tvm.sym.Analyzer()
     for var in tirx.analysis.undefined_vars(expr):
         analyzer.update(var, tvm.sym.ConstIntBound(0, tvm.sym.ConstIntBound.POS_INF))
     return analyzer
-
-
-def _prim(arg: relax.Expr) -> PrimExpr | None:
-    """An arange bound: a number or shape arithmetic."""
-    return arg if tvm.ir.is_prim_expr(arg) else None
 
 
 def _same_type(a: PrimExpr, b: PrimExpr) -> tuple[PrimExpr, PrimExpr]:
@@ -245,7 +273,7 @@ def broadcast(index: Index, operand: relax.Expr) -> Index | None:
 
 def _unit_axes_dropped(expr: relax.Expr, data: relax.Expr, index: Index) -> Index | None:
     """The index into ``data`` of an op that only adds or removes axes of size 1 or broadcasts them
-    (expand_dims, a reshape that keeps the other sizes in order, broadcast_to, a cast): None else."""
+    (expand_dims, a reshape that keeps the other sizes in order, broadcast_to): None else."""
     out, into = _dims(expr), _dims(data)
     if out is None or into is None:
         return None

@@ -35,12 +35,13 @@ from typing import Callable
 import numpy as np
 import tvm
 from tvm import relax, tirx
+from tvm.ir.expr import Expr as PrimExpr
 from tvm.sym import Analyzer
 
-ShapeFix = Callable[[relax.BlockBuilder, list], relax.Expr | None]
+ShapeFix = Callable[[list], relax.Expr | None]
 
 
-def expand(_bb: relax.BlockBuilder, inputs: list) -> relax.Expr | None:
+def expand(inputs: list) -> relax.Expr | None:
     data, shape = inputs[0], inputs[1]
     if not isinstance(shape, tvm.ir.GenericConst) or not isinstance(data.ty, relax.TensorType):
         return None
@@ -56,7 +57,7 @@ def expand(_bb: relax.BlockBuilder, inputs: list) -> relax.Expr | None:
     return relax.op.broadcast_to(data, relax.ShapeExpr(out))
 
 
-def reshape(_bb: relax.BlockBuilder, inputs: list) -> relax.Expr | None:
+def reshape(inputs: list) -> relax.Expr | None:
     data, shape = inputs[0], inputs[1]
     if not isinstance(data.ty, tvm.ir.PrimType) or not isinstance(shape, tvm.ir.GenericConst):
         return None
@@ -68,7 +69,7 @@ def reshape(_bb: relax.BlockBuilder, inputs: list) -> relax.Expr | None:
 _TO_THE_END = 2**62  # an end at least this large means the axis' end (exporters write INT64_MAX)
 
 
-def slice_(_bb: relax.BlockBuilder, inputs: list) -> relax.Expr | None:
+def slice_(inputs: list) -> relax.Expr | None:
     data, starts, ends = inputs[:3]
     axes, steps = (inputs[i] if len(inputs) > i else None for i in (3, 4))
     start, end = _int_scalar(starts), _int_scalar(ends)
@@ -96,7 +97,7 @@ def slice_(_bb: relax.BlockBuilder, inputs: list) -> relax.Expr | None:
     return relax.op.strided_slice(data, [axis], [analyzer.simplify(start)], [size], [1], assume_inbound=True)
 
 
-def range_(_bb: relax.BlockBuilder, inputs: list) -> relax.Expr | None:
+def range_(inputs: list) -> relax.Expr | None:
     bounds = [_int_scalar(x) for x in inputs[:3]]
     if any(b is None for b in bounds) or all(isinstance(b, tirx.IntImm) for b in bounds):
         return None  # a float range, a bound computed as a tensor, or all constant: the stock converter's
@@ -104,7 +105,7 @@ def range_(_bb: relax.BlockBuilder, inputs: list) -> relax.Expr | None:
     return relax.op.arange(*bounds, dtype=dtype)
 
 
-def _int_scalar(x: relax.Expr) -> tirx.PrimExpr | None:
+def _int_scalar(x: relax.Expr) -> PrimExpr | None:
     """An integer scalar (a one-element constant, ShapeExpr or PrimExpr of shape arithmetic) as a PrimExpr."""
     if isinstance(x, tvm.ir.GenericConst):
         value = x.value.numpy()
