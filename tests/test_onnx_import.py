@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import TensorProto as TP
 from onnx import helper as oh
 from onnx_testing import assert_matches_ort, kernels_used, ort_run, randn
@@ -59,31 +61,25 @@ def test_buffer_one_diagonal_off_tril_stays_a_mask():
     assert not spec.causal and spec.attn_mask is not None
 
 
-def _positional_mask_model(rule: str) -> onnx.ModelProto:
+def _positional_mask_model(from_past: bool, shift: int, strict: bool, window: int | None) -> onnx.ModelProto:
     """Decomposed attention after a cache (K = concat(past, new), n_kv = P + S) whose additive mask is
     computed from positions when the model runs, as dynamic-shape exports write it: key positions
-    arange(n_kv), query positions arange(start, start + S), keep = ``rule``, where(keep, 0, finfo.min)."""
+    j = arange(n_kv), query positions q = arange(start, start + S) with start P or 0; keep
+    j ≤ q + shift (j < q + shift when ``strict``), and j > q + shift − ``window``; where(keep, 0, finfo.min)."""
     c = lambda name, value: onnx.numpy_helper.from_array(np.asarray(value), name)  # noqa: E731
-    start = {"top_left": "zero", "past_plus_one": "p1"}.get(rule, "p")
+    start = "p" if from_past else "zero"
     nodes = [oh.make_node("Shape", ["q"], ["s1"], start=2, end=3),
              oh.make_node("Shape", ["pk"], ["p1d"], start=2, end=3),
              oh.make_node("Squeeze", ["s1"], ["s"]), oh.make_node("Squeeze", ["p1d"], ["p"]),
-             oh.make_node("Add", ["p", "s"], ["t"]), oh.make_node("Add", ["p", "one"], ["p1"]),
-             oh.make_node("Add", [start, "s"], ["end"]),
+             oh.make_node("Add", ["p", "s"], ["t"]), oh.make_node("Add", [start, "s"], ["end"]),
              oh.make_node("Range", ["zero", "t", "one"], ["kpos"]),
              oh.make_node("Range", [start, "end", "one"], ["qpos"]),
-             oh.make_node("Unsqueeze", ["qpos", "axis1"], ["qcol"])]
-    if rule == "strict":  # j < i + past + 1
-        nodes += [oh.make_node("Add", ["qcol", "one"], ["qnext"]), oh.make_node("Less", ["kpos", "qnext"], ["keep"])]
-    elif rule == "window":  # causal and j > i + past − 3: a sliding window of 3 keys
-        nodes += [oh.make_node("LessOrEqual", ["kpos", "qcol"], ["causal"]),
-                  oh.make_node("Sub", ["qcol", "three"], ["low"]), oh.make_node("Greater", ["kpos", "low"], ["near"]),
-                  oh.make_node("And", ["causal", "near"], ["keep"])]
-    elif rule == "far_keys":  # j ≤ i + past − 3 only: not a rule of the spec's
-        nodes += [oh.make_node("Sub", ["qcol", "three"], ["low"]),
-                  oh.make_node("LessOrEqual", ["kpos", "low"], ["keep"])]
-    else:
-        nodes += [oh.make_node("LessOrEqual", ["kpos", "qcol"], ["keep"])]
+             oh.make_node("Unsqueeze", ["qpos", "axis1"], ["qcol"]), oh.make_node("Add", ["qcol", "shift"], ["top"]),
+             oh.make_node("Less" if strict else "LessOrEqual", ["kpos", "top"],
+                          ["keep" if window is None else "upper"])]
+    if window is not None:
+        nodes += [oh.make_node("Sub", ["top", "window"], ["low"]), oh.make_node("Greater", ["kpos", "low"], ["near"]),
+                  oh.make_node("And", ["upper", "near"], ["keep"])]
     nodes += [oh.make_node("Where", ["keep", "zero_f", "min_f"], ["bias"]),
               oh.make_node("Concat", ["pk", "kn"], ["k"], axis=2), oh.make_node("Concat", ["pv", "vn"], ["v"], axis=2),
               oh.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), oh.make_node("MatMul", ["q", "kt"], ["sc"]),
@@ -93,28 +89,30 @@ def _positional_mask_model(rule: str) -> onnx.ModelProto:
     new = [(n, TP.FLOAT, ["B", 2, "S", D]) for n in ("q", "kn", "vn")]
     model = _model(nodes, new + cache, [("y", TP.FLOAT, ["B", 2, "S", D])], (("", 17),))
     used = {i for n in nodes for i in n.input}
-    constants = [c("zero", np.int64(0)), c("one", np.int64(1)), c("three", np.int64(3)),
-                 c("axis1", np.array([1], np.int64)), c("zero_f", np.float32(0)),
+    constants = [c("zero", np.int64(0)), c("one", np.int64(1)), c("shift", np.int64(shift)),
+                 c("window", np.int64(window or 0)), c("axis1", np.array([1], np.int64)), c("zero_f", np.float32(0)),
                  c("min_f", np.float32(np.finfo(np.float32).min)), c("scale", np.float32(D ** -0.5))]
     model.graph.initializer.extend(t for t in constants if t.name in used)
     return model
 
 
-@pytest.mark.parametrize("rule,align,window", [
-    ("bottom_right", "bottom_right", None), ("top_left", "top_left", None), ("strict", "bottom_right", None),
-    ("window", "bottom_right", 3), ("past_plus_one", None, None), ("far_keys", None, None)])
-def test_mask_computed_from_positions(rule, align, window):
-    """A mask of position arithmetic is the causal rule (with its window) only where it provably is at
-    every length: then no mask is read. An offset of one more key, or keys only far back, stay a mask.
-    Each at three (past, new) sizes, one of them a decode step."""
+@settings(max_examples=10, deadline=None)
+@given(from_past=st.booleans(), shift=st.integers(-2, 2), strict=st.booleans(), window=st.none() | st.integers(1, 4))
+def test_mask_computed_from_positions(from_past, shift, strict, window):
+    """A mask of position arithmetic is the spec's rule only where it provably is at every length:
+    keys j ≤ i + offset with offset P (bottom-right) or 0 (top-left), a window below it; then no mask
+    is read. Any other offset stays a mask. Each at three (past, new) sizes, one a decode step."""
     rng = np.random.default_rng(2)
     feeds = [{"q": randn(rng, b, 2, s, D), "kn": randn(rng, b, 2, s, D), "vn": randn(rng, b, 2, s, D),
               "pk": randn(rng, b, 2, p, D), "pv": randn(rng, b, 2, p, D)}
              for b, p, s in ((2, 3, 4), (1, 1, 5), (1, 6, 1))]
-    spec = assert_matches_ort(_positional_mask_model(rule), feeds, 1).report.replacements[0].spec
-    if align:
-        assert (spec.causal, spec.causal_align, spec.window, spec.attn_mask) == (True, align, window, None), \
-            spec.describe()
+    spec = assert_matches_ort(_positional_mask_model(from_past, shift, strict, window), feeds, 1
+                              ).report.replacements[0].spec
+    top = shift - strict  # keep j ≤ i + start + top; the window keeps j ≥ i + start + shift − window + 1
+    keys = None if window is None else window - strict
+    if top == 0 and (keys is None or keys >= 1):
+        want = (True, "bottom_right" if from_past else "top_left", keys, None)
+        assert (spec.causal, spec.causal_align, spec.window, spec.attn_mask) == want, spec.describe()
     else:
         assert not spec.causal and spec.attn_mask == "additive", spec.describe()
 
