@@ -96,7 +96,7 @@ def _positional_mask_model(from_past: bool, shift: int, strict: bool, window: in
     return model
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(from_past=st.booleans(), shift=st.integers(-2, 2), strict=st.booleans(), window=st.none() | st.integers(1, 4))
 def test_mask_computed_from_positions(from_past, shift, strict, window):
     """A mask of position arithmetic is the spec's rule only where it provably is at every length:
