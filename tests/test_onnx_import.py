@@ -458,3 +458,22 @@ def test_slice_from_a_symbolic_start_to_the_end():
                                     c(np.array([1], np.int64), "axis1"), c(np.array(1, np.int64), "one")])
     rng = np.random.default_rng(4)
     assert_matches_ort(model, [{"x": randn(rng, 2, t), "y": randn(rng, 2, s)} for t, s in ((7, 3), (4, 6))], 0)
+
+
+@pytest.mark.parametrize("start,limit,step", [("s", "zero", "minus_one"), ("one", "s", "two"), ("zero", "s", "one")])
+def test_range_of_symbolic_bounds(start, limit, step):
+    """Range with a bound of shape arithmetic (the sequence length): counting down, by two, from zero."""
+    c = onnx.numpy_helper.from_array
+    nodes = [oh.make_node("Shape", ["y"], ["shape"], start=1, end=2), oh.make_node("Squeeze", ["shape"], ["s"]),
+             oh.make_node("Range", [start, limit, step], ["r"]), oh.make_node("Cast", ["r"], ["rf"], to=TP.FLOAT),
+             oh.make_node("Unsqueeze", ["rf", "axes"], ["row"]), oh.make_node("Add", ["row", "y"], ["out"])]
+    width = {"minus_one": "S", "two": None, "one": "S"}[step]
+    model = _model(nodes, [("y", TP.FLOAT, ["B", "S"])], [("out", TP.FLOAT, ["B", width])], (("", 17),))
+    model.graph.initializer.extend([c(np.array(v, np.int64), n) for n, v in
+                                    (("zero", 0), ("one", 1), ("two", 2), ("minus_one", -1))] +
+                                   [c(np.array([0], np.int64), "axes")])
+    rng = np.random.default_rng(6)
+    if step == "two":  # (S - 1) / 2 columns: only odd lengths broadcast against y; its own output
+        model.graph.node[-1].CopyFrom(oh.make_node("Identity", ["row"], ["out"]))
+        model.graph.output[0].CopyFrom(oh.make_tensor_value_info("out", TP.FLOAT, [1, None]))
+    assert_matches_ort(model, [{"y": randn(rng, 2, s)} for s in (5, 8)], 0)
