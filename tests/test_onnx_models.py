@@ -28,6 +28,8 @@ transformers = pytest.importorskip("transformers")
 
 from onnx_testing import assert_matches_ort, kernels_used  # noqa: E402
 
+from tvmattn.compiler.onnx import graph  # noqa: E402
+
 VOCAB, D, HEADS, LAYERS = 128, 64, 4, 2
 ATTENTIONS = {"t5": 3 * LAYERS}  # encoder, decoder and cross attention per layer; others one per layer
 # the decoders' masks, computed from positions where the model runs, are proved causal: no mask is read
@@ -174,6 +176,9 @@ def check(family: str, exporter: str) -> None:
         got = imported.run(feed)[0]
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
     assert kernels_used(imported) == ATTENTIONS.get(family, LAYERS)
+    softmaxes = [n.name for n in graph.all_nodes(model.graph) if n.op_type == "Softmax"]  # none after ORT's fusion
+    assert sorted(f.node for f in imported.report.softmaxes) == sorted(softmaxes), str(imported.report)
+    assert imported.report.softmaxes_on_kernels == len(softmaxes), str(imported.report)
     if family in CAUSAL:
         for r in imported.report.replacements:
             assert (r.spec.causal, r.spec.window, r.spec.attn_mask) == (True, CAUSAL[family], None), r.spec.describe()
