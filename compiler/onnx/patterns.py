@@ -38,6 +38,7 @@ from tvm.relax.dpl import DFPattern, is_const, is_op, is_tuple_get_item, wildcar
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.onnx import checks, positions
 from tvmattn.compiler.onnx.kernels import Kernels, Mask, attend, shape_of
+from tvmattn.compiler.onnx.shape_ops import bounded_below
 
 SOURCE = "pattern: decomposed attention"
 _HUGE_NEGATIVE = -1e30  # a fill at or below this absorbs any score: where(keep, s, f) == s + where(keep, 0, f)
@@ -413,7 +414,7 @@ class _Match:
         rule = positions.key_rule(keep, index, n, n_kv)
         if rule and fill != -np.inf and (rule["causal_align"] == "bottom_right" or "window" in rule):
             # a row that sees no key: uniform weights in the model, zeros from the kernel
-            if not positions.non_negative(n_kv - n).can_prove(n_kv >= n):
+            if not bounded_below(n_kv - n).can_prove(n_kv >= n):
                 return {}
         return rule or {}
 

@@ -17,6 +17,7 @@ from tvm import relax, tirx
 from tvm.ir.expr import Expr as PrimExpr
 
 from tvmattn.compiler.onnx import checks
+from tvmattn.compiler.onnx.shape_ops import bounded_below
 
 Index = list[PrimExpr]  # one index per axis of the tensor being read
 
@@ -73,7 +74,7 @@ def _strided_slice(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | 
     """Element i of the slice is element begin + stride·i."""
     args = expr.args
     axes, begins, strides = (_prims(a) for a in (args[1], args[2], args[4] if len(args) > 4 else None))
-    if axes is None or begins is None or not all(non_negative(b).can_prove(b >= 0) for b in begins):
+    if axes is None or begins is None or not all(bounded_below(b).can_prove(b >= 0) for b in begins):
         return None  # a begin that may count from the end
     inner = list(index)
     for k, (axis, begin) in enumerate(zip(axes, begins)):
@@ -107,7 +108,7 @@ def _gather_nd(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None
         return None
     lead, tail = index[:len(dims) - 1], index[len(dims) - 1:]
     coords = [rule(expr.args[1], lead + [tirx.IntImm("int64", k)], var2val) for k in range(dims[-1].value)]
-    if any(c is None or not non_negative(c).can_prove(c >= 0) for c in coords):
+    if any(c is None or not bounded_below(c).can_prove(c >= 0) for c in coords):
         return None  # a coordinate that may count from the end
     return rule(expr.args[0], coords + tail, var2val)
 
@@ -121,7 +122,7 @@ def _cumsum(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
     term = rule(expr.args[0], index[:axis] + [k] + index[axis + 1:], var2val)
     if term is None:
         return None
-    term = non_negative(term).simplify(term)
+    term = bounded_below(term).simplify(term)
     if any(v.same_as(k) for v in tirx.analysis.undefined_vars(term)):
         return None
     return tirx.Cast("int64", term) * (index[axis] + (0 if expr.attrs.exclusive else 1))
@@ -157,7 +158,7 @@ def key_rule(keep: PrimExpr, index: list[tirx.Var], n: PrimExpr, n_kv: PrimExpr)
     − n), optionally with a sliding window of W keys (j > i + offset − W); else None. ``keep`` must be
     one such upper bound and at most one lower bound, each linear in the key and query with
     coefficients ±1 (any for the query when n is 1), depending on nothing else."""
-    analyzer = non_negative(keep)
+    analyzer = bounded_below(keep)
     bounds = [_key_bound(c, index, n, analyzer) for c in _conjuncts(analyzer.simplify(keep))]
     upper = [offset for side, offset in filter(None, bounds) if side == "upper"]
     lower = [offset for side, offset in filter(None, bounds) if side == "lower"]
@@ -229,7 +230,7 @@ def _prims(arg) -> list[PrimExpr] | None:
 def _select(cond: PrimExpr, a: PrimExpr, b: PrimExpr) -> PrimExpr:
     """Select(cond, a, b), as the one branch it is where that is provable (the index normalisation
     where(i < 0, i + n, i) of an index i ≥ 0; a concat whose parts agree at their seam)."""
-    analyzer = non_negative(tirx.Select(cond, a, b))
+    analyzer = bounded_below(tirx.Select(cond, a, b))
     if analyzer.can_prove(cond):
         return a
     if analyzer.can_prove(tirx.Not(cond)):
@@ -238,14 +239,6 @@ def _select(cond: PrimExpr, a: PrimExpr, b: PrimExpr) -> PrimExpr:
         if analyzer.can_prove_equal(a, b):
             return b
     return tirx.Select(cond, a, b)
-
-
-def non_negative(expr: PrimExpr) -> tvm.sym.Analyzer:
-    """An analyzer that knows every variable of ``expr`` is ≥ 0: they are indices and sizes."""
-    analyzer = tvm.sym.Analyzer()
-    for var in tirx.analysis.undefined_vars(expr):
-        analyzer.update(var, tvm.sym.ConstIntBound(0, tvm.sym.ConstIntBound.POS_INF))
-    return analyzer
 
 
 def _same_type(a: PrimExpr, b: PrimExpr) -> tuple[PrimExpr, PrimExpr]:

@@ -85,9 +85,7 @@ def slice_(inputs: list) -> relax.Expr | None:
         return None
     axis = int(axis.value) % len(dims)
     size = dims[axis]
-    analyzer = Analyzer()
-    for var in tirx.analysis.undefined_vars(start):  # sizes: the importer refuses empty dimensions
-        analyzer.update(var, tvm.sym.ConstIntBound(1, tvm.sym.ConstIntBound.POS_INF))
+    analyzer = bounded_below(start, 1)  # sizes: the importer refuses empty dimensions
     if analyzer.can_prove(start < 0):  # ONNX: a negative bound counts from the end, then clamps
         start = tirx.max(size + start, 0)
     elif analyzer.can_prove(start >= 0):
@@ -95,6 +93,15 @@ def slice_(inputs: list) -> relax.Expr | None:
     else:
         return None
     return relax.op.strided_slice(data, [axis], [analyzer.simplify(start)], [size], [1], assume_inbound=True)
+
+
+def bounded_below(expr: PrimExpr, least: int = 0) -> Analyzer:
+    """An analyzer that knows every variable of ``expr`` is ≥ ``least``: the variables of shape
+    arithmetic are sizes (≥ 1 where the importer refuses empty dimensions) and indices (≥ 0)."""
+    analyzer = Analyzer()
+    for var in tirx.analysis.undefined_vars(expr):
+        analyzer.update(var, tvm.sym.ConstIntBound(least, tvm.sym.ConstIntBound.POS_INF))
+    return analyzer
 
 
 def range_(inputs: list) -> relax.Expr | None:
