@@ -62,7 +62,7 @@ def lowering_passes(spec: AttentionSpec, target: Target) -> tvm.transform.Pass:
     seq = [passes.skip_masked_key_tiles(spec)]
     if is_cpu(target):
         seq += [passes.pad_query_tiles(), passes.peel_key_tails(), passes.polynomial_math(),
-                passes.exact_widenings(), x86_bf16.keep_operands_16bit()]
+                passes.exact_widenings(), x86_bf16.keep_operands_16bit(), passes.element_aligned_arguments()]
     return tvm.transform.Sequential(seq)
 
 

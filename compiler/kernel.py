@@ -4,15 +4,15 @@
     layer  kernel(x, w_q, w_k, w_v, w_o, x_kv=None, kv_lens=None, attn_mask=None) -> out  (B, n, d)
 
 NumPy in, NumPy out (arrays are converted to the spec's dtype; bfloat16 is ``ml_dtypes.bfloat16``).
-On a CPU kernel, C-contiguous, 64-byte aligned arrays of the right dtype cross by DLPack without a
-copy (others are copied once, into an aligned buffer) and the kernel writes its result in place into
-a NumPy array (``out=`` reuses one). `run` is the copy-free path on TVM tensors already on the device.
+On a CPU kernel, C-contiguous arrays of the right dtype cross by DLPack without a copy, at any
+element offset (the kernels declare their arguments aligned to one element:
+`passes.element_aligned_arguments`); others are converted once. The kernel writes its result in place
+into a NumPy array (``out=`` reuses one). `run` is the copy-free path on TVM tensors already on the device.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,36 +26,16 @@ from tvm.target import Target
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.spec import AttentionSpec
 
-# The generated CPU code uses aligned vector loads and stores on some arguments (TVM allocates with
-# this alignment): a less aligned pointer crashes the process, so such arrays are copied first.
-ALIGNMENT = 64
-
 
 def numpy_dtype(dtype: str) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
 
 
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised C-contiguous array whose data starts on an ALIGNMENT-byte boundary."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    buf = np.empty(nbytes + ALIGNMENT, np.uint8)
-    start = -buf.ctypes.data % ALIGNMENT
-    return buf[start:start + nbytes].view(dtype).reshape(shape)
-
-
 def host_tensor(arr: np.ndarray) -> tvm.runtime.Tensor:
-    """A TVM tensor on ``arr``'s memory (no copy); ``arr`` must be C-contiguous and aligned."""
+    """A TVM tensor on ``arr``'s memory (no copy); ``arr`` must be C-contiguous and element-aligned."""
     if arr.dtype == ml_dtypes.bfloat16:  # DLPack in NumPy has no bfloat16: cross as uint16, view back
         return tvm_ffi.from_dlpack(arr.view(np.uint16))._create_view(arr.shape, "bfloat16")
     return tvm_ffi.from_dlpack(arr)
-
-
-def _aligned(arr: np.ndarray) -> np.ndarray:
-    if arr.ctypes.data % ALIGNMENT == 0:
-        return arr
-    copy = aligned_empty(arr.shape, arr.dtype)
-    copy[...] = arr
-    return copy
 
 
 @dataclass
@@ -72,23 +52,21 @@ class CompiledAttention:
                  out: np.ndarray | None = None) -> np.ndarray:
         """The kernel on NumPy arrays; the result is ``out`` (written in place) or a new array."""
         args, sizes = self._arguments(arrays, x_kv, kv_lens, attn_mask)
-        out_shape = tuple(sizes[d] if isinstance(d, str) else d for d in self.spec.output_shape())
+        out_shape = tuple(sizes[d] if isinstance(d, str) else d for d in self._output_dims)
         result = self._output(out, out_shape)
-        if self.target.kind.name == "cuda":  # host arrays must be copied to the GPU and back
+        if self._on_cuda:  # host arrays must be copied to the GPU and back
             dev = self.device
             dev_out = tvm.runtime.empty(out_shape, self.spec.dtype, dev)
             self.run(*[tvm.runtime.tensor(a, dev) for a in args.values()], dev_out)
             result[...] = dev_out.numpy()
             return result
-        target = _aligned(result)
-        self.run(*[host_tensor(_aligned(a)) for a in args.values()], host_tensor(target))
-        if target is not result:
-            result[...] = target
+        self.run(*[host_tensor(a) for a in args.values()], host_tensor(result))
         return result
 
     def run(self, *tensors: Any) -> None:
         """Call the kernel on device tensors (TVM tensors, or any DLPack tensor such as a torch tensor,
-        compact and aligned): the inputs in PrimFunc order, then the output."""
+        compact; CPU: aligned to an element, CUDA: to 64 bytes): the inputs in PrimFunc order, then the
+        output."""
         self._main(*tensors)
 
     @functools.cached_property
@@ -96,14 +74,30 @@ class CompiledAttention:
         # Executable.__call__ looks the function up on every call (~2 µs); the kernel path keeps it.
         return self.executable.jit()["main"]
 
+    # what a call checks against, worked out once (a call's own overhead is a few µs)
+    @functools.cached_property
+    def _signature(self) -> dict[str, tuple[tuple, np.dtype]]:
+        """Each argument's shape (symbolic sizes as names) and NumPy dtype, in PrimFunc order."""
+        shapes = self.spec.input_shapes()
+        return {name: (shape, numpy_dtype(self.spec.input_dtype(name))) for name, shape in shapes.items()}
+
+    @functools.cached_property
+    def _output_dims(self) -> tuple:
+        return self.spec.output_shape()
+
+    @functools.cached_property
+    def _on_cuda(self) -> bool:
+        return self.target.kind.name == "cuda"
+
     def _output(self, out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
         dtype = numpy_dtype(self.spec.dtype)
         if out is None:
-            return aligned_empty(shape, dtype)
-        if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
+            return np.empty(shape, dtype)
+        if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != dtype \
+                or not (out.flags.c_contiguous and out.flags.aligned and out.flags.writeable):
             got = f"{type(out).__name__} {getattr(out, 'shape', '')} {getattr(out, 'dtype', '')}".strip()
-            raise TvmAttnError(f"out= must be a C-contiguous NumPy array of shape {shape} and dtype {dtype}, "
-                               f"got {got}: allocate it with numpy.empty({shape}, {dtype.name!r})")
+            raise TvmAttnError(f"out= must be a writeable C-contiguous NumPy array of shape {shape} and dtype "
+                               f"{dtype}, got {got}: allocate it with numpy.empty({shape}, {dtype.name!r})")
         return out
 
     @property
@@ -134,8 +128,8 @@ class CompiledAttention:
                    attn_mask: Any) -> tuple[dict[str, np.ndarray], dict[str, int]]:
         """The arrays in PrimFunc order, converted and shape-checked; and the symbolic sizes they bind."""
         spec = self.spec
-        shapes = spec.input_shapes()
-        positional = [n for n in shapes if n not in ("x_kv", "kv_lens", "attn_mask")]
+        signature = self._signature
+        positional = [n for n in signature if n not in ("x_kv", "kv_lens", "attn_mask")]
         if len(arrays) != len(positional):
             raise TvmAttnError(f"the kernel takes {len(positional)} arrays ({', '.join(positional)}), "
                                f"got {len(arrays)}")
@@ -162,9 +156,10 @@ class CompiledAttention:
 
         sizes: dict[str, int] = {}
         out: dict[str, np.ndarray] = {}
-        for name, want in shapes.items():
-            dtype = numpy_dtype(spec.input_dtype(name))
-            arr = np.ascontiguousarray(np.asarray(given[name]).astype(dtype, copy=False))
+        for name, (want, dtype) in signature.items():
+            arr = given[name]
+            if not (type(arr) is np.ndarray and arr.dtype == dtype and arr.flags.c_contiguous and arr.flags.aligned):
+                arr = np.require(np.asarray(arr).astype(dtype, copy=False), requirements="CA")
             _bind_shape(name, arr.shape, want, sizes)
             out[name] = arr
         if spec.key_padding:

@@ -12,6 +12,10 @@ clamp_row_tails        For a register tile of a GEMM with a row tail (``row < M`
                        store of the tile keeps the full test.
 peel_key_tails         In a loop of symbolic extent whose blocks test a tail (``t < n_kv``, from a split by
                        a constant factor), run the iterations before the tail without the tests.
+element_aligned_arguments
+                       Declare the arguments aligned to their elements, not to TVM's 64 bytes: NumPy
+                       arrays (16-byte aligned) and views at any element offset then cross without a
+                       copy; the code generator emits unaligned vector moves, as fast on aligned data.
 polynomial_math        Replace fp32 ``exp``, ``sigmoid``, ``tanh``, ``erf`` and small integer powers by
                        vectorisable polynomials (LLVM would otherwise call scalar libm per lane).
 """
@@ -561,6 +565,28 @@ def exact_widenings() -> tvm.transform.Pass:
             return cast
 
         return tvm_ffi.structural_map(func, [(tirx.Cast, on_cast)])
+
+    return transform
+
+
+def element_aligned_arguments() -> tvm.transform.Pass:
+    """Each argument buffer declared with an alignment of one element (see the module's docstring)."""
+
+    @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.ElementAlignedArguments")
+    def transform(func: PrimFunc, _mod, _ctx) -> PrimFunc:
+        relaxed = {}
+        for p in func.params:
+            t = p.ty
+            element = isinstance(t, tirx.BufferType) and max(tvm.DataType(t.dtype.dtype).bits // 8, 1)
+            if element and t.data_alignment > element:
+                relaxed[p] = tirx.Var(p.name, tirx.BufferType(t.dtype, t.storage_scope, t.shape, t.strides,
+                                                              t.elem_offset, element, t.offset_factor,
+                                                              t.layout, t.allocated_addr))
+        if not relaxed:
+            return func
+        body = tvm_ffi.structural_map(func.body, [(tirx.Var, lambda v: next(
+            (new for old, new in relaxed.items() if old.same_as(v)), v))])
+        return PrimFunc([relaxed.get(p, p) for p in func.params], body, func.ret_type, func.attrs)
 
     return transform
 

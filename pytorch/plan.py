@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from tvmattn.compiler.errors import TvmAttnError
-from tvmattn.compiler.kernel import ALIGNMENT
 from tvmattn.torch.cache import KernelKey
 
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -196,6 +195,9 @@ def _flat_mask(mask: torch.Tensor, p: Plan) -> torch.Tensor:
     return _aligned(m.contiguous())
 
 
+CUDA_ALIGNMENT = 64  # the CUDA kernels' vector loads need TVM's default alignment (CPU ones: an element)
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    # the kernels use aligned vector loads; a view at an odd offset (a slice) is copied once
-    return t if t.data_ptr() % ALIGNMENT == 0 else t.clone()
+    # a CUDA view at an odd offset (a slice) is copied once
+    return t.clone() if t.is_cuda and t.data_ptr() % CUDA_ALIGNMENT else t

@@ -32,6 +32,7 @@ from tvmattn.compiler.target import has_feature
 
 LANES = 16  # fp32 lanes of a zmm register
 PAIR = 2  # bf16 products per lane
+BF16_BYTES = 2  # the operands' alignment: the kernels' arguments are aligned to their elements only
 DOT_16x2 = "tvmattn_dot_16x2_bf16"  # the block computes C + B·A (QKᵀ: the query panel, a key's pair)
 DOT_16x2_PAIR_FIRST = "tvmattn_dot_16x2_bf16_pair_first"  # C + A·B (P·V: a pair of weights, the V panel)
 DOT_FUNCTION = "tvmattn_dpbf16ps"
@@ -56,8 +57,8 @@ def _dot(pair_first: bool) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
     B·A (tensorize matches the expression as written, and the blocks' reads in its order)."""
 
     @T.prim_func(s_tir=True)
-    def desc(A: T.Buffer((PAIR,), "bfloat16", offset_factor=1),
-             B: T.Buffer((LANES, PAIR), "bfloat16", offset_factor=1),
+    def desc(A: T.Buffer((PAIR,), "bfloat16", offset_factor=1, align=BF16_BYTES),
+             B: T.Buffer((LANES, PAIR), "bfloat16", offset_factor=1, align=BF16_BYTES),
              C: T.Buffer((LANES,), "float32", offset_factor=1, scope="local")) -> None:
         with T.sblock("root"):
             if pair_first:  # the reads in the order the expression reads them
@@ -74,8 +75,8 @@ def _dot(pair_first: bool) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
                         C[vi] = C[vi] + T.cast(B[vi, vk], "float32") * T.cast(A[vk], "float32")
 
     @T.prim_func(s_tir=True)
-    def impl(A: T.Buffer((PAIR,), "bfloat16", offset_factor=1),
-             B: T.Buffer((LANES, PAIR), "bfloat16", offset_factor=1),
+    def impl(A: T.Buffer((PAIR,), "bfloat16", offset_factor=1, align=BF16_BYTES),
+             B: T.Buffer((LANES, PAIR), "bfloat16", offset_factor=1, align=BF16_BYTES),
              C: T.Buffer((LANES,), "float32", offset_factor=1, scope="local")) -> None:
         with T.sblock("root"):
             T.reads(C[0:LANES], A[0:PAIR], B[0:LANES, 0:PAIR])
@@ -115,7 +116,7 @@ def _pairs(source: str, width: int, heads_between: bool, implementation: bool) -
     @T.prim_func(s_tir=True)
     def func(a: T.handle, b: T.handle) -> None:
         row_stride, head_stride = T.int32(), T.int32()
-        src = T.match_buffer(a, shape, source, offset_factor=1,
+        src = T.match_buffer(a, shape, source, offset_factor=1, align=tvm.DataType(source).bits // 8,
                              strides=[row_stride, head_stride, 1] if heads_between else [row_stride, 1])
         dst = T.match_buffer(b, (width, PAIR), "bfloat16", offset_factor=1)
         with T.sblock("root"):

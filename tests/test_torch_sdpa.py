@@ -1,5 +1,6 @@
 """`tvmattn.torch.scaled_dot_product_attention` against `torch.nn.functional.scaled_dot_product_attention`
-itself: shapes, leading batch dims, masks and their broadcasts, causal, GQA, dtypes, non-contiguous views."""
+itself: shapes, leading batch dims, masks and their broadcasts, causal, GQA, dtypes, non-contiguous views
+and tensors at an element offset into their storage (they cross without a copy)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ def view(t, how: str):
         wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
         wide[..., ::2] = t
         return wide[..., ::2]
+    if how == "offset":  # contiguous, one element into its storage (as a slice of a bigger tensor)
+        shifted = torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape)
+        return shifted.copy_(t)
     return t
 
 
@@ -56,7 +60,8 @@ def calls(draw):
     mask_shape = tuple(n if on else 1 for n, on in zip(full, keep))[draw(st.integers(0, len(lead) + 1)):]
     return dict(dtype=dtype, lead=lead, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
                 head_dim=head_dim, v_head_dim=v_head_dim, masking=masking, mask_shape=mask_shape,
-                how=draw(st.sampled_from(["contiguous", "transposed", "strided"])), seed=draw(st.integers(0, 99)))
+                how=draw(st.sampled_from(["contiguous", "transposed", "strided", "offset"])),
+                seed=draw(st.integers(0, 99)))
 
 
 def make(c: dict):
