@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -10,7 +11,7 @@ import tvm
 from tvm.target import Target
 
 from tvmattn import schedules
-from tvmattn.compiler import passes
+from tvmattn.compiler import openmp, passes
 from tvmattn.compiler.cuda.pipeline import compile_cuda, lower_cuda
 from tvmattn.compiler.errors import TvmAttnError, tvm_reason
 from tvmattn.compiler.flash import FlashTiles, flash_attention
@@ -26,17 +27,23 @@ from tvmattn.schedules.ops import ScheduleFunctions
 
 def compile(spec: AttentionSpec, target: Any = "cpu", *, arch: str | None = None,
             knobs: Mapping[str, int] | None = None, log_dirs: Sequence[str | Path] = (),
-            tuned: bool = True) -> CompiledAttention:  # noqa: A001 (tvm.compile's name)
+            tuned: bool = True, thread_pool: str = "tvm") -> CompiledAttention:  # noqa: A001 (tvm.compile's name)
     """Build the attention of ``spec`` for ``target`` (``"cpu"``, ``"cuda"``, a dict or a Target).
 
     Without ``knobs`` the best tuning record for this workload is used (``log_dirs`` are searched
-    before the user's and the shipped logs; ``tuned=False`` ignores them all).
+    before the user's and the shipped logs; ``tuned=False`` ignores them all). ``thread_pool``
+    (CPU): ``"tvm"``, TVM's own, or ``"openmp"``, the process's OpenMP threads (torch's; the kernel
+    then runs in this process only: `compiler.openmp`).
     """
     tgt = resolve_target(target, arch)
+    if thread_pool not in THREAD_POOLS or (thread_pool == "openmp" and not is_cpu(tgt)):
+        raise TvmAttnError(f"thread_pool={thread_pool!r}: use 'tvm', or 'openmp' for a CPU target")
     start = time.perf_counter()
     mod, how = schedule_attention(spec, tgt, knobs, log_dirs=log_dirs, tuned=tuned)
-    executable = build_module(mod, spec, tgt)
-    return CompiledAttention(spec, tgt, executable, how, time.perf_counter() - start, mod)
+    executable = build_module(mod, spec, tgt, thread_pool)
+    if thread_pool == "openmp":
+        how += "; parallel loops on this process's OpenMP threads"
+    return CompiledAttention(spec, tgt, executable, how, time.perf_counter() - start, mod, thread_pool)
 
 
 def schedule_attention(spec: AttentionSpec, target: Target, knobs: Mapping[str, int] | None = None, *,
@@ -75,22 +82,26 @@ def lower(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
     return (_cpu_pipeline() if is_cpu(target) else tvm.tirx.get_default_tir_pipeline(target))[0](mod)
 
 
-def _cpu_pipeline():
-    """TVM's default TIR pipeline, then `passes.tighten_guarded_loops` (it must follow buffer compaction)."""
+def _cpu_pipeline(thread_pool: str = "tvm"):
+    """TVM's default TIR pipeline, then `passes.tighten_guarded_loops` (it must follow buffer
+    compaction); for ``thread_pool="openmp"``, `openmp.install_pass` last (it follows MakePackedAPI)."""
     pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("default")
-    return tvm.transform.Sequential([pipeline, passes.tighten_guarded_loops()]), finalize_host, finalize_device
+    tail = [openmp.install_pass()] if thread_pool == "openmp" else []
+    return tvm.transform.Sequential([pipeline, passes.tighten_guarded_loops(), *tail]), finalize_host, finalize_device
 
 
-CPU_PIPELINE = "tvmattn-cpu"
-tvm.tirx.register_tir_pipeline(CPU_PIPELINE, _cpu_pipeline)
+THREAD_POOLS = {"tvm": "tvmattn-cpu", "openmp": "tvmattn-cpu-openmp"}  # the CPU TIR pipeline of each
+for _pool, _name in THREAD_POOLS.items():
+    tvm.tirx.register_tir_pipeline(_name, functools.partial(_cpu_pipeline, _pool))
+CPU_PIPELINE = THREAD_POOLS["tvm"]
 
 
-def tvm_compile(mod: tvm.IRModule, target: Target) -> tvm.runtime.Executable:
+def tvm_compile(mod: tvm.IRModule, target: Target, thread_pool: str = "tvm") -> tvm.runtime.Executable:
     """`tvm.compile`, with tvmattn's TIR pipelines (CUDA: `compiler.cuda.pipeline`; CPU: TVM's, then
     `passes.tighten_guarded_loops`): for kernels and models."""
     if target.kind.name == "cuda":
         return compile_cuda(mod, target)
-    return tvm.compile(mod, target, tir_pipeline=CPU_PIPELINE if is_cpu(target) else "default")
+    return tvm.compile(mod, target, tir_pipeline=THREAD_POOLS[thread_pool] if is_cpu(target) else "default")
 
 
 _OPAQUE = 8  # relax's OpPatternKind kOpaque: FuseOps fuses nothing into or out of it
@@ -143,10 +154,11 @@ def compile_model(mod: tvm.IRModule, target: Target) -> tuple[tvm.runtime.Execut
     return executable, scheduler.rule_of, scheduler.tuned_functions
 
 
-def build_module(mod: tvm.IRModule, spec: AttentionSpec, target: Target) -> tvm.runtime.Executable:
+def build_module(mod: tvm.IRModule, spec: AttentionSpec, target: Target,
+                 thread_pool: str = "tvm") -> tvm.runtime.Executable:
     """TVM's lowering and code generation of a scheduled module."""
     try:
-        return tvm_compile(mod, target)
+        return tvm_compile(mod, target, thread_pool)
     except Exception as err:  # a TVM failure here is our bug, but the user gets a sentence first
         raise TvmAttnError(f"TVM could not build this kernel for {target.kind.name} "
                            f"({spec.describe()}): {tvm_reason(err)}") from err

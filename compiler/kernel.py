@@ -46,6 +46,7 @@ class CompiledAttention:
     schedule: str  # what the build used, in words ("default schedule (q_tile=16 …)", "tuned record …")
     compile_seconds: float
     module: tvm.IRModule | None = None  # the scheduled module that was built (for inspection)
+    thread_pool: str = "tvm"  # CPU: "tvm", or "openmp" (this process's, torch's: `compiler.openmp`)
 
     # ---- calling ----------------------------------------------------------------------------------
     def __call__(self, *arrays: Any, x_kv: Any = None, kv_lens: Any = None, attn_mask: Any = None,
@@ -115,6 +116,9 @@ class CompiledAttention:
 
     # ---- artefacts ------------------------------------------------------------------------------
     def export_library(self, path: str) -> None:
+        if self.thread_pool == "openmp":
+            raise TvmAttnError("this kernel starts its parallel loops through a launcher compiled into this "
+                               "process (thread_pool='openmp'): export one built with tvmattn.compile(spec)")
         self.executable.export_library(path)
 
     def source(self) -> str:

@@ -2,6 +2,9 @@
 
 A one-query call (a decode step) has its own kernel with a static query length of 1: the CPU schedule
 then computes the dot products along the head width and splits a long cache over the cores.
+
+CPU kernels run their parallel loops on torch's own OpenMP threads where torch uses OpenMP (the usual
+build): two thread pools on the same cores steal from each other (`tvmattn.compiler.openmp`).
 """
 
 from __future__ import annotations
@@ -10,7 +13,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 import tvmattn
+from tvmattn.compiler import openmp
 from tvmattn.compiler.kernel import CompiledAttention
 from tvmattn.compiler.spec import AttentionSpec
 
@@ -57,8 +63,11 @@ class KernelCache:
             with self._lock:
                 kernel = self._kernels.get(key)
                 if kernel is None:
-                    target = "cuda" if key.device.startswith("cuda") else "cpu"
-                    kernel = self._kernels[key] = tvmattn.compile(key.spec(), target)
+                    if key.device.startswith("cuda"):
+                        kernel = tvmattn.compile(key.spec(), "cuda")
+                    else:
+                        kernel = tvmattn.compile(key.spec(), "cpu", thread_pool=cpu_thread_pool())
+                    self._kernels[key] = kernel
         return kernel
 
     def keys(self) -> list[KernelKey]:
@@ -67,6 +76,12 @@ class KernelCache:
     def clear(self) -> None:
         self._kernels.clear()
         self.plans.clear()
+
+
+def cpu_thread_pool() -> str:
+    """torch's OpenMP threads where its ATen ops run on OpenMP, else TVM's own pool."""
+    uses_openmp = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+    return "openmp" if uses_openmp and openmp.available() else "tvm"
 
 
 KERNELS = KernelCache()
