@@ -21,7 +21,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import tvmattn  # noqa: E402
 import tvmattn.torch as tt  # noqa: E402
-from tvmattn.compiler import bench  # noqa: F401  (first: it tells the thread pools not to spin)
+from tvmattn.compiler import bench  # noqa: F401  TVM's pool: no spin (torch's OpenMP keeps its default)
 from tvmattn.compiler.kernel import host_tensor  # noqa: E402
 from tvmattn.compiler.target import cpu_cores  # noqa: E402
 from tvmattn.compiler.verify import random_inputs  # noqa: E402

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import tvmattn.torch  # noqa: E402
-from tvmattn.compiler import bench  # noqa: F401  first: it tells the thread pools not to spin
+from tvmattn.compiler import bench  # noqa: F401  TVM's pool: no spin (torch's OpenMP keeps its default)
 from tvmattn.compiler.target import cpu_cores  # noqa: E402
 
 
