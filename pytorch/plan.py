@@ -33,6 +33,9 @@ class Plan:
     scale: float | None
     mask: str | None
     mask_dims: str
+    # query, key and value are already the kernel's (B, h, n, e) tensors (4-D, contiguous, on the CPU):
+    # they cross as they are (the shapes and strides a plan is remembered for make this hold)
+    as_given: bool = False
 
     @property
     def batch(self) -> int:
@@ -85,15 +88,16 @@ def plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
     layout = "BSHD" if query.dim() >= 3 and all(_is_bshd(t) for t in (q, k, v)) and not all(
         t.is_contiguous() for t in (q, k, v)) else "BHSD"
     device = "cpu" if query.device.type == "cpu" else str(query.device)
+    as_given = device == "cpu" and layout == "BHSD" and all(t.dim() == 4 and t.is_contiguous() for t in (q, k, v))
     return Plan(device, DTYPES[query.dtype], lead, heads, kv_heads, q_len, kv_len, head_dim, v_head_dim, layout,
-                bool(is_causal), None if scale is None else float(scale), mask_kind, mask_dims)
+                bool(is_causal), None if scale is None else float(scale), mask_kind, mask_dims, as_given)
 
 
 def kernel_inputs(p: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attn_mask: torch.Tensor | None) -> list[torch.Tensor]:
     """The kernel's (B, …) inputs: views of the tensors where their memory order allows (no copy), else
     contiguous copies; then the mask."""
-    tensors = [_flat(_with_heads(t), p) for t in (query, key, value)]
+    tensors = [query, key, value] if p.as_given else [_flat(_with_heads(t), p) for t in (query, key, value)]
     if attn_mask is not None:
         tensors.append(_flat_mask(attn_mask, p))
     return tensors
