@@ -69,7 +69,7 @@ def lowering_passes(spec: AttentionSpec, target: Target) -> tvm.transform.Pass:
     seq = [passes.skip_masked_key_tiles(spec)]
     if is_cpu(target):
         seq += [passes.pad_query_tiles(), passes.peel_key_tails(), passes.polynomial_math(),
-                passes.exact_widenings(), x86_bf16.keep_operands_16bit(), passes.element_aligned_arguments()]
+                passes.exact_widenings(), x86_bf16.keep_operands_16bit()]
     return tvm.transform.Sequential(seq)
 
 
@@ -83,11 +83,13 @@ def lower(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
 
 
 def _cpu_pipeline(thread_pool: str = "tvm"):
-    """TVM's default TIR pipeline, then `passes.tighten_guarded_loops` (it must follow buffer
-    compaction); for ``thread_pool="openmp"``, `openmp.install_pass` last (it follows MakePackedAPI)."""
+    """`passes.element_aligned_arguments` (every CPU kernel takes arrays at any element offset), TVM's
+    default TIR pipeline, then `passes.tighten_guarded_loops` (it must follow buffer compaction); for
+    ``thread_pool="openmp"``, `openmp.install_pass` last (it follows MakePackedAPI)."""
     pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("default")
     tail = [openmp.install_pass()] if thread_pool == "openmp" else []
-    return tvm.transform.Sequential([pipeline, passes.tighten_guarded_loops(), *tail]), finalize_host, finalize_device
+    seq = [passes.element_aligned_arguments(), pipeline, passes.tighten_guarded_loops(), *tail]
+    return tvm.transform.Sequential(seq), finalize_host, finalize_device
 
 
 THREAD_POOLS = {"tvm": "tvmattn-cpu", "openmp": "tvmattn-cpu-openmp"}  # the CPU TIR pipeline of each
@@ -174,6 +176,6 @@ def build_serial(spec: AttentionSpec, tiles: FlashTiles) -> CompiledAttention:
         func = layer_around(spec, expr, flash_attention(spec, tiles, packed=True, dims=expr.dims))
     else:
         func = flash_attention(spec, tiles)
-    executable = tvm.compile(tvm.IRModule({"main": func}), target)
+    executable = tvm_compile(tvm.IRModule({"main": func}), target)
     return CompiledAttention(spec, target, executable, f"flash template, serial ({tiles})",
                              time.perf_counter() - start)
