@@ -25,6 +25,7 @@ from tvmattn.compiler import bench  # noqa: F401  TVM's pool: no spin (torch's O
 from tvmattn.compiler.kernel import host_tensor  # noqa: E402
 from tvmattn.compiler.target import cpu_cores  # noqa: E402
 from tvmattn.compiler.verify import random_inputs  # noqa: E402
+from tvmattn.torch.cache import cpu_thread_pool  # noqa: E402
 from tvmattn.torch.plan import empty_output, kernel_inputs, plan  # noqa: E402
 
 SHAPES = [(1, 8, 128, 64), (1, 8, 512, 64), (4, 12, 512, 64), (1, 16, 2048, 64)]
@@ -80,8 +81,9 @@ def numpy_row(label: str, spec: tvmattn.AttentionSpec, budget: float) -> None:
 
 def torch_row(label: str, b: int, h: int, n: int, d: int, causal: bool, budget: float) -> None:
     q, k, v = (torch.randn(b, h, n, d) for _ in range(3))
+    # `tvmattn bench`'s kernel (static shapes), on the same threads as the torch path's
     static = tvmattn.compile(tvmattn.AttentionSpec(batch=b, seq_len=n, num_heads=h, head_dim=d, causal=causal,
-                                                   projections=False))
+                                                   projections=False), thread_pool=cpu_thread_pool())
     with torch.inference_mode():
         p = plan(q, k, v, None, causal, None, False)
         key = p.key
