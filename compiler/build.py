@@ -99,8 +99,8 @@ CPU_PIPELINE = THREAD_POOLS["tvm"]
 
 
 def tvm_compile(mod: tvm.IRModule, target: Target, thread_pool: str = "tvm") -> tvm.runtime.Executable:
-    """`tvm.compile`, with tvmattn's TIR pipelines (CUDA: `compiler.cuda.pipeline`; CPU: TVM's, then
-    `passes.tighten_guarded_loops`): for kernels and models."""
+    """`tvm.compile`, with tvmattn's TIR pipelines (CUDA: `compiler.cuda.pipeline`; CPU: `_cpu_pipeline`
+    for ``thread_pool``): for kernels and models."""
     if target.kind.name == "cuda":
         return compile_cuda(mod, target)
     return tvm.compile(mod, target, tir_pipeline=THREAD_POOLS[thread_pool] if is_cpu(target) else "default")

@@ -38,6 +38,7 @@ from tvm.ir import PrimType, StringImm
 from tvmattn.compiler.errors import TvmAttnError
 
 PACKED = 1  # TVM's CallingConv::kCPackedFunc: the function is already lowered, MakePackedAPI leaves it
+_LOADED: list = []  # the launcher's module
 
 # Inline helpers for the two functions above (TVM links imported IR as always-inline copies, so a
 # function whose address is taken must be a PrimFunc of the module; these are their bodies).
@@ -133,13 +134,10 @@ def launcher_address() -> int:
                            "address": tirx.PrimFunc([out], address).with_attrs(
                                {"global_symbol": "address", "target": target})})
     lib = tvm.compile(module, target).jit()
-    _KEEP_LOADED.append(lib)
+    _LOADED.append(lib)  # kernels point at its code: it stays loaded
     result = tvm.runtime.tensor(np.zeros(1, np.int64))
     lib["address"](result)
     return int(result.numpy()[0])
-
-
-_KEEP_LOADED: list = []  # the launcher's module stays loaded while kernels point at its code
 
 
 def install_pass() -> tvm.transform.Pass:
