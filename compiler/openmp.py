@@ -120,6 +120,7 @@ def launcher_address() -> int:
     zero = tirx.Return(tirx.IntImm("int32", 0))
     launch = tirx.SeqStmt([tirx.AssertStmt(ok, StringImm("RuntimeError"), [StringImm("a parallel task failed")]),
                            zero])
+    # GOMP_parallel calls the task as void(void*): the int it returns (the x86-64 ABI's rax) is ignored
     task = tirx.SeqStmt([tirx.Evaluate(tirx.call_extern("int32", "tvmattn_gomp_task", job)), zero])
     out = tirx.decl_buffer((1,), "int64", "out")
     address = tirx.AttrStmt(StringImm("openmp"), "pragma_import_llvm", StringImm(_HELPERS_IR),
