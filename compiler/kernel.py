@@ -162,8 +162,10 @@ class CompiledAttention:
         out: dict[str, np.ndarray] = {}
         for name, (want, dtype) in signature.items():
             arr = given[name]
-            if not (type(arr) is np.ndarray and arr.dtype == dtype and arr.flags.c_contiguous and arr.flags.aligned):
-                arr = np.require(np.asarray(arr).astype(dtype, copy=False), requirements="CA")
+            flags = getattr(arr, "flags", None)
+            if not (type(arr) is np.ndarray and arr.dtype == dtype and flags.c_contiguous and flags.aligned
+                    and flags.writeable):  # DLPack cannot export a read-only array
+                arr = np.require(np.asarray(arr).astype(dtype, copy=False), requirements="CAW")
             _bind_shape(name, arr.shape, want, sizes)
             out[name] = arr
         if spec.key_padding:

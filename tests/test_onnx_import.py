@@ -405,6 +405,24 @@ def test_run_with_missing_wrong_or_unknown_inputs():
     assert imported.run(good)[0].shape == (2, 2, 3, D)
 
 
+def test_inputs_cross_without_a_copy_and_no_output_is_an_input():
+    """Inputs at an element offset or read-only are taken; an output on an input's memory (a Reshape
+    of it, an Identity) is a copy, as ONNX Runtime's outputs are: changing the input later leaves it."""
+    model = _model([oh.make_node("Shape", ["x"], ["s"]), oh.make_node("Reshape", ["x", "s"], ["same"]),
+                    oh.make_node("Identity", ["x"], ["also"]), oh.make_node("Relu", ["x"], ["relu"])],
+                   [("x", TP.FLOAT, ["n", 3])], [("same", TP.FLOAT, ["n", 3]), ("also", TP.FLOAT, ["n", 3]),
+                                                 ("relu", TP.FLOAT, ["n", 3])])
+    imported = tvmattn.import_onnx(model)
+    x = np.random.default_rng(3).standard_normal(13).astype(np.float32)[1:].reshape(4, 3)  # one element in
+    readonly = x.copy()
+    readonly.setflags(write=False)
+    for feed in (x, readonly):
+        outs = imported.run({"x": feed})
+        want = [feed, feed, np.maximum(feed, 0)]
+        assert all(np.array_equal(o, w) for o, w in zip(outs, want))
+        assert not any(np.shares_memory(o, feed) for o in outs)
+
+
 # ---- CUDA: built here; run only where a GPU is ------------------------------------------------------------
 def test_cuda_build_uses_the_kernel():
     imported = tvmattn.import_onnx(BUILDERS["gpt2"](), "cuda")

@@ -27,7 +27,7 @@ from tvm.target import Target
 
 from tvmattn.compiler.build import compile_model
 from tvmattn.compiler.errors import TvmAttnError, first_line, tvm_reason
-from tvmattn.compiler.kernel import numpy_dtype
+from tvmattn.compiler.kernel import host_tensor, numpy_dtype
 from tvmattn.compiler.onnx import checks, graph, ops, patterns  # noqa: F401 (ops fills the converters' table)
 from tvmattn.compiler.onnx.converters import Node, find
 from tvmattn.compiler.onnx.kernels import Kernels, Replacement
@@ -134,13 +134,17 @@ class ImportedModel:
         dev = self.device
         if self._vm is None:
             self._vm = relax.VirtualMachine(self.executable, dev)
+        on_cpu = dev.dlpack_device_type() == tvm.cpu().dlpack_device_type()
+        # CPU: the arrays cross without a copy (a decode step's KV cache is megabytes; the functions take
+        # arrays at any element offset, `passes.element_aligned_arguments`)
+        tensors = [host_tensor(a) if on_cpu else tvm.runtime.tensor(a, dev) for a in args]
         try:
-            out = self._vm["main"](*[tvm.runtime.tensor(a, dev) for a in args])
+            out = self._vm["main"](*tensors)
         except Exception as err:  # a check the model makes at run time: say which, without TVM's traceback
             raise TvmAttnError(_run_failure(err, args)) from None
         outs = [out] if isinstance(out, tvm.runtime.Tensor) else list(out)
-        if dev.dlpack_device_type() == tvm.cpu().dlpack_device_type():
-            return [_host_view(o) for o in outs]
+        if on_cpu:
+            return [_host_view(o, args) for o in outs]
         return [o.numpy() for o in outs]
 
     def export_library(self, path: str) -> None:
@@ -176,7 +180,8 @@ class ImportedModel:
                 raise TvmAttnError(f"input {spec.name!r} has an empty dimension, shape {arr.shape}: every size "
                                    f"must be at least 1")
             try:
-                args.append(np.require(arr, requirements="C"))  # not ascontiguousarray: it makes scalars 1-D
+                # not ascontiguousarray: it makes scalars 1-D; writeable: DLPack cannot export read-only arrays
+                args.append(np.require(arr, requirements="CAW"))
             except MemoryError:  # a broadcast view whose copy does not fit
                 raise TvmAttnError(f"input {spec.name!r} of shape {arr.shape} needs {_gib(arr.nbytes)} as a "
                                    f"contiguous array, more than this machine can allocate") from None
@@ -334,13 +339,15 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
         return outs[0] if len(outs) == 1 else relax.Tuple(outs)
 
 
-def _host_view(out: tvm.runtime.Tensor) -> np.ndarray:
+def _host_view(out: tvm.runtime.Tensor, inputs: list[np.ndarray]) -> np.ndarray:
     """A CPU output as NumPy without a copy (an LM head's logits at n = 1024 are 206 MB: 28 ms to copy);
-    the array keeps the VM's buffer alive. Dtypes DLPack cannot give NumPy (bfloat16) are copied."""
+    the array keeps the VM's buffer alive. Dtypes DLPack cannot give NumPy (bfloat16) are copied, and so
+    is an output on an input's memory (an Identity, a Reshape of one), as ONNX Runtime's never is."""
     try:
-        return np.from_dlpack(out)
+        view = np.from_dlpack(out)
     except (BufferError, TypeError, ValueError, RuntimeError):
         return out.numpy()
+    return view.copy() if any(np.may_share_memory(view, a) for a in inputs) else view
 
 
 def _binding_hint(message: str, inputs: list[GraphInput]) -> str:
