@@ -12,6 +12,7 @@ import tvmattn
 from tvmattn.compiler.onnx.check import random_feed
 from tvmattn.compiler.target import resolve_target
 from tvmattn.compiler.tuning import model as tune
+from tvmattn.compiler.tuning.records import Record
 from tvmattn.models.onnx_models import gpt2_block
 
 ort = pytest.importorskip("onnxruntime")
@@ -24,7 +25,9 @@ def test_tuned_records_rebuild_the_model(tmp_path, monkeypatch):
 
     reports, path = tune.tune_model(model, trials=3, at={"batch": 2, "seq": 17}, log_dir=tmp_path, progress=False)
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    assert len(lines) == 3 * len(tasks) and all(r["latency_us"] for r in lines)  # the default and two more each
+    # the default and two more points each, then the default and the two fastest again, alternately
+    confirmations = tune.CONFIRM_ROUNDS * (1 + tune.FINALISTS)
+    assert len(lines) == (3 + confirmations) * len(tasks) and all(r["latency_us"] for r in lines)
     assert all(r.best_us <= r.default_us for r in reports)
     again, _ = tune.tune_model(model, trials=3, at={"batch": 2, "seq": 17}, log_dir=tmp_path, progress=False)
     assert all(r.measured_now == 0 for r in again)  # nothing left to measure
@@ -36,3 +39,13 @@ def test_tuned_records_rebuild_the_model(tmp_path, monkeypatch):
     want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]
     got = imported.run(feed)[0]
     assert np.max(np.abs(got - want)) <= 1e-4 * np.max(np.abs(want))
+
+
+def test_a_lucky_measurement_does_not_choose_the_knobs():
+    def measured(knobs: dict, *latencies: float) -> list[Record]:
+        return [Record(spec={}, at={}, target="llvm", schedule="matmul", knobs=knobs, latency_us=t) for t in latencies]
+
+    default, lucky, once = {"gemm_rows": 4}, {"gemm_rows": 2}, {"gemm_rows": 8}
+    records = measured(default, 100, 101, 99) + measured(lucky, 90, 110, 112) + measured(once, 95)
+    assert dict(tune.chosen_knobs(records)) == default  # the median of the confirmed points; `once` is not one
+    assert dict(tune.chosen_knobs(measured(default, 100) + measured(once, 95))) == once  # older logs: the fastest

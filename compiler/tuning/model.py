@@ -9,7 +9,9 @@ bound for measurement to ``at`` (default: the last named size of each input 128,
 batch of one 128-token sequence). The search measures the default knobs first, then random points of
 the rule's knob grid (each rebuilt from its knobs, as a compile does), timed with TVM's
 ``time_evaluator``; every measurement is appended to the log as it completes, so Ctrl-C loses
-nothing and a re-run measures only points not yet recorded.
+nothing and a re-run measures only points not yet recorded. Then the default and the two fastest
+points are measured again, alternately (`CONFIRM_ROUNDS`): the fastest of one noisy measurement
+each is often a lucky one, and a build uses a point only when measured more than once (`chosen_knobs`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from tvmattn.schedules.ops import RULES, unscheduled
 from tvmattn.schedules.ops.matmul import KNOBS, Matmul
 
 TUNED_RULES = tuple(name for name, rule in RULES if isinstance(rule, Matmul))
+CONFIRM_ROUNDS = 2  # more measurements of the default and the two fastest points, alternately
+FINALISTS = 2
 
 
 def workload_key(func: tirx.PrimFunc) -> str:
@@ -122,6 +126,7 @@ def _tune_task(task: OpTask, target: Target, sizes: dict[str, int], trials: int,
                earlier: list[Record], rng: random.Random, bar: Progress | None) -> TaskReport:
     mine = [r for r in earlier if r.spec.get("workload") == task.key and r.at == sizes]
     done = {r.knob_key for r in mine}
+    points_before = len(done)  # (confirmations measure a point again: they are not trials)
     grid = [dict(zip([k.name for k in KNOBS], values)) for values in itertools.product(*[k.choices for k in KNOBS])]
     rng.shuffle(grid)
     default = dict(RULES)[task.rule].default_knobs(task.func, target) or {}
@@ -129,7 +134,7 @@ def _tune_task(task: OpTask, target: Target, sizes: dict[str, int], trials: int,
     measured = 0
     records = list(mine)
     for knobs in points:
-        if measured + len(mine) >= trials:
+        if measured + points_before >= trials:
             break
         key = tuple(sorted(knobs.items()))
         if key in done:
@@ -143,11 +148,37 @@ def _tune_task(task: OpTask, target: Target, sizes: dict[str, int], trials: int,
         best = min(ok, key=lambda r: r.latency_us) if ok else None
         if bar:
             bar.advance(1, best.latency_us if best else None, best.gflops if best else None, task.name)
-    ok = [r for r in records if r.ok]
-    best = min(ok, key=lambda r: r.latency_us) if ok else None
-    base = next((r for r in ok if r.knobs == default), None)
-    return TaskReport(task, base.latency_us if base else None, best.latency_us if best else None,
-                      best.knobs if best else {}, measured)
+    by_point = _latencies([r for r in records if r.ok])
+    finalists = sorted((k for k in by_point if k != _key(default)), key=lambda k: min(by_point[k]))[:FINALISTS]
+    for _ in range(CONFIRM_ROUNDS if finalists and measured else 0):  # a re-run with nothing new: none
+        for key in [_key(default), *finalists]:
+            record = _measure(task, target, sizes, dict(key))
+            append(path, [record])
+            records.append(record)
+    chosen = chosen_knobs([r for r in records if r.ok])
+    by_point = _latencies([r for r in records if r.ok])
+    base = by_point.get(_key(default))
+    return TaskReport(task, float(np.median(base)) if base else None,
+                      float(np.median(by_point[chosen])) if chosen else None, dict(chosen or ()), measured)
+
+
+def _key(knobs: Mapping[str, int]) -> tuple:
+    return tuple(sorted(knobs.items()))
+
+
+def _latencies(records: list[Record]) -> dict[tuple, list[float]]:
+    by_point: dict[tuple, list[float]] = {}
+    for r in records:
+        by_point.setdefault(r.knob_key, []).append(r.latency_us)
+    return by_point
+
+
+def chosen_knobs(records: list[Record]) -> tuple | None:
+    """The knobs to build with: the lowest median among points measured more than once (confirmed),
+    else the fastest single measurement (logs written before confirmation existed)."""
+    by_point = _latencies(records)
+    confirmed = {k: v for k, v in by_point.items() if len(v) > 1} or by_point
+    return min(confirmed, key=lambda k: float(np.median(confirmed[k])), default=None)
 
 
 def _measure(task: OpTask, target: Target, sizes: dict[str, int], knobs: dict[str, int]) -> Record:
@@ -219,8 +250,7 @@ def tuned_knobs(target: Target, log_dirs: Sequence[str | Path] = ()):
         if not mine:
             return None
         largest = max(np.prod(list(r.at.values())) for r in mine)
-        return dict(min((r for r in mine if np.prod(list(r.at.values())) == largest),
-                        key=lambda r: r.latency_us).knobs)
+        return dict(chosen_knobs([r for r in mine if np.prod(list(r.at.values())) == largest]))
 
     return lookup
 
