@@ -38,6 +38,15 @@ def host_tensor(arr: np.ndarray) -> tvm.runtime.Tensor:
     return tvm_ffi.from_dlpack(arr)
 
 
+def host_argument(arr: np.ndarray) -> np.ndarray:
+    """``arr`` as ``host_tensor`` takes it: C-contiguous, element-aligned and writeable (DLPack cannot
+    export a read-only array). A copy only when it is not all three already."""
+    flags = arr.flags
+    if flags.c_contiguous and flags.aligned and flags.writeable:
+        return arr
+    return np.require(arr, requirements="CAW")  # not ascontiguousarray: that makes a 0-d array 1-D
+
+
 @dataclass
 class CompiledAttention:
     spec: AttentionSpec
@@ -162,10 +171,9 @@ class CompiledAttention:
         out: dict[str, np.ndarray] = {}
         for name, (want, dtype) in signature.items():
             arr = given[name]
-            flags = getattr(arr, "flags", None)
-            if not (type(arr) is np.ndarray and arr.dtype == dtype and flags.c_contiguous and flags.aligned
-                    and flags.writeable):  # DLPack cannot export a read-only array
-                arr = np.require(np.asarray(arr).astype(dtype, copy=False), requirements="CAW")
+            if not (type(arr) is np.ndarray and arr.dtype == dtype):
+                arr = np.asarray(arr).astype(dtype, copy=False)
+            arr = host_argument(arr)
             _bind_shape(name, arr.shape, want, sizes)
             out[name] = arr
         if spec.key_padding:

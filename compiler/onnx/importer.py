@@ -27,7 +27,7 @@ from tvm.target import Target
 
 from tvmattn.compiler.build import compile_model
 from tvmattn.compiler.errors import TvmAttnError, first_line, tvm_reason
-from tvmattn.compiler.kernel import host_tensor, numpy_dtype
+from tvmattn.compiler.kernel import host_argument, host_tensor, numpy_dtype
 from tvmattn.compiler.onnx import checks, graph, ops, patterns  # noqa: F401 (ops fills the converters' table)
 from tvmattn.compiler.onnx.converters import Node, find
 from tvmattn.compiler.onnx.kernels import Kernels, Replacement
@@ -180,8 +180,7 @@ class ImportedModel:
                 raise TvmAttnError(f"input {spec.name!r} has an empty dimension, shape {arr.shape}: every size "
                                    f"must be at least 1")
             try:
-                # not ascontiguousarray: it makes scalars 1-D; writeable: DLPack cannot export read-only arrays
-                args.append(np.require(arr, requirements="CAW"))
+                args.append(host_argument(arr))
             except MemoryError:  # a broadcast view whose copy does not fit
                 raise TvmAttnError(f"input {spec.name!r} of shape {arr.shape} needs {_gib(arr.nbytes)} as a "
                                    f"contiguous array, more than this machine can allocate") from None
