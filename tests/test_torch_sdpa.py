@@ -82,9 +82,20 @@ def make(c: dict):
     return q, k, v, mask
 
 
-@settings(max_examples=40)
+@settings(max_examples=20)
 @given(calls())
 def test_matches_torch_sdpa(c):
+    check_against_torch(c)
+
+
+@pytest.mark.slow
+@settings(max_examples=200)
+@given(calls())
+def test_matches_torch_sdpa_wide(c):
+    check_against_torch(c)
+
+
+def check_against_torch(c: dict) -> None:
     q, k, v, mask = make(c)
     kw = dict(is_causal=c["masking"] == "causal", enable_gqa=c["heads"] != c["kv_heads"])
     with torch.no_grad():
