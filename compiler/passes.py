@@ -66,7 +66,9 @@ def skip_masked_key_tiles(spec: AttentionSpec) -> tvm.transform.Pass:
         if not variant.skips_keys(spec):
             return func
         kv_lens = next((p for p in func.params if p.name == "kv_lens"), None)
-        ranges = _KeyLoopRanges(spec, kv_lens, key_block=_key_block(func))
+        dims = {x.name: x for buf in func.params for x in buf.shape if isinstance(x, tirx.Var)}
+        n, n_kv = (variant.size_expr(x if isinstance(x, int) else dims[x]) for x in (spec.n_q, spec.n_kv))
+        ranges = _KeyLoopRanges(spec, kv_lens, n, n_kv, key_block=_key_block(func))
         if not ranges.visit(func.body) or not ranges.bounds:
             return func
         # A loop-dependent extent makes TVM's buffer compaction size a tile by the extent's constant
@@ -83,6 +85,8 @@ def skip_masked_key_tiles(spec: AttentionSpec) -> tvm.transform.Pass:
 class _KeyLoopRanges:
     spec: AttentionSpec
     kv_lens: tirx.Buffer | None
+    n: PrimExpr  # the lengths: the stages' iterators may run past them (`te_attention._core`'s blocks)
+    n_kv: PrimExpr
     key_block: int = 1  # keys computed in whole blocks of this many (`KEY_BLOCKS`)
     bounds: "_LoopBounds" = field(default_factory=lambda: _LoopBounds())
     analyzer: Analyzer = field(default_factory=Analyzer)
@@ -109,7 +113,7 @@ class _KeyLoopRanges:
             return not any(name.startswith("vt") for name in iters)
         if "v_s" not in iters or (self.spec.key_padding and "v_b" not in iters):
             return False
-        (n, s), (n_kv, t) = iters["v_s"], iters["v_t"]
+        (_, s), (keys, t) = iters["v_s"], iters["v_t"]
         depends = [i for i, loop in enumerate(loops) if uses(t, loop.loop_var)]
         if not depends:
             return True  # a single key: nothing to skip
@@ -125,12 +129,12 @@ class _KeyLoopRanges:
         relax = {lp.loop_var: IntervalSet(lp.min, lp.min + lp.extent - 1) for lp in inside} | within
         s_set = self.analyzer.int_set(s, relax)
         r_set = self.analyzer.int_set(rest, relax)
-        kv_len = tirx.BufferLoad(self.kv_lens, [b]) if self.spec.key_padding else n_kv
-        t_lo, t_hi = variant.key_range(self.spec, s_set.min_value, s_set.max_value, kv_len, n)
+        kv_len = tirx.BufferLoad(self.kv_lens, [b]) if self.spec.key_padding else self.n_kv
+        t_lo, t_hi = variant.key_range(self.spec, s_set.min_value, s_set.max_value, kv_len, self.n)
         if self.key_block > 1:  # whole blocks of keys, in every stage (see `KEY_BLOCKS`)
             g = self.key_block
             t_lo = None if t_lo is None else tirx.floordiv(t_lo, g) * g
-            t_hi = None if t_hi is None else tirx.min(tirx.floordiv(t_hi + g - 1, g) * g, n_kv)
+            t_hi = None if t_hi is None else tirx.min(tirx.floordiv(t_hi + g - 1, g) * g, keys)
         lo, hi = key_loop.min, key_loop.min + key_loop.extent
         if t_lo is not None:
             lo = tirx.max(lo, tirx.floordiv(t_lo - r_set.max_value + (c - 1), c))

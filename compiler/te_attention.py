@@ -53,8 +53,9 @@ class AttentionTE:
         return te.create_prim_func(self.inputs + [self.output]).with_attr("global_symbol", "main")
 
 
-def attention_te(spec: AttentionSpec) -> AttentionTE:
-    """Build the tensor expression of ``spec`` (see the module docstring for the stages)."""
+def attention_te(spec: AttentionSpec, block: int = 1) -> AttentionTE:
+    """Build the tensor expression of ``spec`` (see the module docstring for the stages); ``block``:
+    the core's symbolic lengths run in whole blocks of it (`_core`)."""
     dims: dict[str, tirx.Var] = {}
 
     def dim(x: Dim):
@@ -63,8 +64,8 @@ def attention_te(spec: AttentionSpec) -> AttentionTE:
     stages: dict[str, te.Tensor] = {}
     inputs: list[te.Tensor] = []
     q_at, k_at, v_at = (_projections if spec.projections else _core_inputs)(spec, dim, inputs, stages)
-    _core(spec, dim, inputs, stages, q_at, k_at, v_at)
-    out = _epilogue(spec, stages, {t.op.name: t for t in inputs})
+    _core(spec, dim, inputs, stages, q_at, k_at, v_at, block)
+    out = _epilogue(spec, dim, stages, {t.op.name: t for t in inputs})
     return AttentionTE(spec, inputs, out, stages, dims)
 
 
@@ -98,51 +99,81 @@ def _core_inputs(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor],
 
 # ---- the core: scores → logits → softmax → P·V ---------------------------------------------------
 def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: dict[str, te.Tensor],
-          q_at: Reader, k_at: Reader, v_at: Reader) -> None:
+          q_at: Reader, k_at: Reader, v_at: Reader, block: int = 1) -> None:
+    """scores … pv. With ``block`` > 1, a symbolic query or key length L runs to `_whole` blocks, so
+    a kernel's tiles never end inside a block (a tensor intrinsic takes no tail predicate): the rows
+    past L read row L-1 again, the keys past it are hidden, and the epilogue stores rows < n only.
+    The queries and values then have stages of their own, q_rows (B, h, n_rows, d_k) and v_rows
+    (B, h_kv, n_keys, d_v), that the schedule packs."""
     B, n, n_kv, h, g = dim(spec.batch), dim(spec.n_q), dim(spec.n_kv), spec.h, spec.group
+    pad_rows, pad_keys = (block > 1 and not isinstance(x, int) for x in (n, n_kv))
+    n_rows = (n + block - 1) // block * block if pad_rows else n  # as the split of n by the tile writes it
+    n_keys = _whole(n_kv, block) if pad_keys else n_kv
+    row = (lambda s: tirx.min(s, n - 1)) if pad_rows else (lambda s: s)  # noqa: E731
+    key = (lambda t: tirx.min(t, n_kv - 1)) if pad_keys else (lambda t: t)  # noqa: E731
+    q_in, k_in, v_in = q_at, k_at, v_at
+    q_at = lambda b, i, s, e: q_in(b, i, row(s), e)  # noqa: E731
+    k_at = lambda b, i, t, e: k_in(b, i, key(t), e)  # noqa: E731
+    v_at = lambda b, i, t, c: v_in(b, i, key(t), c)  # noqa: E731
+    if pad_rows:
+        q_rows = stages["q_rows"] = te.compute((B, h, n_rows, spec.d_k), q_at, name="q_rows")
+        q_at = lambda b, i, s, e: q_rows[b, i, s, e]  # noqa: E731
+    if pad_keys:
+        v_rows = stages["v_rows"] = te.compute((B, spec.h_kv, n_keys, spec.d_v), v_at, name="v_rows")
+        v_at = lambda b, i, t, c: v_rows[b, i, t, c]  # noqa: E731
+    past_the_end = (lambda t: t < n_kv) if pad_keys else (lambda t: None)  # noqa: E731
     if spec.key_padding:
         kv_lens = te.placeholder((B,), "int32", "kv_lens")
         inputs.append(kv_lens)
         kv_len = lambda b: kv_lens[b]  # noqa: E731
     else:
         kv_len = lambda b: size_expr(n_kv)  # noqa: E731
-    mask_at = _attn_mask(spec, dim, inputs)
+    mask_in = _attn_mask(spec, dim, inputs)
+    mask_at = lambda b, i, s, t: mask_in(b, i, row(s), key(t))  # noqa: E731
 
     def visible(b, i, s, t):
-        return variant.sees(spec, s, t, kv_len(b), size_expr(n), mask_at(b, i, s, t))
+        extra = [x for x in (past_the_end(t),) if x is not None]
+        return variant.sees(spec, s, t, kv_len(b), size_expr(n), mask_at(b, i, s, t), *extra)
 
     e = te.reduce_axis((0, spec.d_k), "e")
     scores = te.compute(  # (B, h, n, n_kv)
-        (B, h, n, n_kv),
+        (B, h, n_rows, n_keys),
         lambda b, i, s, t: te.sum(q_at(b, i, s, e).astype(ACC) * k_at(b, i // g, t, e).astype(ACC), axis=e),
         name="scores", attrs={KEY_STAGE: 1})
     logits = te.compute(
-        (B, h, n, n_kv),
+        (B, h, n_rows, n_keys),
         lambda b, i, s, t: tirx.Select(visible(b, i, s, t),
                                        variant.logit(spec, scores[b, i, s, t], mask_at(b, i, s, t)),
                                        -tirx.infinity(ACC)),
         name="logits", attrs={KEY_STAGE: 1})
-    t = te.reduce_axis((0, n_kv), "t")
-    row_max = te.compute((B, h, n), lambda b, i, s: te.max(logits[b, i, s, t], axis=t),
+    t = te.reduce_axis((0, n_keys), "t")
+    row_max = te.compute((B, h, n_rows), lambda b, i, s: te.max(logits[b, i, s, t], axis=t),
                          name="row_max", attrs={KEY_STAGE: 1})
     probs = te.compute(
-        (B, h, n, n_kv),
+        (B, h, n_rows, n_keys),
         lambda b, i, s, t: tirx.Select(visible(b, i, s, t), tirx.exp(logits[b, i, s, t] - row_max[b, i, s]),
                                        tirx.const(0, ACC)),
         name="probs", attrs={KEY_STAGE: 1})
-    t = te.reduce_axis((0, n_kv), "t")
-    row_sum = te.compute((B, h, n), lambda b, i, s: te.sum(probs[b, i, s, t], axis=t),
+    t = te.reduce_axis((0, n_keys), "t")
+    row_sum = te.compute((B, h, n_rows), lambda b, i, s: te.sum(probs[b, i, s, t], axis=t),
                          name="row_sum", attrs={KEY_STAGE: 1})
-    t = te.reduce_axis((0, n_kv), "t")
-    pv = te.compute((B, h, n, spec.d_v),
+    t = te.reduce_axis((0, n_keys), "t")
+    pv = te.compute((B, h, n_rows, spec.d_v),
                     lambda b, i, s, c: te.sum(probs[b, i, s, t] * v_at(b, i // g, t, c).astype(ACC), axis=t),
                     name="pv", attrs={KEY_STAGE: 1})
     stages.update(scores=scores, logits=logits, row_max=row_max, probs=probs, row_sum=row_sum, pv=pv)
 
 
+def _whole(x: PrimExpr, block: int) -> PrimExpr:
+    """x rounded up to whole blocks, at least one: the analyzer then knows the result is positive
+    (with x unbounded below it cannot simplify the tiles' bounds, and TVM's scope checks fail)."""
+    return (tirx.max(x, 1) + block - 1) // block * block
+
+
 # ---- epilogue: normalise, and the requested output ----------------------------------------------
-def _epilogue(spec: AttentionSpec, stages: dict[str, te.Tensor], inputs: dict[str, te.Tensor]) -> te.Tensor:
-    B, h, n, n_kv = stages["scores"].shape
+def _epilogue(spec: AttentionSpec, dim: Callable, stages: dict[str, te.Tensor],
+              inputs: dict[str, te.Tensor]) -> te.Tensor:
+    B, h, n, n_kv = dim(spec.batch), spec.h, dim(spec.n_q), dim(spec.n_kv)  # the stages may run past n
     scores, probs, row_sum, pv = (stages[name] for name in ("scores", "probs", "row_sum", "pv"))
     dt, d_v = spec.dtype, spec.d_v
 

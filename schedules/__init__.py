@@ -46,5 +46,5 @@ def schedule(spec: AttentionSpec, target: Target,
     """The rule's schedule of ``spec`` with its default knobs overridden by ``knobs``, and what it is."""
     rule = rule_for(spec, target)
     values = resolve(rule.KNOBS, {**default_knobs(spec, target), **(knobs or {})})
-    sch = rule.apply(Schedule(rule.workload(spec, values)), spec, target, values)
+    sch = rule.apply(Schedule(rule.workload(spec, target, values)), spec, target, values)
     return sch, rule.describe(spec, target, values)

@@ -29,11 +29,12 @@ from typing import Mapping
 import tvm
 from tvm.s_tir import Schedule
 from tvm.target import Target
+from tvm.tirx import PrimFunc
 
 from tvmattn.compiler.passes import KEY_BLOCKS
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import vector_lanes
-from tvmattn.compiler.te_attention import KEY_STAGE
+from tvmattn.compiler.te_attention import KEY_STAGE, attention_te
 from tvmattn.schedules.knobs import Knob, KnobValue
 from tvmattn.schedules.rule import AttentionRule
 from tvmattn.schedules.x86_bf16 import (
@@ -80,6 +81,11 @@ class CpuAttention(AttentionRule):
         d_in = max(spec.d_model, spec.h * spec.d_v)  # W_O's rows are the merged heads
         return dots | gemm_defaults(d_in, vector_lanes(target), tvm.DataType(spec.dtype).bits)
 
+    def workload(self, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> PrimFunc:
+        """The tensor expression's function; on the bf16 dot products, symbolic lengths run in whole
+        blocks of `LANES` (`te_attention._core`), the tiles the instruction needs."""
+        return attention_te(spec, LANES if _padded_dots(spec, target) else 1).prim_func()
+
     def describe(self, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> str:
         """Which variant ``apply`` builds for ``spec``, with the knobs it reads."""
         lanes = vector_lanes(target)
@@ -91,7 +97,7 @@ class CpuAttention(AttentionRule):
             what = f"query tiles × {lanes}-lane vectors"
             q_tile = min(knobs["q_tile"], spec.n_q) if isinstance(spec.n_q, int) else knobs["q_tile"]
             q_tile = _dot_tile(spec, target, q_tile) or q_tile
-            qk_keys = min(knobs["qk_keys"], spec.n_kv) if isinstance(spec.n_kv, int) else knobs["qk_keys"]
+            qk_keys = _qk_keys(None, spec, target, knobs["qk_keys"])
             dots = [stage for stage, on in zip(("QKᵀ", "P·V"), bf16_dots(spec, target, q_tile, qk_keys)) if on]
             if dots:
                 what += f", {' and '.join(dots)} on bf16 dot products (vdpbf16ps)"
@@ -136,7 +142,7 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
     q_tile = _int(sch, tile_factor)
     s_lanes = _lanes_for(q_tile, lanes)  # queries per vector
     by_head_dim = s_lanes == 1 and _lanes_for(spec.d_k, lanes) > 1  # one query (decode): vectors along d_k
-    qk_keys = _at_most(sch, k["qk_keys"], spec.n_kv)
+    qk_keys = _qk_keys(sch, spec, target, k["qk_keys"])
     qk_pairs, pv_pairs = bf16_dots(spec, target, q_tile, _int(sch, qk_keys))
     if by_head_dim:
         scores_rf = _split_head_dim(sch, _lanes_for(spec.d_k, lanes))
@@ -160,6 +166,8 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
     _vectorize(sch, loops["c"], spec.d_v, lanes)
     for name in PER_TILE:
         sch.compute_at(sch.get_sblock(name), task, preserve_unit_loops=True)
+    if _has_block(sch, "v_rows"):  # keys in whole blocks (`_padded_dots`): P·V's panels are packed from it
+        _pad_values(sch, spec, lanes, pv_pairs)
 
     if by_head_dim:
         _scores_along_head_dim(sch, scores_rf)
@@ -191,11 +199,34 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
         import_dot(sch, task)
 
 
+def _padded_dots(spec: AttentionSpec, target: Target) -> bool:
+    """Whether the core kernel's symbolic lengths run in whole blocks of `LANES` (`te_attention._core`)
+    for the bf16 dot products: then QKᵀ always takes them (static queries in whole dot tiles, d_k in
+    pairs, `_qk_keys` dividing the block; TVM 0.27 cannot build the widened key tiles over padded
+    keys). Not in a full layer, where P·V keeps fp32, nor with an attn_mask tensor, where TVM's
+    simplifier overflows int32 on the clamped mask tile."""
+    n_q = spec.n_q
+    return (spec.dtype == "bfloat16" and has_bf16_dot(target) and not spec.projections
+            and spec.attn_mask is None and spec.d_k % PAIR == 0 and any(isinstance(x, str) for x in (n_q, spec.n_kv))
+            and (isinstance(n_q, str) or any(n_q % t == 0 for t in (64, 32, LANES))))
+
+
+def _qk_keys(sch: Schedule, spec: AttentionSpec, target: Target, knob: KnobValue) -> KnobValue:
+    """Keys per QKᵀ register tile: the knob, at most a static n_kv; with `_padded_dots`, the largest
+    divisor of `LANES` up to it (the padded keys come in whole blocks)."""
+    if _padded_dots(spec, target) and not isinstance(spec.n_kv, int):
+        return _divisor_at_most(LANES, _int(sch, knob))
+    return _at_most(sch, knob, spec.n_kv)
+
+
 def _dot_tile(spec: AttentionSpec, target: Target, q_tile: int) -> int | None:
     """The query tile for bf16 dot products at most ``q_tile``: the largest power of two from 16 that
-    divides a static n_q (None: no such tile, or no such instruction)."""
-    if spec.dtype != "bfloat16" or not has_bf16_dot(target) or not isinstance(spec.n_q, int):
+    divides a static n_q, or `LANES` for a symbolic one (its rows run in whole blocks of `LANES`);
+    None: no such tile, or no such instruction."""
+    if spec.dtype != "bfloat16" or not has_bf16_dot(target):
         return None
+    if not isinstance(spec.n_q, int):
+        return LANES if _padded_dots(spec, target) else None
     return next((t for t in (64, 32, LANES) if t <= q_tile and spec.n_q % t == 0), None)
 
 
@@ -205,14 +236,15 @@ def bf16_dots(spec: AttentionSpec, target: Target, q_tile: int, qk_keys: int) ->
     and key tiles (``qk_keys``), whole pairs of the reduction (d_k even; for P·V an even n_kv) and d_v
     in whole vectors: a tail's predicate cannot sit inside the instruction. Elsewhere the stage
     widens to fp32 FMAs."""
-    whole_tiles = isinstance(spec.n_q, int) and spec.n_q % q_tile == 0 and isinstance(spec.n_kv, int)
+    padded = _padded_dots(spec, target)  # a symbolic length: whole blocks of LANES
+    n_q, n_kv = ((LANES if padded and not isinstance(x, int) else x) for x in (spec.n_q, spec.n_kv))
     if spec.dtype != "bfloat16" or not has_bf16_dot(target) or q_tile < LANES or q_tile & (q_tile - 1) \
-            or not whole_tiles:
+            or not isinstance(n_q, int) or n_q % q_tile or not isinstance(n_kv, int):
         return False, False
-    qk = spec.d_k % PAIR == 0 and spec.n_kv % qk_keys == 0
+    qk = spec.d_k % PAIR == 0 and n_kv % qk_keys == 0
     # (not in a full layer: after `_pack_pairs` TVM refuses the projections' `cache_write`, "not a
     # stage pipeline")
-    return qk, spec.n_kv % PAIR == 0 and spec.d_v % LANES == 0 and not spec.projections
+    return qk, n_kv % PAIR == 0 and spec.d_v % LANES == 0 and not spec.projections
 
 
 def _few_tasks_of_one_query(spec: AttentionSpec, target: Target, lanes: int) -> bool:
@@ -275,13 +307,14 @@ def _split_keys(sch: Schedule, spec: AttentionSpec, lanes: int, chunks: int) -> 
 def _pack_queries(sch: Schedule, spec: AttentionSpec, task, q_tile: int, pairs: bool) -> None:
     """Copy the task's queries into a (d_k, q_tile) panel: QKᵀ then loads whole vectors of queries
     (``pairs``: a (d_k/2, q_tile, 2) panel, the operand of `x86_bf16.DOT_16x2`)."""
-    panel = _copy_of(sch, sch.get_sblock("scores"), ("q", "q_proj"))
+    padded = _has_block(sch, "q_rows")  # (B, h, n_rows, d_k): the stage is the panel
+    panel = sch.get_sblock("q_rows") if padded else _copy_of(sch, sch.get_sblock("scores"), ("q", "q_proj"))
     sch.compute_at(panel, task, preserve_unit_loops=True)
     # bf16 dot products: (d_k/2, q_tile, 2), each query's pairs of e side by side
     at = (lambda e, s: (e // PAIR, s % q_tile, e % PAIR)) if pairs else (lambda e, s: (e, s % q_tile))  # noqa: E731
     if spec.projections:  # q_proj (B, n, h·d_k)
         layout = lambda b, s, m: (b, s // q_tile, *at(m, s))  # noqa: E731
-    elif spec.layout == "BHSD":
+    elif spec.layout == "BHSD" or padded:
         layout = lambda b, i, s, e: (b, i, s // q_tile, *at(e, s))  # noqa: E731
     else:
         layout = lambda b, s, i, e: (b, i, s // q_tile, *at(e, s))  # noqa: E731
@@ -388,7 +421,8 @@ def _pack_pairs(sch: Schedule, spec: AttentionSpec, task) -> tuple[str, str]:
     FlashAttention rounds it for 16-bit inputs; the row sums keep fp32) and V, both with keys 2t, 2t+1
     side by side: P (t/2, q_tile, 2), V (t/2, d_v, 2). Their copies' names, for `_tensorize_pairs`."""
     pv = sch.get_sblock("pv")
-    v_panel = _copy_of(sch, pv, ("v", "v_proj"))
+    padded = _has_block(sch, "v_rows")  # (B, h_kv, n_keys, d_v)
+    v_panel = _copy_of(sch, pv, ("v_rows", "v", "v_proj"))
     sch.compute_at(v_panel, task, preserve_unit_loops=True)
     p_panel = _copy_of(sch, pv, ("probs",), [pv])  # inside the task, where probs is; the row sums keep fp32
     sch.unsafe_set_dtype(p_panel, 0, "bfloat16")
@@ -397,7 +431,7 @@ def _pack_pairs(sch: Schedule, spec: AttentionSpec, task) -> tuple[str, str]:
                          assume_injective_transform=True)
     if spec.projections:  # v_proj (B, n_kv, h_kv·d_v)
         v_layout = lambda b, t, m: (b, t // PAIR, m, t % PAIR)  # noqa: E731
-    elif spec.layout == "BHSD":
+    elif spec.layout == "BHSD" or padded:
         v_layout = lambda b, h, t, c: (b, h, t // PAIR, c, t % PAIR)  # noqa: E731
     else:
         v_layout = lambda b, t, h, c: (b, h, t // PAIR, c, t % PAIR)  # noqa: E731
@@ -405,11 +439,25 @@ def _pack_pairs(sch: Schedule, spec: AttentionSpec, task) -> tuple[str, str]:
     return p_name, sch.get(v_panel).name_hint
 
 
+def _pad_values(sch: Schedule, spec: AttentionSpec, lanes: int, pairs: bool) -> None:
+    """v_rows, V with its keys in whole blocks: with ``pairs``, one parallel pass before the tasks
+    (each task packs its pairs from it; a copy per task would cost a pass over V per query tile),
+    else inlined into P·V."""
+    v_rows = sch.get_sblock("v_rows")
+    if not pairs:
+        sch.compute_inline(v_rows)
+        return
+    *rows, c = sch.get_loops(v_rows)
+    sch.parallel(sch.fuse(*rows))
+    _vectorize(sch, c, spec.d_v, lanes)
+
+
 def _tensorize_pairs(sch: Schedule, spec: AttentionSpec, panels: tuple[str, str], q_tile: int) -> None:
     """`_pack_pairs`' copies as `x86_bf16.pairs_intrinsic`, one block per pair of rows. Last: with
     them tensorized, TVM finds the root scope no "stage pipeline" for the register tiles' primitives."""
     p_name, v_name = panels
-    bshd = not spec.projections and spec.layout == "BSHD"  # V's loops (b, t, h, c), else (…, t, c)
+    # V's loops (b, t, h, c), else (…, t, c) (v_rows is BHSD)
+    bshd = not spec.projections and spec.layout == "BSHD" and not _has_block(sch, "v_rows")
     for name, t_at, intrinsic in ((p_name, -2, pairs_intrinsic("float32", q_tile)),
                                   (v_name, -3 if bshd else -2, pairs_intrinsic("bfloat16", spec.d_v, bshd))):
         loops = sch.get_loops(sch.get_sblock(name))

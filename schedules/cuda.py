@@ -116,7 +116,7 @@ class CudaFlashAttention(AttentionRule):
             return Schedule(layer_around(spec, _layer_te(spec), sch.mod["main"], gemm=lambda f: _matmul(f, target)))
         return sch
 
-    def workload(self, spec: AttentionSpec, knobs: Mapping[str, KnobValue]) -> tirx.PrimFunc:
+    def workload(self, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> tirx.PrimFunc:
         """The core template these knobs shape, with this schedule's buffer placement; for a full layer
         it reads and writes packed heads, with the layer's symbolic sizes."""
         tiles = FlashTiles(int(knobs["q_rows"]), int(knobs["kv_tile"]), int(knobs["kv_splits"]), int(knobs["stages"]))

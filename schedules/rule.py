@@ -35,7 +35,7 @@ class AttentionRule:
         """Knob defaults that depend on the spec and the target (beyond each knob's own default)."""
         return {}
 
-    def workload(self, spec: AttentionSpec, knobs: Mapping[str, KnobValue]) -> PrimFunc:
+    def workload(self, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> PrimFunc:
         """The PrimFunc this rule schedules: the tensor expression's, unless the rule has a template."""
         return attention_te(spec).prim_func()
 

@@ -40,6 +40,30 @@ def test_bf16_dot_products_match_the_oracle(spec):
 
 
 @needs_bf16_dot
+@settings(max_examples=8, deadline=None)
+@given(specs(dtype="bfloat16", symbolic=True, projections=False, intermediate=False), st.data())
+def test_symbolic_lengths_run_on_the_bf16_dot_products(spec, data):
+    """One symbolic kernel on the dot products (its lengths run in whole blocks of 16, the rows and
+    keys past the end read the last again and are hidden), at lengths inside and past a block."""
+    spec = spec.replace(head_dim=data.draw(st.sampled_from((16, 32, 64))), v_head_dim=None, attn_mask=None)
+    kernel = compiled(spec)
+    assert "QKᵀ and P·V on bf16 dot products" in kernel.schedule, kernel.schedule
+    for i, n in enumerate(data.draw(st.lists(st.integers(1, 70), min_size=2, max_size=3))):
+        assert_matches_oracle(kernel, {name: 2 if name == "B" else n + 5 * j
+                                       for j, name in enumerate(spec.symbolic_dims)}, seed=i)
+
+
+@needs_bf16_dot
+def test_symbolic_lengths_with_an_attn_mask_keep_the_widened_path():
+    """A mask tensor is read at every (query, key): those kernels keep the fp32 path (`cpu._padded_dots`)."""
+    spec = AttentionSpec(batch=1, seq_len="n", kv_seq_len="m", num_heads=2, head_dim=32, attn_mask="bool",
+                         projections=False, dtype="bfloat16")
+    kernel = compiled(spec)
+    assert "vdpbf16ps" not in kernel.schedule, kernel.schedule
+    assert_matches_oracle(kernel, {"n": 21, "m": 40})
+
+
+@needs_bf16_dot
 @pytest.mark.parametrize("causal,window,key_padding", [(True, None, False), (True, 7, False), (False, 9, True),
                                                        (True, None, True)])
 def test_bf16_dot_products_skip_hidden_key_tiles(causal, window, key_padding):

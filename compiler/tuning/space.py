@@ -88,7 +88,7 @@ def workload(spec: AttentionSpec, target: Target) -> PrimFunc:
     """The function the rule for a concrete spec schedules (default knobs), carrying the spec for the
     build workers' tvmattn passes."""
     rule = schedules.rule_for(spec, target)
-    func = rule.workload(spec, schedules.default_knobs(spec, target))
+    func = rule.workload(spec, target, schedules.default_knobs(spec, target))
     return func.with_attr(SPEC_ATTR, json.dumps(spec.to_dict()))
 
 
