@@ -14,7 +14,9 @@
     out     = merged·W_O                   (B,n,d)
 
 The core kernel (``projections=False``) starts at q, k, v in the spec's layout and ends at attn in
-that layout, or, when ``spec.output`` names one, at an intermediate (B,h,n,n_kv) stage. Cross-attention,
+that layout, or, when ``spec.output`` names one, at an intermediate (B,h,n,n_kv) stage. Built with a
+``block`` (the CPU's bf16 dot products), symbolic lengths run in whole blocks from scores to pv, with
+the queries and values padded as stages of their own, q_rows and v_rows (`_core`). Cross-attention,
 GQA, both layouts and broadcast masks only change index maps.
 
 Axis names are part of the contract: b batch, i query head, s query position, t key position,
@@ -121,7 +123,6 @@ def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: d
     if pad_keys:
         v_rows = stages["v_rows"] = te.compute((B, spec.h_kv, n_keys, spec.d_v), v_at, name="v_rows")
         v_at = lambda b, i, t, c: v_rows[b, i, t, c]  # noqa: E731
-    past_the_end = (lambda t: t < n_kv) if pad_keys else (lambda t: None)  # noqa: E731
     if spec.key_padding:
         kv_lens = te.placeholder((B,), "int32", "kv_lens")
         inputs.append(kv_lens)
@@ -132,8 +133,8 @@ def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: d
     mask_at = lambda b, i, s, t: mask_in(b, i, row(s), key(t))  # noqa: E731
 
     def visible(b, i, s, t):
-        extra = [x for x in (past_the_end(t),) if x is not None]
-        return variant.sees(spec, s, t, kv_len(b), size_expr(n), mask_at(b, i, s, t), *extra)
+        past_the_end = (t < n_kv,) if pad_keys else ()
+        return variant.sees(spec, s, t, kv_len(b), size_expr(n), mask_at(b, i, s, t), *past_the_end)
 
     e = te.reduce_axis((0, spec.d_k), "e")
     scores = te.compute(  # (B, h, n, n_kv)

@@ -211,7 +211,7 @@ def _padded_dots(spec: AttentionSpec, target: Target) -> bool:
             and (isinstance(n_q, str) or any(n_q % t == 0 for t in (64, 32, LANES))))
 
 
-def _qk_keys(sch: Schedule, spec: AttentionSpec, target: Target, knob: KnobValue) -> KnobValue:
+def _qk_keys(sch: Schedule | None, spec: AttentionSpec, target: Target, knob: KnobValue) -> KnobValue:
     """Keys per QKᵀ register tile: the knob, at most a static n_kv; with `_padded_dots`, the largest
     divisor of `LANES` up to it (the padded keys come in whole blocks)."""
     if _padded_dots(spec, target) and not isinstance(spec.n_kv, int):
@@ -314,7 +314,7 @@ def _pack_queries(sch: Schedule, spec: AttentionSpec, task, q_tile: int, pairs: 
     at = (lambda e, s: (e // PAIR, s % q_tile, e % PAIR)) if pairs else (lambda e, s: (e, s % q_tile))  # noqa: E731
     if spec.projections:  # q_proj (B, n, h·d_k)
         layout = lambda b, s, m: (b, s // q_tile, *at(m, s))  # noqa: E731
-    elif spec.layout == "BHSD" or padded:
+    elif spec.layout == "BHSD" or padded:  # q_rows is (B, h, n_rows, d_k) in either layout
         layout = lambda b, i, s, e: (b, i, s // q_tile, *at(e, s))  # noqa: E731
     else:
         layout = lambda b, s, i, e: (b, i, s // q_tile, *at(e, s))  # noqa: E731

@@ -41,14 +41,14 @@ def core(**fields) -> AttentionSpec:
 # ---- the template's numerics, run serially on the CPU ------------------------------------------------
 # The same strategy as the CPU schedule's sweep (`test_attention_cpu`); the template returns the attention.
 
-@settings(max_examples=8)
+@settings(max_examples=16)
 @given(cases(intermediate=False), tiles())
 def test_template_matches_oracle(case, tiling):
     spec, sizes = case
     assert_matches_oracle(serial(spec, tiling), sizes)
 
 
-@settings(max_examples=6)
+@settings(max_examples=12)
 @given(cases(dtype=("float16", "bfloat16"), intermediate=False), tiles())
 def test_template_matches_oracle_half(case, tiling):
     spec, sizes = case
