@@ -16,7 +16,8 @@
 The core kernel (``projections=False``) starts at q, k, v in the spec's layout and ends at attn in
 that layout, or, when ``spec.output`` names one, at an intermediate (B,h,n,n_kv) stage. Built with a
 ``block`` (the CPU's bf16 dot products), symbolic lengths run in whole blocks from scores to pv, with
-the queries and values padded as stages of their own, q_rows and v_rows (`_core`). Cross-attention,
+the queries, values and a per-query mask padded as stages of their own, q_rows, v_rows and mask_rows
+(`_core`). Cross-attention,
 GQA, both layouts and broadcast masks only change index maps.
 
 Axis names are part of the contract: b batch, i query head, s query position, t key position,
@@ -34,7 +35,7 @@ from tvm.ir.expr import Expr as PrimExpr
 
 from tvmattn.compiler import variant
 from tvmattn.compiler.spec import AttentionSpec, Dim
-from tvmattn.compiler.variant import ACC, Operand, size_expr
+from tvmattn.compiler.variant import ACC, MASK_AXES, Operand, size_expr
 
 KEY_STAGE = "tvmattn.key_stage"
 
@@ -106,7 +107,8 @@ def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: d
     a kernel's tiles never end inside a block (a tensor intrinsic takes no tail predicate): the rows
     past L read row L-1 again, the keys past it are hidden, and the epilogue stores rows < n only.
     The queries and values then have stages of their own, q_rows (B, h, n_rows, d_k) and v_rows
-    (B, h_kv, n_keys, d_v), that the schedule packs."""
+    (B, h_kv, n_keys, d_v), that the schedule packs; so has an attn_mask that varies along queries and
+    keys, mask_rows (its clamped index inside a packed tile overflows TVM's simplifier)."""
     B, n, n_kv, h, g = dim(spec.batch), dim(spec.n_q), dim(spec.n_kv), spec.h, spec.group
     pad_rows, pad_keys = (block > 1 and not isinstance(x, int) for x in (n, n_kv))
     n_rows = (n + block - 1) // block * block if pad_rows else n  # as the split of n by the tile writes it
@@ -131,6 +133,12 @@ def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: d
         kv_len = lambda b: size_expr(n_kv)  # noqa: E731
     mask_in = _attn_mask(spec, dim, inputs)
     mask_at = lambda b, i, s, t: mask_in(b, i, row(s), key(t))  # noqa: E731
+    if spec.attn_mask is not None and (pad_rows or pad_keys) and {"s", "t"} <= set(spec.attn_mask_dims):
+        # a stage of its own, like q_rows: the schedule packs it per tile
+        full = dict(zip(MASK_AXES, (B, h, n_rows, n_keys)))
+        shape = tuple(full[a] if a in spec.attn_mask_dims else 1 for a in MASK_AXES)
+        mask_rows = stages["mask_rows"] = te.compute(shape, mask_at, name="mask_rows")
+        mask_at = lambda b, i, s, t: mask_rows[tuple(variant.mask_index(spec, b, i, s, t))]  # noqa: E731
 
     def visible(b, i, s, t):
         past_the_end = (t < n_kv,) if pad_keys else ()

@@ -203,11 +203,10 @@ def _padded_dots(spec: AttentionSpec, target: Target) -> bool:
     """Whether the core kernel's symbolic lengths run in whole blocks of `LANES` (`te_attention._core`)
     for the bf16 dot products: then QKᵀ always takes them (static queries in whole dot tiles, d_k in
     pairs, `_qk_keys` dividing the block; TVM 0.27 cannot build the widened key tiles over padded
-    keys). Not in a full layer, where P·V keeps fp32, nor with an attn_mask tensor, where TVM's
-    simplifier overflows int32 on the clamped mask tile."""
+    keys). Not in a full layer, where P·V keeps fp32."""
     n_q = spec.n_q
     return (spec.dtype == "bfloat16" and has_bf16_dot(target) and not spec.projections
-            and spec.attn_mask is None and spec.d_k % PAIR == 0 and any(isinstance(x, str) for x in (n_q, spec.n_kv))
+            and spec.d_k % PAIR == 0 and any(isinstance(x, str) for x in (n_q, spec.n_kv))
             and (isinstance(n_q, str) or any(n_q % t == 0 for t in (64, 32, LANES))))
 
 
@@ -328,7 +327,8 @@ def _pack_mask(sch: Schedule, task, q_tile: int) -> None:
     read it (row max, probabilities) run along queries, and would otherwise gather the mask with a
     stride of n_kv, twice."""
     readers = [sch.get_sblock(name) for name in ("row_max", "probs")]
-    tile = _copy_of(sch, readers[0], ("attn_mask",), readers)
+    padded = _has_block(sch, "mask_rows")  # the mask in whole blocks (`te_attention._core`): the tile is of it
+    tile = sch.get_sblock("mask_rows") if padded else _copy_of(sch, readers[0], ("attn_mask",), readers)
     sch.compute_at(tile, task, preserve_unit_loops=True)
     sch.transform_layout(tile, ("write", 0), lambda b, h, s, t: (b, h, s // q_tile, t, s % q_tile),
                          assume_injective_transform=True)

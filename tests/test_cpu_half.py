@@ -45,7 +45,7 @@ def test_bf16_dot_products_match_the_oracle(spec):
 def test_symbolic_lengths_run_on_the_bf16_dot_products(spec, data):
     """One symbolic kernel on the dot products (its lengths run in whole blocks of 16, the rows and
     keys past the end read the last again and are hidden), at lengths inside and past a block."""
-    spec = spec.replace(head_dim=data.draw(st.sampled_from((16, 32, 64))), v_head_dim=None, attn_mask=None)
+    spec = spec.replace(head_dim=data.draw(st.sampled_from((16, 32, 64))), v_head_dim=None)
     kernel = compiled(spec)
     assert "QKᵀ and P·V on bf16 dot products" in kernel.schedule, kernel.schedule
     for i, n in enumerate(data.draw(st.lists(st.integers(1, 70), min_size=2, max_size=3))):
@@ -54,13 +54,17 @@ def test_symbolic_lengths_run_on_the_bf16_dot_products(spec, data):
 
 
 @needs_bf16_dot
-def test_symbolic_lengths_with_an_attn_mask_keep_the_widened_path():
-    """A mask tensor is read at every (query, key): those kernels keep the fp32 path (`cpu._padded_dots`)."""
-    spec = AttentionSpec(batch=1, seq_len="n", kv_seq_len="m", num_heads=2, head_dim=32, attn_mask="bool",
-                         projections=False, dtype="bfloat16")
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("dims", ["bhst", "bst", "bt", "s"])
+def test_symbolic_lengths_with_an_attn_mask_on_the_bf16_dot_products(kind, dims):
+    """Masks along queries and keys (packed per tile from their padded stage, mask_rows), along keys
+    only (read in place at a clamped key), along queries only."""
+    spec = AttentionSpec(batch="B", seq_len="n", kv_seq_len="m", num_heads=2, head_dim=32, attn_mask=kind,
+                         attn_mask_dims=dims, projections=False, dtype="bfloat16")
     kernel = compiled(spec)
-    assert "vdpbf16ps" not in kernel.schedule, kernel.schedule
-    assert_matches_oracle(kernel, {"n": 21, "m": 40})
+    assert "QKᵀ and P·V on bf16 dot products" in kernel.schedule, kernel.schedule
+    for seed, sizes in enumerate(({"B": 2, "n": 21, "m": 40}, {"B": 1, "n": 1, "m": 9}, {"B": 1, "n": 64, "m": 64})):
+        assert_matches_oracle(kernel, sizes, seed=seed)
 
 
 @needs_bf16_dot
