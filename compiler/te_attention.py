@@ -17,8 +17,7 @@ The core kernel (``projections=False``) starts at q, k, v in the spec's layout a
 that layout, or, when ``spec.output`` names one, at an intermediate (B,h,n,n_kv) stage. Built with a
 ``block`` (the CPU's bf16 dot products), symbolic lengths run in whole blocks from scores to pv, with
 the queries, values and a per-query mask padded as stages of their own, q_rows, v_rows and mask_rows
-(`_core`). Cross-attention,
-GQA, both layouts and broadcast masks only change index maps.
+(`_core`). Cross-attention, GQA, both layouts and broadcast masks only change index maps.
 
 Axis names are part of the contract: b batch, i query head, s query position, t key position,
 e the q·k dot product, c a value column. TVM names a block's iterators after them (v_b, v_s, v_t, …),
@@ -145,7 +144,7 @@ def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: d
         return variant.sees(spec, s, t, kv_len(b), size_expr(n), mask_at(b, i, s, t), *past_the_end)
 
     e = te.reduce_axis((0, spec.d_k), "e")
-    scores = te.compute(  # (B, h, n, n_kv)
+    scores = te.compute(  # (B, h, n_rows, n_keys): n, n_kv unless padded
         (B, h, n_rows, n_keys),
         lambda b, i, s, t: te.sum(q_at(b, i, s, e).astype(ACC) * k_at(b, i // g, t, e).astype(ACC), axis=e),
         name="scores", attrs={KEY_STAGE: 1})

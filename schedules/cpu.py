@@ -207,7 +207,7 @@ def _padded_dots(spec: AttentionSpec, target: Target) -> bool:
     n_q = spec.n_q
     return (spec.dtype == "bfloat16" and has_bf16_dot(target) and not spec.projections
             and spec.d_k % PAIR == 0 and any(isinstance(x, str) for x in (n_q, spec.n_kv))
-            and (isinstance(n_q, str) or any(n_q % t == 0 for t in (64, 32, LANES))))
+            and (isinstance(n_q, str) or n_q % LANES == 0))
 
 
 def _qk_keys(sch: Schedule | None, spec: AttentionSpec, target: Target, knob: KnobValue) -> KnobValue:
