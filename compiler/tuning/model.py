@@ -136,7 +136,7 @@ def _tune_task(task: OpTask, target: Target, sizes: dict[str, int], trials: int,
     for knobs in points:
         if measured + points_before >= trials:
             break
-        key = tuple(sorted(knobs.items()))
+        key = _key(knobs)
         if key in done:
             continue
         done.add(key)
