@@ -3,10 +3,10 @@
     x (B,n,d) ──q_proj──► (B,n,h·d_k) ──q_heads──► (B,h,n,d_k) ─┐
     x_kv (B,n_kv,d) ─k_proj/v_proj─► k_heads, v_heads (B,h_kv,n_kv,d_k|d_v)
     scores  = q·kᵀ                         (B,h,n,n_kv)   fp32 accumulation
-    logits  = cap(scale·scores) + bias,    (B,h,n,n_kv)   cap: softcap·tanh(·/softcap) if set;
-              masked to -inf                              bias: an additive attn_mask
+    logits  = log2(e)·(cap(scale·scores)   (B,h,n,n_kv)   cap: softcap·tanh(·/softcap) if set;
+                       + bias),            masked to -inf bias: an additive attn_mask
     row_max = max_t logits                 (B,h,n)
-    probs   = exp(logits - row_max)        (B,h,n,n_kv)   0 where masked
+    probs   = exp2(logits - row_max)       (B,h,n,n_kv)   = exp(x - max x); 0 where masked
     row_sum = Σ_t probs                    (B,h,n)
     pv      = probs·v                      (B,h,n,d_v)
     attn    = pv / row_sum                 (B,h,n,d_v)    0 for a row that sees no key
@@ -37,6 +37,7 @@ from tvmattn.compiler.spec import AttentionSpec, Dim
 from tvmattn.compiler.variant import ACC, MASK_AXES, Operand, size_expr
 
 KEY_STAGE = "tvmattn.key_stage"
+LOG2E = 1.4426950408889634  # 1/ln 2: the softmax runs in base 2, exp(x) = exp2(x·log2 e)
 
 Reader = Callable[..., PrimExpr]  # (b, head, pos, c) -> element
 
@@ -148,10 +149,13 @@ def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: d
         (B, h, n_rows, n_keys),
         lambda b, i, s, t: te.sum(q_at(b, i, s, e).astype(ACC) * k_at(b, i // g, t, e).astype(ACC), axis=e),
         name="scores", attrs={KEY_STAGE: 1})
+    # In base 2 (log2 e folded into the scale's multiply: exp2 is the cheaper polynomial), but in
+    # natural units where the kernel returns them: then no softmax follows.
+    base = 1.0 if spec.output == "logits" else LOG2E
     logits = te.compute(
         (B, h, n_rows, n_keys),
         lambda b, i, s, t: tirx.Select(visible(b, i, s, t),
-                                       variant.logit(spec, scores[b, i, s, t], mask_at(b, i, s, t)),
+                                       variant.logit(spec, scores[b, i, s, t], mask_at(b, i, s, t), base),
                                        -tirx.infinity(ACC)),
         name="logits", attrs={KEY_STAGE: 1})
     t = te.reduce_axis((0, n_keys), "t")
@@ -159,7 +163,7 @@ def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: d
                          name="row_max", attrs={KEY_STAGE: 1})
     probs = te.compute(
         (B, h, n_rows, n_keys),
-        lambda b, i, s, t: tirx.Select(visible(b, i, s, t), tirx.exp(logits[b, i, s, t] - row_max[b, i, s]),
+        lambda b, i, s, t: tirx.Select(visible(b, i, s, t), tirx.exp2(logits[b, i, s, t] - row_max[b, i, s]),
                                        tirx.const(0, ACC)),
         name="probs", attrs={KEY_STAGE: 1})
     t = te.reduce_axis((0, n_keys), "t")

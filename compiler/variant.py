@@ -143,7 +143,14 @@ def logit(spec: AttentionSpec, score: PrimExpr, mask_value: PrimExpr | None = No
     """factor·(cap(scale·score) + bias), the bias being an additive attn_mask's entry."""
     x = scaled_score(spec, score, factor)
     if spec.attn_mask == "additive":
-        x = x + (mask_value if factor == 1.0 else _times(mask_value, factor))
+        if factor == 1.0:
+            return x + mask_value
+        # A finite logit stays finite: the finfo.min fill exporters write, times log2(e), would overflow
+        # to -inf, and a row it hides entirely would see no key instead of every key alike (as in natural
+        # units, ONNX Runtime and torch). A Select, not max: NaN must pass.
+        x = x + _times(mask_value, factor)
+        lowest = tirx.const(-3.4028234663852886e38, ACC)  # fp32's lowest finite value
+        return tirx.Select(x < lowest, lowest, x)
     return x
 
 

@@ -8,10 +8,15 @@ task holds a q_tile × n_kv score tile, never the n × n_kv matrix. Tiles are st
 
     pack    q tile → (d_k, q_tile)                           once per task
     scores  acc[qk_keys][q_tile/lanes vectors] += k[t, e] (broadcast) · q[e, s:s+lanes]
-    row_max, row_sum   vectorised over s, reduction over t innermost-but-one
-    probs   exp(logits - row_max), vectorised over s
+            row_max: of each register tile as it is stored (a mask tile: a pass of its own)
+    probs   exp2(logits - row_max), vectorised over s; row_sum: of each key's row as it is computed
     pv      acc[pv_rows][pv_vecs vectors] += probs[t, s] (broadcast) · v[t, c:c+lanes]
     attn    pv / row_sum
+
+Each stage reads what the one before wrote while it is in L1: the q_tile × n_kv tile streams through
+L2 once per stage (scores, probs, pv), not once per reduction as well. With the bf16 dot products
+(`bf16_dots`), P's pair panel is packed from each pair of keys as probs computes it, and V's once,
+before the tasks.
 
 Decode (one query): the dot products run along d_k instead (``rfactor`` into one partial sum per
 lane, then their sum), and with fewer (batch, head) pairs than twice the cores the keys are split into
@@ -171,32 +176,54 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
 
     if by_head_dim:
         _scores_along_head_dim(sch, scores_rf)
+        _row_reduction(sch, "row_max", s_lanes)
     else:
         _pack_queries(sch, spec, task, q_tile, qk_pairs)
-        _scores(sch, s_lanes, qk_keys, qk_pairs, widen=spec.dtype != "float32" and not qk_pairs)
+        tile_keys = _scores(sch, s_lanes, qk_keys, qk_pairs, widen=spec.dtype != "float32" and not qk_pairs)
         if spec.attn_mask is not None and {"s", "t"} <= set(spec.attn_mask_dims):
-            _pack_mask(sch, task, q_tile)
-    for name in ("row_max", "row_sum"):
-        blk = sch.get_sblock(name)
-        s, t = sch.get_loops(blk)[-2:]
-        s_out, s_vec = sch.split(s, [None, s_lanes])
-        sch.reorder(s_out, t, s_vec)
-        _vectorize(sch, s_vec, s_lanes, s_lanes)
-        sch.decompose_reduction(blk, t)
+            _pack_mask(sch, task, q_tile)  # (row_max then reads the mask's tile: a pass of its own)
+            _row_reduction(sch, "row_max", s_lanes)
+        else:  # of each register tile as it is stored
+            _row_reduction(sch, "row_max", s_lanes, tile_keys, q_tile)
     probs = sch.get_sblock("probs")
     s, t = sch.get_loops(probs)[-2:]
-    sch.reorder(t, s)
+    if pv_pairs:  # a pair of keys at a time: P's panel is packed from them while they are in registers
+        t, t_pair = sch.split(t, [None, PAIR])
+        sch.reorder(t, t_pair, s)
+    else:
+        sch.reorder(t, s)
     if s_lanes > 1:
         _vectorize(sch, s, q_tile, s_lanes)
+        _row_reduction(sch, "row_sum", s_lanes, t, q_tile)
     else:  # one query: the keys are contiguous
         _vectorize(sch, t, spec.n_kv if isinstance(spec.n_kv, int) else None, lanes)
-    panels = _pack_pairs(sch, spec, task) if pv_pairs else None
+        _row_reduction(sch, "row_sum", s_lanes)
+    panels = _pack_pairs(sch, spec, t) if pv_pairs else None
     # whole row groups per tile: a partial group's accumulator has a loop-dependent size
     _weights_v(sch, spec, lanes, _divisor_at_most(q_tile, _int(sch, k["pv_rows"])), k["pv_vecs"], pv_pairs)
     if panels:
         _tensorize_pairs(sch, spec, panels, q_tile)
     if qk_pairs or pv_pairs:
         import_dot(sch, task)
+
+
+def _row_reduction(sch: Schedule, name: str, s_lanes: int, at=None, q_tile: int | None = None) -> None:
+    """row_max or row_sum vectorised over queries, reducing along keys: a pass of its own over the
+    task's tile, or, ``at`` the loop over keys of the stage it reads, inside it (reading what that
+    stage just wrote, from L1: the tile streams through L2 once per stage)."""
+    blk = sch.get_sblock(name)
+    if at is None:
+        s, t = sch.get_loops(blk)[-2:]
+        s_out, s_vec = sch.split(s, [None, s_lanes])
+        sch.reorder(s_out, t, s_vec)
+        _vectorize(sch, s_vec, s_lanes, s_lanes)
+        sch.decompose_reduction(blk, t)
+        return
+    sch.reverse_compute_at(blk, at, preserve_unit_loops=True)
+    s, t = sch.get_loops(blk)[-2:]
+    sch.reorder(t, s)
+    _vectorize(sch, s, q_tile, s_lanes)
+    sch.decompose_reduction(blk, at)
 
 
 def _padded_dots(spec: AttentionSpec, target: Target) -> bool:
@@ -334,11 +361,11 @@ def _pack_mask(sch: Schedule, task, q_tile: int) -> None:
                          assume_injective_transform=True)
 
 
-def _scores(sch: Schedule, lanes: int, keys_factor: KnobValue, pairs: bool, widen: bool) -> None:
+def _scores(sch: Schedule, lanes: int, keys_factor: KnobValue, pairs: bool, widen: bool):
     """acc[qk_keys keys][q_tile queries] += k[t, e] · q[e, s], over e, in registers (``lanes``
     queries per vector); with ``pairs``, two steps of e per instruction (`x86_bf16.DOT_16x2`: the
     pair k[t, e:e+2] broadcast, the panel's q[e:e+2, s:s+16]); ``widen``: 16-bit keys widened to fp32
-    a key tile at a time (`_widen_keys`)."""
+    a key tile at a time (`_widen_keys`). Returns the loop over register tiles of keys."""
     scores = sch.get_sblock("scores")
     s, t, e = sch.get_loops(scores)[-3:]
     keys = _int(sch, keys_factor)
@@ -354,6 +381,7 @@ def _scores(sch: Schedule, lanes: int, keys_factor: KnobValue, pairs: bool, wide
     _register_tile(sch, scores, t_out, lambda b, i, st, t, s: (b, i, st, t // keys, t % keys, s),
                    (t_in, s_out), s_vec, lanes, e, intrinsic=DOT_16x2 if pairs else None,
                    key_blocks=f"b=v_b_o,s=v_s_o*{LANES},t=v_t_o")
+    return t_out
 
 
 def _widen_keys(sch: Schedule, scores, t_out, lanes: int) -> None:
@@ -416,15 +444,17 @@ def _weights_v(sch: Schedule, spec: AttentionSpec, lanes: int, rows_factor: Knob
                    key_blocks=f"b=v_b_o,s=v_s_o,t=v_t_o*{PAIR}")
 
 
-def _pack_pairs(sch: Schedule, spec: AttentionSpec, task) -> tuple[str, str]:
-    """The operands of P·V as `x86_bf16.DOT_16x2` reads them, per task: P rounded to bf16 (as
-    FlashAttention rounds it for 16-bit inputs; the row sums keep fp32) and V, both with keys 2t, 2t+1
-    side by side: P (t/2, q_tile, 2), V (t/2, d_v, 2). Their copies' names, for `_tensorize_pairs`."""
+def _pack_pairs(sch: Schedule, spec: AttentionSpec, pair_loop) -> tuple[str, str]:
+    """The operands of P·V as `x86_bf16.DOT_16x2` reads them: P rounded to bf16 (as FlashAttention
+    rounds it for 16-bit inputs; the row sums keep fp32), per pair of keys as probs computes it
+    (``pair_loop``), and V, once before the tasks (a copy per task would be a pass over V per query
+    tile; the price is a workspace the size of V), both with keys 2t, 2t+1 side by side: P (t/2,
+    q_tile, 2), V (t/2, d_v, 2). Their copies' names, for `_tensorize_pairs`."""
     pv = sch.get_sblock("pv")
     padded = _has_block(sch, "v_rows")  # (B, h_kv, n_keys, d_v)
     v_panel = _copy_of(sch, pv, ("v_rows", "v", "v_proj"))
-    sch.compute_at(v_panel, task, preserve_unit_loops=True)
-    p_panel = _copy_of(sch, pv, ("probs",), [pv])  # inside the task, where probs is; the row sums keep fp32
+    p_panel = _copy_of(sch, pv, ("probs",), [pv])  # the row sums keep fp32
+    sch.reverse_compute_at(p_panel, pair_loop, preserve_unit_loops=True)
     sch.unsafe_set_dtype(p_panel, 0, "bfloat16")
     p_name = sch.get(p_panel).name_hint
     sch.transform_layout(p_panel, ("write", 0), lambda b, i, st, t, s: (b, i, st, t // PAIR, s, t % PAIR),
@@ -441,8 +471,8 @@ def _pack_pairs(sch: Schedule, spec: AttentionSpec, task) -> tuple[str, str]:
 
 def _pad_values(sch: Schedule, spec: AttentionSpec, lanes: int, pairs: bool) -> None:
     """v_rows, V with its keys in whole blocks: with ``pairs``, one parallel pass before the tasks
-    (each task packs its pairs from it; a copy per task would cost a pass over V per query tile),
-    else inlined into P·V."""
+    that V's pair panel is packed from (`_pack_pairs`: the intrinsic reads plain rows, not clamped
+    ones), else inlined into P·V."""
     v_rows = sch.get_sblock("v_rows")
     if not pairs:
         sch.compute_inline(v_rows)
@@ -464,6 +494,7 @@ def _tensorize_pairs(sch: Schedule, spec: AttentionSpec, panels: tuple[str, str]
         t, t_pair = sch.split(loops[t_at], [None, PAIR])
         sch.reorder(t, *loops[t_at + 1:], t_pair)  # (t/2, [head,] column, pair)
         _tensorize(sch, loops[-1], intrinsic)
+    sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock(v_name + "_o"))))  # V's panel: a pass before the tasks
     # P's panel is a key stage: it reads the weights of the keys its queries see, in pairs (V's reads
     # the input, every key)
     p_panel = sch.get_sblock(p_name + "_o")

@@ -36,6 +36,9 @@ BF16_BYTES = 2  # the operands' alignment: the kernels' arguments are aligned to
 DOT_16x2 = "tvmattn_dot_16x2_bf16"  # the block computes C + B·A (QKᵀ: the query panel, a key's pair)
 DOT_16x2_PAIR_FIRST = "tvmattn_dot_16x2_bf16_pair_first"  # C + A·B (P·V: a pair of weights, the V panel)
 DOT_FUNCTION = "tvmattn_dpbf16ps"
+PAIRS_FUNCTION = "tvmattn_cvtne2ps2bf16_pairs"  # two fp32 rows → their bf16 pairs, rounded to nearest even
+# vcvtne2ps2bf16 puts its second operand's 16 values below its first's; the panel wants them interleaved
+_INTERLEAVE = ", ".join(f"i32 {i // 2 + (i % 2) * 16}" for i in range(32))
 DOT_LLVM = f"""
 define <16 x float> @{DOT_FUNCTION}(<16 x float> %acc, <16 x i32> %a, <16 x i32> %b) alwaysinline {{
   %x = bitcast <16 x i32> %a to <32 x bfloat>
@@ -44,6 +47,14 @@ define <16 x float> @{DOT_FUNCTION}(<16 x float> %acc, <16 x i32> %a, <16 x i32>
   ret <16 x float> %r
 }}
 declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
+
+define <16 x i32> @{PAIRS_FUNCTION}(<16 x float> %lo, <16 x float> %hi) alwaysinline {{
+  %r = call <32 x bfloat> @llvm.x86.avx512bf16.cvtne2ps2bf16.512(<16 x float> %hi, <16 x float> %lo)
+  %p = shufflevector <32 x bfloat> %r, <32 x bfloat> poison, <32 x i32> <{_INTERLEAVE}>
+  %w = bitcast <32 x bfloat> %p to <16 x i32>
+  ret <16 x i32> %w
+}}
+declare <32 x bfloat> @llvm.x86.avx512bf16.cvtne2ps2bf16.512(<16 x float>, <16 x float>)
 """
 
 
@@ -147,13 +158,10 @@ def _pairs(source: str, width: int, heads_between: bool, implementation: bool) -
                                                              "float32x16"), dtype="uint32x16"))
                         dst.vstore([c * LANES, 0], T.reinterpret((hi & T.uint32(0xFFFF0000)) | (lo >> T.uint32(16)),
                                                                  dtype="bfloat16x32"))
-                    else:  # fp32 → bf16 rounded to nearest even: the top 16 bits of x + 0x7FFF + (bit 16 of x)
-                        lo = T.meta_var(T.reinterpret(src.vload(row(0, c * LANES), "float32x16"), dtype="uint32x16"))
-                        hi = T.meta_var(T.reinterpret(src.vload(row(1, c * LANES), "float32x16"), dtype="uint32x16"))
-                        lo_r = T.meta_var(lo + T.uint32(0x7FFF) + ((lo >> T.uint32(16)) & T.uint32(1)))
-                        hi_r = T.meta_var(hi + T.uint32(0x7FFF) + ((hi >> T.uint32(16)) & T.uint32(1)))
-                        dst.vstore([c * LANES, 0], T.reinterpret(
-                            (hi_r & T.uint32(0xFFFF0000)) | (lo_r >> T.uint32(16)), dtype="bfloat16x32"))
+                    else:  # fp32 → bf16 rounded to nearest even, on vcvtne2ps2bf16 (`PAIRS_FUNCTION`)
+                        dst.vstore([c * LANES, 0], T.reinterpret(T.call_pure_extern(
+                            "int32x16", PAIRS_FUNCTION, src.vload(row(0, c * LANES), "float32x16"),
+                            src.vload(row(1, c * LANES), "float32x16")), dtype="bfloat16x32"))
 
     return func
 

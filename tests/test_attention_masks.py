@@ -34,6 +34,18 @@ def test_symbolic_lengths_with_an_additive_mask():
         assert_matches_oracle(kernel, {"n": n, "m": n + 2})
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_row_filled_with_the_lowest_float_sees_every_key_alike(dtype):
+    """finfo.min, the fill exporters write, hides nothing in a row it fills entirely: the weights are
+    uniform, as in the oracle (and torch, ONNX Runtime); the kernel's base-2 logits must not overflow it
+    to -inf (a row that sees no key). Elsewhere it hides its keys."""
+    spec = tvmattn.AttentionSpec(**{**BASE, "attn_mask": "additive", "attn_mask_dims": "st", "dtype": dtype})
+    bias = np.zeros((1, 1, 5, 7), np.float32)
+    bias[0, 0, 2] = np.finfo(np.float32).min
+    bias[0, 0, 3, :4] = np.finfo(np.float32).min
+    assert_matches_oracle(compiled(spec), attn_mask=bias)
+
+
 def test_a_row_with_every_key_masked_gives_zeros():
     spec = tvmattn.AttentionSpec(**{**BASE, "attn_mask": "additive", "attn_mask_dims": "st"})
     rng = np.random.default_rng(0)

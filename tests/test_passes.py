@@ -30,8 +30,8 @@ def test_causal_key_loops_depend_on_the_query_tile():
     before = _scheduled(spec)
     after = passes.skip_masked_key_tiles(spec)(before)
     constant = lambda es: sum(isinstance(e, tvm.tirx.IntImm) for e in es)  # noqa: E731
-    # every key loop (scores, row_max, probs, row_sum, pv) became an expression of the query tile
-    assert constant(_loop_extents(after)) <= constant(_loop_extents(before)) - 5
+    # every key loop (scores with row_max, probs with row_sum, pv) became an expression of the query tile
+    assert constant(_loop_extents(after)) <= constant(_loop_extents(before)) - 3
     assert "T.min" in after.script()
 
 
