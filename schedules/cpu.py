@@ -473,8 +473,8 @@ def _pack_pairs(sch: Schedule, spec: AttentionSpec, pair_loop) -> tuple[str, str
 
 def _widen_values(sch: Schedule, spec: AttentionSpec, lanes: int) -> None:
     """16-bit V widened to fp32 once, in a parallel pass before the tasks (a workspace twice V's
-    size): P·V's loads are then plain fp32 vectors, where a conversion per vector of V costs its
-    micro-kernel a fifth of its time, in every query tile."""
+    size): P·V's loads are then plain fp32 vectors, not a conversion per vector of V in every query
+    tile's micro-kernel."""
     v_fp32 = _copy_of(sch, sch.get_sblock("pv"), ("v_rows", "v"))
     sch.unsafe_set_dtype(v_fp32, 0, "float32")
     *rows, c = sch.get_loops(v_fp32)

@@ -15,6 +15,7 @@ bfloat>`` operands cannot be written in TIR. The implementation calls `DOT_FUNCT
 external function on ``<16 x i32>`` (the same bits), and `import_dot` links its definition, LLVM IR
 that bitcasts to bfloat and calls the intrinsic, into the kernel's module (``pragma_import_llvm``). It is
 ``alwaysinline``: after inlining, each call is one ``vdpbf16ps`` with the pair as an embedded broadcast.
+P's pairs are rounded the same way, by `PAIRS_FUNCTION` (``vcvtne2ps2bf16`` and one shuffle).
 """
 
 from __future__ import annotations

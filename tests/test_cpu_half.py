@@ -89,6 +89,7 @@ SPEC = AttentionSpec(batch=1, seq_len=64, num_heads=2, head_dim=64, projections=
 def test_bf16_dot_instruction_exactly_where_the_target_has_it(mcpu, has_dot):
     kernel = tvmattn.compile(SPEC, {"kind": "llvm", "mcpu": mcpu, "num-cores": 2}, knobs={})
     assert ("vdpbf16ps" in kernel.source()) == has_dot
+    assert ("vcvtne2ps2bf16" in kernel.source()) == has_dot  # P rounded to bf16 pairs for P·V
     assert ("vdpbf16ps" in kernel.schedule) == has_dot
 
 
