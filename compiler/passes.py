@@ -678,8 +678,12 @@ def _exp2_f32(arg: PrimExpr) -> PrimExpr:
     p = f(EXP2_P[0])
     for coeff in EXP2_P[1:]:
         p = p * r + f(coeff)
-    two_n = tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("int32", n) + 127, 23))
-    return tirx.Select(tirx.isnan(arg), arg, p * two_n)
+    return tirx.Select(tirx.isnan(arg), arg, p * _two_to(n))
+
+
+def _two_to(n: PrimExpr) -> PrimExpr:
+    """2^n for an integral fp32 n in [-127, 128]: n + 127 written into the exponent field."""
+    return tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("int32", n) + 127, 23))
 
 
 def _exp_f32(arg: PrimExpr) -> PrimExpr:
@@ -691,5 +695,4 @@ def _exp_f32(arg: PrimExpr) -> PrimExpr:
     for coeff in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
         p = p * r + f(coeff)
     p = p * r * r + r + f(1.0)
-    two_n = tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("int32", n) + 127, 23))
-    return tirx.Select(arg < f(-87.0), f(0.0), tirx.Select(tirx.isnan(arg), arg, p * two_n))
+    return tirx.Select(arg < f(-87.0), f(0.0), tirx.Select(tirx.isnan(arg), arg, p * _two_to(n)))

@@ -184,7 +184,7 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
             _pack_mask(sch, task, q_tile)  # (row_max then reads the mask's tile: a pass of its own)
             _row_reduction(sch, "row_max", s_lanes)
         else:  # of each register tile as it is stored
-            _row_reduction(sch, "row_max", s_lanes, tile_keys, q_tile)
+            _row_reduction(sch, "row_max", s_lanes, tile_keys)
     probs = sch.get_sblock("probs")
     s, t = sch.get_loops(probs)[-2:]
     if pv_pairs:  # a pair of keys at a time: P's panel is packed from them while they are in registers
@@ -194,7 +194,7 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
         sch.reorder(t, s)
     if s_lanes > 1:
         _vectorize(sch, s, q_tile, s_lanes)
-        _row_reduction(sch, "row_sum", s_lanes, t, q_tile)
+        _row_reduction(sch, "row_sum", s_lanes, t)
     else:  # one query: the keys are contiguous
         _vectorize(sch, t, spec.n_kv if isinstance(spec.n_kv, int) else None, lanes)
         _row_reduction(sch, "row_sum", s_lanes)
@@ -209,7 +209,7 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
         import_dot(sch, task)
 
 
-def _row_reduction(sch: Schedule, name: str, s_lanes: int, at=None, q_tile: int | None = None) -> None:
+def _row_reduction(sch: Schedule, name: str, s_lanes: int, at=None) -> None:
     """row_max or row_sum vectorised over queries, reducing along keys: a pass of its own over the
     task's tile, or, ``at`` the loop over keys of the stage it reads, inside it (reading what that
     stage just wrote, from L1: the tile streams through L2 once per stage)."""
@@ -224,7 +224,7 @@ def _row_reduction(sch: Schedule, name: str, s_lanes: int, at=None, q_tile: int 
     sch.reverse_compute_at(blk, at, preserve_unit_loops=True)
     s, t = sch.get_loops(blk)[-2:]
     sch.reorder(t, s)
-    _vectorize(sch, s, q_tile, s_lanes)
+    _vectorize(sch, s, None, s_lanes)
     sch.decompose_reduction(blk, at)
 
 
