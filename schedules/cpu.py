@@ -29,6 +29,7 @@ idea. Masked key tiles are removed after scheduling by `tvmattn.compiler.passes.
 
 from __future__ import annotations
 
+import functools
 from typing import Mapping
 
 import tvm
@@ -65,8 +66,13 @@ KNOBS = (
     Knob("gemm_block_cols", (1, 2, 4, 8), 4, "register tiles of columns per projection task"),
 )
 
+# Rows (B·n) from which a projection's W pair panel pays for itself: the packing pass reads and writes
+# W once more, which a one-token step (decode, n = 1) would spend in a GEMV reading W once (0.65× the
+# widened projections there; 0.9–1.3× from 16 rows, 1.6–1.9× from 64, (1, n, 768) layers).
+MIN_PAIR_ROWS = 16
 PANEL_BYTES = 384 * 1024  # a projection task's panel of W (d_in × its columns), to stay in L2
 
+PROJECTIONS = {"q_proj": "W_Q", "k_proj": "W_K", "v_proj": "W_V", "out": "W_O"}  # the layer's GEMM blocks
 INLINED = ("q_heads", "k_heads", "v_heads", "logits", "merged")
 PER_TILE = ("pv", "row_sum", "probs", "row_max", "scores")  # consumers first, for compute_at
 
@@ -94,6 +100,7 @@ class CpuAttention(AttentionRule):
     def describe(self, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> str:
         """Which variant ``apply`` builds for ``spec``, with the knobs it reads."""
         lanes = vector_lanes(target)
+        dots = []
         if _few_tasks_of_one_query(spec, target, lanes) and _divisor_at_most(spec.n_kv, knobs["key_chunks"]) > 1:
             used = ["key_chunks"]
             what = f"split-K decode over {_divisor_at_most(spec.n_kv, knobs['key_chunks'])} key chunks"
@@ -104,10 +111,11 @@ class CpuAttention(AttentionRule):
             q_tile = _dot_tile(spec, target, q_tile) or q_tile
             qk_keys = _qk_keys(None, spec, target, knobs["qk_keys"])
             dots = [stage for stage, on in zip(("QKᵀ", "P·V"), bf16_dots(spec, target, q_tile, qk_keys)) if on]
-            if dots:
-                what += f", {' and '.join(dots)} on bf16 dot products (vdpbf16ps)"
         if spec.projections:
             used += ["gemm_rows", "gemm_vecs", "gemm_block_rows", "gemm_block_cols"]
+            dots += [weight for name, weight in PROJECTIONS.items() if weight_pairs(spec, target, name)]
+        if dots:
+            what += f", {_listed(dots)} on bf16 dot products (vdpbf16ps)"
         return f"{what}: " + " ".join(f"{name}={knobs[name]}" for name in used)
 
     def apply(self, sch: Schedule, spec: AttentionSpec, target: Target,
@@ -119,14 +127,19 @@ class CpuAttention(AttentionRule):
         for name in INLINED:
             if _has_block(sch, name):
                 sch.compute_inline(sch.get_sblock(name))
+        # Every tensorize runs last, in order (`_register_tile`'s ``later``): a tensorized stage can
+        # leave the root scope no "stage pipeline" for the other stages' primitives.
+        steps: list = []
+        for name in PROJECTIONS:
+            if _has_block(sch, name):
+                _gemm(sch, spec, target, name, lanes, knobs, steps)
         chunks = _divisor_at_most(spec.n_kv, _int(sch, knobs["key_chunks"]))  # rfactor drops tail predicates
         if _few_tasks_of_one_query(spec, target, lanes) and chunks > 1:
             _split_keys(sch, spec, lanes, chunks)
         else:
-            _attention_core(sch, spec, target, lanes, knobs)
-        for name in ("q_proj", "k_proj", "v_proj", "out"):
-            if _has_block(sch, name):
-                _gemm(sch, name, lanes, knobs)
+            _attention_core(sch, spec, target, lanes, knobs, steps)
+        for step in steps:
+            step()
         return sch
 
 
@@ -141,7 +154,7 @@ def gemm_defaults(d_in: int, lanes: int, bits: int) -> dict[str, int]:
 
 
 def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: int,
-                    k: Mapping[str, KnobValue]) -> None:
+                    k: Mapping[str, KnobValue], steps: list) -> None:
     tile_factor = _at_most(sch, k["q_tile"], spec.n_q)  # a few queries (decode): one exact tile
     tile_factor = _dot_tile(spec, target, _int(sch, tile_factor)) or tile_factor  # dot products: whole tiles
     q_tile = _int(sch, tile_factor)
@@ -179,7 +192,7 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
         _row_reduction(sch, "row_max", s_lanes)
     else:
         _pack_queries(sch, spec, task, q_tile, qk_pairs)
-        tile_keys = _scores(sch, s_lanes, qk_keys, qk_pairs, widen=spec.dtype != "float32" and not qk_pairs)
+        tile_keys = _scores(sch, s_lanes, qk_keys, qk_pairs, steps, widen=spec.dtype != "float32" and not qk_pairs)
         if spec.attn_mask is not None and {"s", "t"} <= set(spec.attn_mask_dims):
             _pack_mask(sch, task, q_tile)  # (row_max then reads the mask's tile: a pass of its own)
             _row_reduction(sch, "row_max", s_lanes)
@@ -202,9 +215,10 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
     if spec.dtype != "float32" and not pv_pairs and s_lanes > 1 and not spec.projections:
         _widen_values(sch, spec, lanes)
     # whole row groups per tile: a partial group's accumulator has a loop-dependent size
-    _weights_v(sch, spec, lanes, _divisor_at_most(q_tile, _int(sch, k["pv_rows"])), k["pv_vecs"], pv_pairs)
+    _weights_v(sch, spec, lanes, _divisor_at_most(q_tile, _int(sch, k["pv_rows"])), k["pv_vecs"], pv_pairs,
+               steps)
     if panels:
-        _tensorize_pairs(sch, spec, panels, q_tile)
+        steps.append(functools.partial(_tensorize_pairs, sch, spec, panels, q_tile))
     if qk_pairs or pv_pairs:
         import_dot(sch, task)
 
@@ -270,9 +284,7 @@ def bf16_dots(spec: AttentionSpec, target: Target, q_tile: int, qk_keys: int) ->
             or not isinstance(n_q, int) or n_q % q_tile or not isinstance(n_kv, int):
         return False, False
     qk = spec.d_k % PAIR == 0 and n_kv % qk_keys == 0
-    # (not in a full layer: after `_pack_pairs` TVM refuses the projections' `cache_write`, "not a
-    # stage pipeline")
-    return qk, n_kv % PAIR == 0 and spec.d_v % LANES == 0 and not spec.projections
+    return qk, n_kv % PAIR == 0 and spec.d_v % LANES == 0
 
 
 def _few_tasks_of_one_query(spec: AttentionSpec, target: Target, lanes: int) -> bool:
@@ -363,7 +375,7 @@ def _pack_mask(sch: Schedule, task, q_tile: int) -> None:
                          assume_injective_transform=True)
 
 
-def _scores(sch: Schedule, lanes: int, keys_factor: KnobValue, pairs: bool, widen: bool):
+def _scores(sch: Schedule, lanes: int, keys_factor: KnobValue, pairs: bool, steps: list, widen: bool):
     """acc[qk_keys keys][q_tile queries] += k[t, e] · q[e, s], over e, in registers (``lanes``
     queries per vector); with ``pairs``, two steps of e per instruction (`x86_bf16.DOT_16x2`: the
     pair k[t, e:e+2] broadcast, the panel's q[e:e+2, s:s+16]); ``widen``: 16-bit keys widened to fp32
@@ -382,7 +394,7 @@ def _scores(sch: Schedule, lanes: int, keys_factor: KnobValue, pairs: bool, wide
         _widen_keys(sch, scores, t_out, lanes)
     _register_tile(sch, scores, t_out, lambda b, i, st, t, s: (b, i, st, t // keys, t % keys, s),
                    (t_in, s_out), s_vec, lanes, e, intrinsic=DOT_16x2 if pairs else None,
-                   key_blocks=f"b=v_b_o,s=v_s_o*{LANES},t=v_t_o")
+                   key_blocks=f"b=v_b_o,s=v_s_o*{LANES},t=v_t_o", later=steps)
     return t_out
 
 
@@ -425,7 +437,7 @@ def _scores_along_head_dim(sch: Schedule, scores_rf, chunks: KnobValue | None = 
 
 
 def _weights_v(sch: Schedule, spec: AttentionSpec, lanes: int, rows_factor: KnobValue, vecs: KnobValue,
-               pairs: bool) -> None:
+               pairs: bool, steps: list) -> None:
     """acc[pv_rows queries][pv_vecs·lanes of d_v] += probs[t, s] · v[t, c], over t, in registers;
     with ``pairs``, two keys per instruction (`x86_bf16.DOT_16x2_PAIR_FIRST` on `_pack_pairs`' panels)."""
     pv = sch.get_sblock("pv")
@@ -443,7 +455,7 @@ def _weights_v(sch: Schedule, spec: AttentionSpec, lanes: int, rows_factor: Knob
         sch.reorder(s_out, c_out, t, s_in, c_mid, c_vec)
     _register_tile(sch, pv, c_out, lambda b, i, st, s, c: (b, i, st, s // rows, s % rows, c),
                    (s_in, c_mid), c_vec, lanes_c, t, intrinsic=DOT_16x2_PAIR_FIRST if pairs else None,
-                   key_blocks=f"b=v_b_o,s=v_s_o,t=v_t_o*{PAIR}")
+                   key_blocks=f"b=v_b_o,s=v_s_o,t=v_t_o*{PAIR}", later=steps)
 
 
 def _pack_pairs(sch: Schedule, spec: AttentionSpec, pair_loop) -> tuple[str, str]:
@@ -506,7 +518,8 @@ def _tensorize_pairs(sch: Schedule, spec: AttentionSpec, panels: tuple[str, str]
         loops = sch.get_loops(sch.get_sblock(name))
         t, t_pair = sch.split(loops[t_at], [None, PAIR])
         sch.reorder(t, *loops[t_at + 1:], t_pair)  # (t/2, [head,] column, pair)
-        _tensorize(sch, loops[-1], intrinsic)
+        # (a full layer's v_proj rows hold every head: a head at a time)
+        _tensorize(sch, sch.split(loops[-1], [None, spec.d_v if name == v_name else q_tile])[1], intrinsic)
     sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock(v_name + "_o"))))  # V's panel: a pass before the tasks
     # P's panel is a key stage: it reads the weights of the keys its queries see, in pairs (V's reads
     # the input, every key)
@@ -516,47 +529,101 @@ def _tensorize_pairs(sch: Schedule, spec: AttentionSpec, panels: tuple[str, str]
     sch.annotate(p_panel, KEY_BLOCKS, f"b={b},s={tile}*{q_tile},t={pair}*{PAIR}")
 
 
-def _gemm(sch: Schedule, name: str, lanes: int, k: Mapping[str, KnobValue]) -> None:
-    """A projection of the layer: `gemm` on its block, then its cast to the storage dtype, if any."""
+def _gemm(sch: Schedule, spec: AttentionSpec, target: Target, name: str, lanes: int,
+          k: Mapping[str, KnobValue], steps: list) -> None:
+    """A projection of the layer: `gemm` on its block, then its cast to the storage dtype, if any. On
+    the bf16 dot products (`weight_pairs`) W is packed into pairs first, once, before the tasks; the
+    tensorize steps of the register tile and of that copy go to ``steps``."""
     acc_name = name + "_acc" if _has_block(sch, name + "_acc") else name
     blk = sch.get_sblock(acc_name)
-    width = int(sch.get(sch.get_loops(blk)[-2]).extent)
-    gemm(sch, blk, lanes, k)
+    pairs = weight_pairs(spec, target, name)
+    if pairs:
+        panel = _copy_of(sch, blk, ("w_q", "w_k", "w_v", "w_o"))
+        sch.transform_layout(panel, ("write", 0), lambda c, m: (c // PAIR, m, c % PAIR),
+                             assume_injective_transform=True)
+    gemm(sch, blk, lanes, k, pairs=steps if pairs else None)
+    if pairs:
+        steps.append(functools.partial(_tensorize_weight_pairs, sch, sch.get(panel).name_hint))
     if acc_name != name:  # the cast to the storage dtype, per output element
         cast = sch.get_sblock(name)
         loops = sch.get_loops(cast)
         sch.parallel(sch.fuse(*loops[:2]))
-        _vectorize(sch, loops[-1], width, lanes)
+        _vectorize(sch, loops[-1], int(sch.get(loops[-1]).extent), lanes)
+
+
+def weight_pairs(spec: AttentionSpec, target: Target, projection: str) -> bool:
+    """Whether a projection (a `PROJECTIONS` block) runs on `x86_bf16.DOT_16x2_PAIR_FIRST`: bf16 on a
+    CPU with AVX512-BF16, a static number of rows, at least `MIN_PAIR_ROWS`, whole pairs of the
+    reduction and columns in whole vectors (`gemm` then takes whole tiles: a tail's predicate cannot
+    sit inside the instruction). Elsewhere it widens to fp32 FMAs."""
+    rows, columns, depth = {"q_proj": (spec.n_q, spec.h * spec.d_k, spec.d),
+                            "k_proj": (spec.n_kv, spec.h_kv * spec.d_k, spec.d),
+                            "v_proj": (spec.n_kv, spec.h_kv * spec.d_v, spec.d),
+                            "out": (spec.n_q, spec.d, spec.h * spec.d_v)}[projection]
+    rows *= spec.batch if isinstance(spec.batch, int) else 1
+    # W_O's pairs of merged columns must not straddle two heads: its x pairs are read from attn
+    whole_pairs = depth % PAIR == 0 and (projection != "out" or spec.d_v % PAIR == 0)
+    return (spec.dtype == "bfloat16" and has_bf16_dot(target) and isinstance(rows, int)
+            and rows >= MIN_PAIR_ROWS and whole_pairs and columns % LANES == 0)
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+
+
+def _tensorize_weight_pairs(sch: Schedule, panel: str) -> None:
+    """W's pair panel (d/2, width, 2), packed 16 columns at a time by `x86_bf16.pairs_intrinsic`,
+    in parallel over pairs of rows."""
+    c, m = sch.get_loops(sch.get_sblock(panel))
+    c, c_pair = sch.split(c, [None, PAIR])
+    m, m_vec = sch.split(m, [None, LANES])
+    sch.reorder(c, m, m_vec, c_pair)
+    _tensorize(sch, m_vec, pairs_intrinsic("bfloat16", LANES))
+    sch.parallel(c)
+    import_dot(sch, c)
 
 
 def gemm(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: tuple = (),
-         padded_columns: bool = False) -> list:
+         padded_columns: bool = False, pairs: list | None = None) -> list:
     """y[…, s, m] = Σ_c x[…, s, c]·w[…, c, m] (loops: batch…, s, m, c): parallel over (batch, row
     tile, column tile), register-tiled; the ``epilogue`` blocks (bias, activation, residual) are
     computed on each register tile as it is stored; those that cannot be are returned. With
-    ``padded_columns`` (w is zero-padded to whole tiles) the column tail takes whole vectors too."""
+    ``padded_columns`` (w is zero-padded to whole tiles) the column tail takes whole vectors too.
+    Given ``pairs`` (bf16, w read from a (c/2, m, 2) pair panel, a static row count, the width in whole
+    vectors), two steps of c per `x86_bf16.DOT_16x2_PAIR_FIRST`, every tile whole (the factors are
+    the largest divisors up to the knobs), its tensorize step appended to ``pairs`` (`_register_tile`'s
+    ``later``)."""
     *batch, s, m, c = sch.get_loops(blk)
     width = int(sch.get(m).extent)
     # Row tiles stay inside one sequence: a tile crossing a batch boundary would make the
     # accumulator's region non-rectangular, and its write-back would cover rows it never computed.
     extent = sch.get(s).extent
     n_rows = int(extent) if isinstance(extent, tvm.tirx.IntImm) else None
-    rows_factor = _at_most(sch, k["gemm_rows"], n_rows)  # one token (decode): a one-row register tile
+    at_most = (lambda knob, n: _divisor_at_most(n, _int(sch, knob))) if pairs is not None else (  # noqa: E731
+        lambda knob, n: _at_most(sch, knob, n))
+    rows_factor = at_most(k["gemm_rows"], n_rows)  # one token (decode): a one-row register tile
     row_tiles = None if n_rows is None else -(-n_rows // _int(sch, rows_factor))
-    block_factor = _at_most(sch, k["gemm_block_rows"], row_tiles)
+    block_factor = at_most(k["gemm_block_rows"], row_tiles)
     r_task, r_out, r_in = sch.split(s, [None, block_factor, rows_factor])
     lanes_m = lanes if padded_columns else _lanes_for(width, lanes)
     vecs = k["gemm_vecs"] if lanes_m == lanes else 1
+    if pairs is not None:
+        vecs = _divisor_at_most(width // lanes_m, _int(sch, vecs))
     col_tiles = -(-width // (_int(sch, vecs) * lanes_m))
-    m_task, m_out, m_mid, m_vec = sch.split(m, [None, _at_most(sch, k["gemm_block_cols"], col_tiles), vecs, lanes_m])
+    m_task, m_out, m_mid, m_vec = sch.split(m, [None, at_most(k["gemm_block_cols"], col_tiles), vecs, lanes_m])
     # a task owns a block of rows × columns, so its panels of x and w stay in L2 across register tiles
-    sch.reorder(*batch, r_task, m_task, r_out, m_out, c, r_in, m_mid, m_vec)
+    if pairs is not None:
+        c, c_pair = sch.split(c, [None, PAIR])
+        sch.reorder(*batch, r_task, m_task, r_out, m_out, c, r_in, m_mid, m_vec, c_pair)
+    else:
+        sch.reorder(*batch, r_task, m_task, r_out, m_out, c, r_in, m_mid, m_vec)
     sch.parallel(sch.fuse(*batch, r_task, m_task))
     rows = _int(sch, rows_factor)
     # whole column tiles in the accumulator: with padded columns the last tile computes past the width
     w = _int(sch, vecs) * lanes_m
     return _register_tile(sch, blk, m_out, lambda *i: (*i[:-2], i[-2] // rows, i[-2] % rows, i[-1] // w, i[-1] % w),
-                          (r_in, m_mid), m_vec, lanes_m, c, epilogue)
+                          (r_in, m_mid), m_vec, lanes_m, c, epilogue,
+                          intrinsic=None if pairs is None else DOT_16x2_PAIR_FIRST, later=pairs)
 
 
 def gemv(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: tuple = (),
@@ -578,14 +645,17 @@ def gemv(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: t
 
 
 def _register_tile(sch: Schedule, block, outer, layout, unrolled: tuple, vector, lanes: int, reduction,
-                   epilogue: tuple = (), intrinsic: str | None = None, key_blocks: str | None = None) -> list:
+                   epilogue: tuple = (), intrinsic: str | None = None, key_blocks: str | None = None,
+                   later: list | None = None) -> list:
     """The register-tile idiom: ``block`` accumulates its tile under ``outer`` in a local buffer
     (``cache_write``) that LLVM keeps in registers once its loops are unrolled and vectorised.
     ``layout`` gives that buffer a fixed size even where a tail predicate cuts the tile. The init
     is split off last: vectorising after ``decompose_reduction`` fails. The ``epilogue`` blocks
     (elementwise consumers of ``block``, in order) are inlined into the store of the tile, up to the
     first that cannot be (or while the tile has other consumers): that one and the rest are returned.
-    With ``intrinsic``, the loop nest from ``vector`` in is that tensor intrinsic instead of a vector."""
+    With ``intrinsic``, the loop nest from ``vector`` in is that tensor intrinsic instead of a vector:
+    tensorized now, or, given ``later``, a step appended to it for the caller to run last (a
+    tensorized stage can leave the root scope no "stage pipeline" for other stages' primitives)."""
     acc = sch.cache_write(block, 0, "local")
     left = list(epilogue)
     while left and _only_consumer(sch, acc, left[0]):
@@ -603,8 +673,9 @@ def _register_tile(sch: Schedule, block, outer, layout, unrolled: tuple, vector,
     _vectorize(sch, sch.get_loops(acc)[-1], None, lanes)
     init = sch.decompose_reduction(block, reduction)
     if intrinsic is not None:  # ``vector`` and the loops inside it are the intrinsic's
-        _tensorize(sch, vector, intrinsic, key_blocks)
         _vectorize(sch, sch.get_loops(init)[-1], lanes, lanes)
+        step = functools.partial(_tensorize, sch, vector, intrinsic, key_blocks)
+        step() if later is None else later.append(step)
     return left
 
 

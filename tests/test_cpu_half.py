@@ -93,6 +93,33 @@ def test_bf16_dot_instruction_exactly_where_the_target_has_it(mcpu, has_dot):
     assert ("vdpbf16ps" in kernel.schedule) == has_dot
 
 
+# d_k = 3: QKᵀ and P·V cannot take the dot products, so any vdpbf16ps is the projections'
+LAYER = AttentionSpec(batch=1, seq_len=32, num_heads=16, head_dim=3, d_model=48, causal=True, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("mcpu,has_dot", [("znver4", True), ("znver3", False)])
+@pytest.mark.parametrize("seq_len", [32, 1])
+def test_layer_projections_on_the_bf16_dot_instruction(mcpu, has_dot, seq_len):
+    """W_Q, W_K, W_V and W_O on vdpbf16ps (W packed into pairs once per call) where the target has it,
+    from 16 rows: a one-token step keeps its projections widened, reading W once."""
+    spec = LAYER.replace(seq_len=seq_len)
+    kernel = tvmattn.compile(spec, {"kind": "llvm", "mcpu": mcpu, "num-cores": 2}, knobs={})
+    assert ("vdpbf16ps" in kernel.source()) == (has_dot and seq_len >= 16)
+    if HOST_HAS_BF16_DOT or not has_dot:
+        assert_matches_oracle(kernel)
+
+
+@needs_bf16_dot
+@settings(max_examples=10, deadline=None)
+@given(specs(dtype="bfloat16", projections=True, symbolic=False, max_len=48), st.data())
+def test_layers_with_projections_on_the_bf16_dot_products_match_the_oracle(spec, data):
+    """Every axis of a full layer with model widths in whole vectors and at least 16 rows: its
+    projections on the dot products wherever their reduction comes in whole pairs (odd head widths
+    straddle heads in W_O's)."""
+    spec = spec.replace(d_model=data.draw(st.sampled_from((16, 32, 48))), seq_len=max(spec.n_q, 16))
+    assert_matches_oracle(compiled(spec))
+
+
 def test_bf16_without_the_instruction_matches_the_oracle():
     """The fp32 FMA path a CPU without AVX512-BF16 takes (AVX2 code runs on any x86-64 here)."""
     kernel = tvmattn.compile(SPEC.replace(causal=True), {"kind": "llvm", "mcpu": "haswell", "num-cores": 2})
