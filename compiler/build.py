@@ -68,7 +68,8 @@ def lowering_passes(spec: AttentionSpec, target: Target) -> tvm.transform.Pass:
     """tvmattn's own passes, run on the scheduled module before TVM's pipeline."""
     seq = [passes.skip_masked_key_tiles(spec)]
     if is_cpu(target):
-        seq += [passes.pad_query_tiles(), passes.peel_key_tails(), passes.polynomial_math(),
+        exp2 = passes.EXP2_P_BF16 if spec.dtype == "bfloat16" else passes.EXP2_P
+        seq += [passes.pad_query_tiles(), passes.peel_key_tails(), passes.polynomial_math(exp2),
                 passes.exact_widenings(), x86_bf16.keep_operands_16bit()]
     return tvm.transform.Sequential(seq)
 

@@ -599,7 +599,15 @@ def element_aligned_arguments() -> tvm.transform.Pass:
     return transform
 
 
-def polynomial_math() -> tvm.transform.Pass:
+# 2^r on [-1/2, 1/2], fitted to the relative error, highest power first: degree 5, 1.8e-7 in fp32;
+# degree 3, 7.5e-5, for bf16 kernels: they round every result to 8 significant bits (half an ulp is
+# 2e-3), P for P·V as well, so two fewer FMAs per vector cost nothing visible (2-4 % of a kernel).
+EXP2_P = (1.3218672247603536e-3, 9.671698324382305e-3, 5.550893023610115e-2, 0.24022237956523895,
+          0.6931468844413757, 1.0)
+EXP2_P_BF16 = (5.517132143402796e-2, 0.2426105422817228, 0.6932609856052576, 0.9999281093641539)
+
+
+def polynomial_math(exp2_coefficients: tuple[float, ...] = EXP2_P) -> tvm.transform.Pass:
     """fp32 exp, exp2, sigmoid, tanh and erf as vectorisable polynomials, and x**k for a small integer
     k as products: LLVM would otherwise call scalar libm (``expf``, ``tanhf``, ``erff``, ``powf``) per lane.
 
@@ -608,7 +616,8 @@ def polynomial_math() -> tvm.transform.Pass:
     -inf has weight 0, not exp(-87) ≈ 1.6e-38), and NaN stays NaN (the clamp's min/max would turn it
     into a number: a NaN input must show in the output). exp2(x) = 2^n · p(x - n), n = round(x): no
     Cody–Waite step and p of degree 5, about 40 % fewer instructions (the attention softmax runs in
-    base 2 for it); 0 below -126.5 (no denormals), clamped at 127, NaN kept. sigmoid(x) =
+    base 2 for it); 0 below -126.5 (no denormals), clamped at 127, NaN kept; ``exp2_coefficients``: a
+    shorter p where the result is rounded coarser (`EXP2_P_BF16`). sigmoid(x) =
     1 / (1 + exp(-x)). tanh and erf are the odd rational approximations Eigen and TVM's
     ``fast_tanh``/``fast_erf`` use (a few ulp).
     """
@@ -621,7 +630,7 @@ def polynomial_math() -> tvm.transform.Pass:
             if call.op.same_as(_EXP):
                 return _exp_f32(call.args[0])
             if call.op.same_as(_EXP2):
-                return _exp2_f32(call.args[0])
+                return _exp2_f32(call.args[0], exp2_coefficients)
             if call.op.same_as(_SIGMOID):
                 return tirx.const(1.0, "float32") / (tirx.const(1.0, "float32") + _exp_f32(-call.args[0]))
             if call.op.same_as(_TANH):
@@ -664,19 +673,14 @@ def _odd_rational(arg: PrimExpr, limit: float, p: tuple, q: tuple) -> PrimExpr:
     return tirx.Select(tirx.isnan(arg), arg, x * num / den)
 
 
-# 2^r on [-1/2, 1/2], degree 5, fitted to the relative error (1.8e-7 in fp32). Highest power first.
-EXP2_P = (1.3218672247603536e-3, 9.671698324382305e-3, 5.550893023610115e-2, 0.24022237956523895,
-          0.6931468844413757, 1.0)
-
-
-def _exp2_f32(arg: PrimExpr) -> PrimExpr:
+def _exp2_f32(arg: PrimExpr, coefficients: tuple[float, ...]) -> PrimExpr:
     f = lambda v: tirx.const(v, "float32")  # noqa: E731
     # 2^-127 has a zero exponent field: exactly 0, so -inf needs no test of its own (exp's does)
     x = tirx.min(tirx.max(arg, f(-127.0)), f(127.0))
     n = tirx.nearbyint(x)
     r = x - n  # exact
-    p = f(EXP2_P[0])
-    for coeff in EXP2_P[1:]:
+    p = f(coefficients[0])
+    for coeff in coefficients[1:]:
         p = p * r + f(coeff)
     return tirx.Select(tirx.isnan(arg), arg, p * _two_to(n))
 

@@ -58,18 +58,21 @@ def test_tile_buffers_never_hold_the_score_matrix():
     assert max(sizes) < 1024 * 1024
 
 
-def test_polynomial_math_accuracy():
+@pytest.mark.parametrize("op,coefficients,lo,limit", [
+    ("exp", passes.EXP2_P, -87, 1e-6), ("exp2", passes.EXP2_P, -126, 5e-7),
+    ("exp2", passes.EXP2_P_BF16, -126, 1e-4)])  # bf16 kernels: under bf16's rounding (2e-3)
+def test_polynomial_math_accuracy(op, coefficients, lo, limit):
     x = tvm.te.placeholder((4096,), "float32", "x")
-    y = tvm.te.compute(x.shape, lambda i: tvm.tirx.exp(x[i]), name="y")
+    y = tvm.te.compute(x.shape, lambda i: getattr(tvm.tirx, op)(x[i]), name="y")
     mod = tvm.IRModule({"main": tvm.te.create_prim_func([x, y])})
-    mod = passes.polynomial_math()(mod)
-    assert "T.exp" not in mod.script()
+    mod = passes.polynomial_math(coefficients)(mod)
+    assert f"T.{op}(" not in mod.script()
     f = tvm.compile(mod, CPU)
-    xs = np.linspace(-87, 0, 4096).astype(np.float32)
+    xs = np.linspace(lo, 0, 4096).astype(np.float32)
     out = tvm.runtime.empty((4096,), "float32", tvm.cpu())
     f(tvm.runtime.tensor(xs), out)
-    rel = np.abs(out.numpy() - np.exp(xs.astype(np.float64))) / np.exp(xs.astype(np.float64))
-    assert rel.max() < 1e-6
+    exact = (np.exp if op == "exp" else np.exp2)(xs.astype(np.float64))
+    assert (np.abs(out.numpy() - exact) / exact).max() < limit
 
 
 @pytest.mark.parametrize("field", [dict(causal=True), dict(window=5), dict(key_padding=True)])
