@@ -2,10 +2,11 @@
 
 Peers (each only if installed): PyTorch `scaled_dot_product_attention`, ONNX Runtime's `Attention`
 (opset 23), OpenVINO's `ScaledDotProductAttention` (opset 13) and NumPy. Each runs with every core,
-after a warm-up, for the median of repeated runs; idle worker threads are told not to spin so that one
-implementation does not steal the next one's cores (TVM_THREAD_POOL_SPIN_COUNT=0,
+after a warm-up, in interleaved rounds (`interleaved`: a slow spell of the machine falls on every
+implementation alike), for the median of its runs; idle worker threads are told not to spin so that
+one implementation does not steal the next one's cores (TVM_THREAD_POOL_SPIN_COUNT=0,
 OMP_WAIT_POLICY=PASSIVE, ORT allow_spinning=0). OpenVINO's TBB workers have no such switch: the pause
-before each implementation lets them go idle.
+before each turn lets them go idle.
 
 16-bit specs: torch takes the bf16/fp16 arrays as they are, ONNX Runtime fp16 (it has no CPU bf16
 `Attention`: skipped), OpenVINO fp32 tensors holding the same rounded values with a bf16/f16 inference
@@ -30,7 +31,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 from importlib.util import find_spec  # noqa: E402
-from typing import Callable, Sequence  # noqa: E402
+from typing import Callable, Mapping, Sequence  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -46,6 +47,7 @@ from tvmattn.compiler.verify import errors, random_inputs  # noqa: E402
 DEFAULT_SUITE = [(1, 8, 128, 64), (1, 8, 512, 64), (4, 12, 512, 64), (1, 16, 2048, 64), (8, 8, 256, 32)]
 NUMPY_LIMIT_BYTES = 2 << 30  # NumPy materialises the scores; skip it above this
 ORACLE_LIMIT_ELEMENTS = 1 << 27  # the float64 oracle materialises them too
+PAUSE_S = 0.2  # before each implementation's turn: the previous one's workers go idle
 
 
 @dataclass
@@ -83,6 +85,30 @@ def measure(fn: Callable[[], object], budget_s: float = 1.0, warmup: int = 2) ->
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def interleaved(runs: Mapping[str, Callable[[], object]], budget_s: float, rounds: int = 5,
+                pause_s: float = 0.0, warmup: int = 2) -> dict[str, list[float]]:
+    """Seconds per run of each callable, in ``rounds`` rounds that give each a turn of ``budget_s /
+    rounds`` (at least one run), ``pause_s`` before each turn (for the previous one's workers to go
+    idle): on a shared machine a slow spell then falls on every implementation alike, not on
+    whichever ran during it."""
+    for run in runs.values():
+        for _ in range(warmup):
+            run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            time.sleep(pause_s)
+            end = time.perf_counter() + budget_s / rounds
+            while True:
+                t0 = time.perf_counter()
+                run()
+                t1 = time.perf_counter()
+                times[name].append(t1 - t0)
+                if t1 >= end:
+                    break
+    return times
 
 
 def peak_extra_mib(fn: Callable[[], object], output_bytes: int = 0) -> float | None:
@@ -314,23 +340,26 @@ def bench(spec: AttentionSpec, peers: Sequence[str] | None = None, budget_s: flo
     out_bytes = int(np.prod(spec.output_shape())) * np.dtype(numpy_dtype(spec.dtype)).itemsize
     impls: list[tuple[str, Callable]] = [("tvmattn", lambda s, a: tvmattn_impl(s, a, target, log_dirs, tuned))]
     impls += [(name, PEERS[name]) for name in peers]
-    results = []
+    results: dict[str, Result] = {}
+    runs, memory, notes = {}, {}, {}
     for name, make in impls:
         try:
-            fn, what = make(spec, args)
+            runs[name], notes[name] = make(spec, args)
         except ImportError:
-            results.append(Result(name, label, note="not installed"))
+            results[name] = Result(name, label, note="not installed")
             continue
         except NotImplementedError as why:
-            results.append(Result(name, label, note=f"skipped: {why}"))
+            results[name] = Result(name, label, note=f"skipped: {why}")
             continue
-        time.sleep(0.2)  # let the previous implementation's workers go idle
-        memory = peak_extra_mib(fn, 0 if name == "tvmattn" else out_bytes)  # the first call, cold
-        seconds = measure(fn, budget_s)
-        out = np.asarray(_to_numpy(fn()), dtype=np.float64)
+        time.sleep(PAUSE_S)
+        memory[name] = peak_extra_mib(runs[name], 0 if name == "tvmattn" else out_bytes)  # the first call, cold
+    times = interleaved(runs, budget_s, pause_s=PAUSE_S)
+    for name, run in runs.items():
+        seconds = statistics.median(times[name])
+        out = np.asarray(_to_numpy(run()), dtype=np.float64)
         err = _error(out, ref, seen) if ref is not None else None
-        results.append(Result(name, label, seconds * 1e3, flops(spec) / seconds / 1e9, err, memory, what))
-    return results
+        results[name] = Result(name, label, seconds * 1e3, flops(spec) / seconds / 1e9, err, memory[name], notes[name])
+    return [results[name] for name, _ in impls]
 
 
 def _rows_that_see_keys(spec: AttentionSpec, args: dict[str, np.ndarray]) -> np.ndarray:

@@ -22,6 +22,16 @@ SMALL = [
 ]
 
 
+def test_implementations_take_turns_round_by_round():
+    """`bench.interleaved`: every implementation runs in every round, one turn each, in order (a slow
+    spell of a shared machine then falls on all of them), and every run is timed."""
+    calls = []
+    runs = {name: (lambda name=name: calls.append(name)) for name in ("a", "b")}
+    times = bench.interleaved(runs, budget_s=0.0, rounds=3, warmup=1)
+    assert calls == ["a", "b"] + ["a", "b"] * 3  # the warm-up, then a turn (one run here) per round
+    assert {name: len(t) for name, t in times.items()} == {"a": 3, "b": 3}
+
+
 @pytest.mark.parametrize("spec", SMALL, ids=["causal", "gqa-window-padding", "bool-mask", "additive-mask"])
 def test_every_implementation_agrees_with_the_oracle(spec):
     rows = {r.impl: r for r in bench.bench(spec, budget_s=0.05)}

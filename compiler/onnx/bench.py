@@ -20,10 +20,12 @@ import onnx
 import tvm
 from tvm import relax
 
+from tvmattn.compiler.bench import interleaved
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.onnx.importer import ImportedModel
 from tvmattn.compiler.target import cpu_cores
 
+ROUNDS = 20  # turns of a few runs each: the two alternate closely
 CLASSES = ("attention", "matmul", "norm", "elementwise", "other")
 RULE_CLASS = {"matmul": "matmul", "gemv": "matmul", "dlight-gemv": "matmul", "reduction": "norm",
               "injective": "elementwise"}
@@ -61,7 +63,7 @@ def bench_model(model: onnx.ModelProto, imported: ImportedModel, feed: dict[str,
         runs["onnxruntime"] = lambda: session.run(None, feed)
     except TvmAttnError as err:
         ort_note = str(err)
-    times = _interleaved(runs, budget_s)
+    times = interleaved(runs, budget_s, rounds=ROUNDS)
     ort_ms = statistics.median(times["onnxruntime"]) * 1e3 if "onnxruntime" in times else None
     return ModelBench(name, shapes, statistics.median(times["tvmattn"]) * 1e3, ort_ms, ort_note,
                       by_class(imported, feed))
@@ -80,22 +82,6 @@ def _ort_session(model: onnx.ModelProto):
     except Exception as err:  # ORT's own errors: it cannot run this model
         raise TvmAttnError(f"ONNX Runtime cannot load this model: {str(err).strip().splitlines()[0]}") from None
     return session, f"onnxruntime {ort.__version__}, default graph optimisations"
-
-
-def _interleaved(runs: dict, budget_s: float, warmup: int = 2) -> dict[str, list[float]]:
-    """Seconds per run of each callable, alternating them round by round (3 ≤ rounds ≤ 50)."""
-    for run in runs.values():
-        for _ in range(warmup):
-            run()
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    start = time.perf_counter()
-    while len(times["tvmattn"]) < 3 or (time.perf_counter() - start < budget_s * len(runs)
-                                        and len(times["tvmattn"]) < 50):
-        for name, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - t0)
-    return times
 
 
 def by_class(imported: ImportedModel, feed: dict[str, np.ndarray]) -> dict[str, float]:
