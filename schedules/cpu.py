@@ -246,9 +246,9 @@ def _padded_dots(spec: AttentionSpec, target: Target) -> bool:
     """Whether the core kernel's symbolic lengths run in whole blocks of `LANES` (`te_attention._core`)
     for the bf16 dot products: then QKᵀ always takes them (static queries in whole dot tiles, d_k in
     pairs, `_qk_keys` dividing the block; TVM 0.27 cannot build the widened key tiles over padded
-    keys). Not in a full layer, where P·V keeps fp32."""
+    keys)."""
     n_q = spec.n_q
-    return (spec.dtype == "bfloat16" and has_bf16_dot(target) and not spec.projections
+    return (spec.dtype == "bfloat16" and has_bf16_dot(target)
             and spec.d_k % PAIR == 0 and any(isinstance(x, str) for x in (n_q, spec.n_kv))
             and (isinstance(n_q, str) or n_q % LANES == 0))
 
@@ -352,7 +352,7 @@ def _pack_queries(sch: Schedule, spec: AttentionSpec, task, q_tile: int, pairs: 
     sch.compute_at(panel, task, preserve_unit_loops=True)
     # bf16 dot products: (d_k/2, q_tile, 2), each query's pairs of e side by side
     at = (lambda e, s: (e // PAIR, s % q_tile, e % PAIR)) if pairs else (lambda e, s: (e, s % q_tile))  # noqa: E731
-    if spec.projections:  # q_proj (B, n, h·d_k)
+    if spec.projections and not padded:  # q_proj (B, n, h·d_k)
         layout = lambda b, s, m: (b, s // q_tile, *at(m, s))  # noqa: E731
     elif spec.layout == "BHSD" or padded:  # q_rows is (B, h, n_rows, d_k) in either layout
         layout = lambda b, i, s, e: (b, i, s // q_tile, *at(e, s))  # noqa: E731
@@ -473,7 +473,7 @@ def _pack_pairs(sch: Schedule, spec: AttentionSpec, pair_loop) -> tuple[str, str
     p_name = sch.get(p_panel).name_hint
     sch.transform_layout(p_panel, ("write", 0), lambda b, i, st, t, s: (b, i, st, t // PAIR, s, t % PAIR),
                          assume_injective_transform=True)
-    if spec.projections:  # v_proj (B, n_kv, h_kv·d_v)
+    if spec.projections and not padded:  # v_proj (B, n_kv, h_kv·d_v)
         v_layout = lambda b, t, m: (b, t // PAIR, m, t % PAIR)  # noqa: E731
     elif spec.layout == "BHSD" or padded:
         v_layout = lambda b, h, t, c: (b, h, t // PAIR, c, t % PAIR)  # noqa: E731
