@@ -140,6 +140,8 @@ class CpuAttention(AttentionRule):
             _attention_core(sch, spec, target, lanes, knobs, steps)
         for step in steps:
             step()
+        if steps:  # every deferred step is a bf16 dot product's or its panel's
+            import_dot(sch, sch.get_loops(sch.get_sblock("out" if spec.projections else spec.output))[0])
         return sch
 
 
@@ -219,8 +221,6 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
                steps)
     if panels:
         steps.append(functools.partial(_tensorize_pairs, sch, spec, panels, q_tile))
-    if qk_pairs or pv_pairs:
-        import_dot(sch, task)
 
 
 def _row_reduction(sch: Schedule, name: str, s_lanes: int, at=None) -> None:
@@ -580,7 +580,6 @@ def _tensorize_weight_pairs(sch: Schedule, panel: str) -> None:
     sch.reorder(c, m, m_vec, c_pair)
     _tensorize(sch, m_vec, pairs_intrinsic("bfloat16", LANES))
     sch.parallel(c)
-    import_dot(sch, c)
 
 
 def gemm(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: tuple = (),
