@@ -601,7 +601,7 @@ def element_aligned_arguments() -> tvm.transform.Pass:
 
 # 2^r on [-1/2, 1/2], fitted to the relative error, highest power first: degree 5, 1.8e-7 in fp32;
 # degree 3, 7.5e-5, for bf16 kernels: they round every result to 8 significant bits (half an ulp is
-# 2e-3), P for P·V as well, so two fewer FMAs per vector cost nothing visible (2-4 % of a kernel).
+# 2e-3), P for P·V as well, so two fewer FMAs per vector cost nothing visible (3–5 % of a kernel).
 EXP2_P = (1.3218672247603536e-3, 9.671698324382305e-3, 5.550893023610115e-2, 0.24022237956523895,
           0.6931468844413757, 1.0)
 EXP2_P_BF16 = (5.517132143402796e-2, 0.2426105422817228, 0.6932609856052576, 0.9999281093641539)
