@@ -127,7 +127,8 @@ class CpuAttention(AttentionRule):
             return None
         lanes = vector_lanes(target)
         for name in INLINED:
-            if _has_block(sch, name):
+            # (W_O's x, merged, a stage of its own where `_pad_rows` pads it: an einsum's operand)
+            if _has_block(sch, name) and not (name == "merged" and not isinstance(spec.n_q, int)):
                 sch.compute_inline(sch.get_sblock(name))
         # Every tensorize runs last, in order (`_register_tile`'s ``later``): a tensorized stage can
         # leave the root scope no "stage pipeline" for the other stages' primitives.
@@ -539,6 +540,8 @@ def _gemm(sch: Schedule, spec: AttentionSpec, target: Target, name: str, lanes: 
     acc_name = name + "_acc" if _has_block(sch, name + "_acc") else name
     blk = sch.get_sblock(acc_name)
     pairs = weight_pairs(spec, target, name)
+    if not isinstance(sch.get(sch.get_loops(blk)[-3]).extent, tvm.tirx.IntImm):
+        _pad_rows(sch, blk, lanes, cast=acc_name != name)
     if pairs:
         panel = _copy_of(sch, blk, ("w_q", "w_k", "w_v", "w_o"))
         sch.transform_layout(panel, ("write", 0), lambda c, m: (c // PAIR, m, c % PAIR),
@@ -553,11 +556,33 @@ def _gemm(sch: Schedule, spec: AttentionSpec, target: Target, name: str, lanes: 
         _vectorize(sch, loops[-1], int(sch.get(loops[-1]).extent), lanes)
 
 
+def _pad_rows(sch: Schedule, blk, lanes: int, cast: bool) -> None:
+    """A projection's symbolic rows computed in whole blocks of `LANES` (``pad_einsum``: x copied
+    with zero rows past its end, in a parallel pass; the accumulator's extra rows are never stored),
+    so that `gemm`'s tiles divide them: no tail predicate in the micro-kernel (where the dot
+    products cannot take one at all)."""
+    sch.pad_einsum(blk, [1, LANES, 1, 1])
+    x_pad = next(b for b in sch.get_producers(blk) if sch.get(b).name_hint.endswith("_pad"))
+    for stage in sch.get_producers(x_pad):  # merged (W_O's x): read where it is padded
+        sch.compute_inline(stage)
+    copies = [x_pad]
+    back = sch.get_consumers(blk)[0]  # the copy of the real rows: into the cast to 16 bits, if any
+    if cast:
+        sch.compute_inline(back)
+    else:  # (an fp32 projection: its readers look for it by name)
+        copies.append(back)
+    for copy in copies:
+        *rows, c = sch.get_loops(copy)
+        sch.parallel(sch.fuse(*rows))
+        _vectorize(sch, c, None, lanes)
+
+
 def weight_pairs(spec: AttentionSpec, target: Target, projection: str) -> bool:
     """Whether a projection (a `PROJECTIONS` block) runs on `x86_bf16.DOT_16x2_PAIR_FIRST`: bf16 on a
-    CPU with AVX512-BF16, a static number of rows, at least `MIN_PAIR_ROWS`, whole pairs of the
-    reduction and columns in whole vectors (`gemm` then takes whole tiles: a tail's predicate cannot
-    sit inside the instruction). Elsewhere it widens to fp32 FMAs."""
+    CPU with AVX512-BF16, at least `MIN_PAIR_ROWS` rows if they are static (symbolic ones run in
+    whole blocks, `_pad_rows`), whole pairs of the reduction and columns in whole vectors (`gemm`
+    then takes whole tiles: a tail's predicate cannot sit inside the instruction). Elsewhere it
+    widens to fp32 FMAs."""
     rows, columns, depth = {"q_proj": (spec.n_q, spec.h * spec.d_k, spec.d),
                             "k_proj": (spec.n_kv, spec.h_kv * spec.d_k, spec.d),
                             "v_proj": (spec.n_kv, spec.h_kv * spec.d_v, spec.d),
@@ -565,8 +590,8 @@ def weight_pairs(spec: AttentionSpec, target: Target, projection: str) -> bool:
     rows *= spec.batch if isinstance(spec.batch, int) else 1
     # W_O's pairs of merged columns must not straddle two heads: its x pairs are read from attn
     whole_pairs = depth % PAIR == 0 and (projection != "out" or spec.d_v % PAIR == 0)
-    return (spec.dtype == "bfloat16" and has_bf16_dot(target) and isinstance(rows, int)
-            and rows >= MIN_PAIR_ROWS and whole_pairs and columns % LANES == 0)
+    return (spec.dtype == "bfloat16" and has_bf16_dot(target) and not (isinstance(rows, int) and rows < MIN_PAIR_ROWS)
+            and whole_pairs and columns % LANES == 0)
 
 
 def _listed(names: list[str]) -> str:
@@ -600,6 +625,8 @@ def gemm(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: t
     # accumulator's region non-rectangular, and its write-back would cover rows it never computed.
     extent = sch.get(s).extent
     n_rows = int(extent) if isinstance(extent, tvm.tirx.IntImm) else None
+    if n_rows is None and tvm.sym.Analyzer().can_prove_equal(tvm.tirx.floormod(extent, LANES), 0):
+        n_rows = LANES  # rows in whole blocks (`_pad_rows`): tiles that divide a block, no tail
     at_most = (lambda knob, n: _divisor_at_most(n, _int(sch, knob))) if pairs is not None else (  # noqa: E731
         lambda knob, n: _at_most(sch, knob, n))
     rows_factor = at_most(k["gemm_rows"], n_rows)  # one token (decode): a one-row register tile
