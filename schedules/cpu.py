@@ -24,7 +24,8 @@ lane, then their sum), and with fewer (batch, head) pairs than twice the cores t
 
 The register tiles are `cache_write` accumulators that LLVM keeps in vector registers (16 fp32
 lanes with AVX-512, 8 with AVX2). Projections (full layer) are blocked GEMMs with the same register-tile
-idea, in bf16 on the dot products from a pair-packed copy of W (`weight_pairs`). Every tensor intrinsic
+idea (symbolic rows padded to whole blocks, `_pad_rows`), in bf16 on the dot products from a
+pair-packed copy of W (`weight_pairs`). Every tensor intrinsic
 is applied last (`_register_tile`'s ``later``). Masked key tiles are removed after scheduling by
 `tvmattn.compiler.passes.skip_masked_key_tiles`.
 """
