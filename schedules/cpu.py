@@ -75,7 +75,7 @@ KNOBS = (
 MIN_PAIR_ROWS = 16
 PANEL_BYTES = 384 * 1024  # a projection task's panel of W (d_in × its columns), to stay in L2
 
-PROJECTIONS = {"q_proj": "W_Q", "k_proj": "W_K", "v_proj": "W_V", "out": "W_O"}  # the layer's GEMM blocks
+PROJECTIONS = {"q_proj": "w_q", "k_proj": "w_k", "v_proj": "w_v", "out": "w_o"}  # the layer's GEMMs: block → W
 INLINED = ("q_heads", "k_heads", "v_heads", "logits", "merged")
 PER_TILE = ("pv", "row_sum", "probs", "row_max", "scores")  # consumers first, for compute_at
 
@@ -116,7 +116,7 @@ class CpuAttention(AttentionRule):
             dots = [stage for stage, on in zip(("QKᵀ", "P·V"), bf16_dots(spec, target, q_tile, qk_keys)) if on]
         if spec.projections:
             used += ["gemm_rows", "gemm_vecs", "gemm_block_rows", "gemm_block_cols"]
-            dots += [weight for name, weight in PROJECTIONS.items() if weight_pairs(spec, target, name)]
+            dots += [weight.upper() for name, weight in PROJECTIONS.items() if weight_pairs(spec, target, name)]
         if dots:
             what += f", {_listed(dots)} on bf16 dot products (vdpbf16ps)"
         return f"{what}: " + " ".join(f"{name}={knobs[name]}" for name in used)
@@ -512,18 +512,13 @@ def _pad_values(sch: Schedule, spec: AttentionSpec, lanes: int, pairs: bool) -> 
 
 
 def _tensorize_pairs(sch: Schedule, spec: AttentionSpec, panels: tuple[str, str], q_tile: int) -> None:
-    """`_pack_pairs`' copies as `x86_bf16.pairs_intrinsic`, one block per pair of rows. Last: with
-    them tensorized, TVM finds the root scope no "stage pipeline" for the register tiles' primitives."""
+    """`_pack_pairs`' copies as `x86_bf16.pairs_intrinsic`, one block per pair of rows (a deferred
+    step, `_register_tile`'s ``later``)."""
     p_name, v_name = panels
     # V's loops (b, t, h, c), else (…, t, c) (v_rows is BHSD)
     bshd = not spec.projections and spec.layout == "BSHD" and not _has_block(sch, "v_rows")
-    for name, t_at, intrinsic in ((p_name, -2, pairs_intrinsic("float32", q_tile)),
-                                  (v_name, -3 if bshd else -2, pairs_intrinsic("bfloat16", spec.d_v, bshd))):
-        loops = sch.get_loops(sch.get_sblock(name))
-        t, t_pair = sch.split(loops[t_at], [None, PAIR])
-        sch.reorder(t, *loops[t_at + 1:], t_pair)  # (t/2, [head,] column, pair)
-        # (a full layer's v_proj rows hold every head: a head at a time)
-        _tensorize(sch, sch.split(loops[-1], [None, spec.d_v if name == v_name else q_tile])[1], intrinsic)
+    _in_pairs(sch, p_name, -2, q_tile, "float32")
+    _in_pairs(sch, v_name, -3 if bshd else -2, spec.d_v, "bfloat16", bshd)  # (a layer's v_proj: a head at a time)
     sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock(v_name + "_o"))))  # V's panel: a pass before the tasks
     # P's panel is a key stage: it reads the weights of the keys its queries see, in pairs (V's reads
     # the input, every key)
@@ -544,7 +539,7 @@ def _gemm(sch: Schedule, spec: AttentionSpec, target: Target, name: str, lanes: 
     if not isinstance(sch.get(sch.get_loops(blk)[-3]).extent, tvm.tirx.IntImm):
         _pad_rows(sch, blk, lanes, cast=acc_name != name)
     if pairs:
-        panel = _copy_of(sch, blk, ("w_q", "w_k", "w_v", "w_o"))
+        panel = _copy_of(sch, blk, (PROJECTIONS[name],))
         sch.transform_layout(panel, ("write", 0), lambda c, m: (c // PAIR, m, c % PAIR),
                              assume_injective_transform=True)
     gemm(sch, blk, lanes, k, pairs=steps if pairs else None)
@@ -584,10 +579,8 @@ def weight_pairs(spec: AttentionSpec, target: Target, projection: str) -> bool:
     whole blocks, `_pad_rows`), whole pairs of the reduction and columns in whole vectors (`gemm`
     then takes whole tiles: a tail's predicate cannot sit inside the instruction). Elsewhere it
     widens to fp32 FMAs."""
-    rows, columns, depth = {"q_proj": (spec.n_q, spec.h * spec.d_k, spec.d),
-                            "k_proj": (spec.n_kv, spec.h_kv * spec.d_k, spec.d),
-                            "v_proj": (spec.n_kv, spec.h_kv * spec.d_v, spec.d),
-                            "out": (spec.n_q, spec.d, spec.h * spec.d_v)}[projection]
+    depth, columns = spec.input_shapes()[PROJECTIONS[projection]]
+    rows = spec.n_kv if projection in ("k_proj", "v_proj") else spec.n_q
     rows *= spec.batch if isinstance(spec.batch, int) else 1
     # W_O's pairs of merged columns must not straddle two heads: its x pairs are read from attn
     whole_pairs = depth % PAIR == 0 and (projection != "out" or spec.d_v % PAIR == 0)
@@ -600,14 +593,18 @@ def _listed(names: list[str]) -> str:
 
 
 def _tensorize_weight_pairs(sch: Schedule, panel: str) -> None:
-    """W's pair panel (d/2, width, 2), packed 16 columns at a time by `x86_bf16.pairs_intrinsic`,
-    in parallel over pairs of rows."""
-    c, m = sch.get_loops(sch.get_sblock(panel))
-    c, c_pair = sch.split(c, [None, PAIR])
-    m, m_vec = sch.split(m, [None, LANES])
-    sch.reorder(c, m, m_vec, c_pair)
-    _tensorize(sch, m_vec, pairs_intrinsic("bfloat16", LANES))
-    sch.parallel(c)
+    """W's pair panel (d/2, width, 2), packed 16 columns at a time, in parallel over pairs of rows."""
+    sch.parallel(_in_pairs(sch, panel, -2, LANES, "bfloat16"))
+
+
+def _in_pairs(sch: Schedule, name: str, row_at: int, width: int, source: str, heads_between: bool = False):
+    """The copy ``name`` as `x86_bf16.pairs_intrinsic`: its row loop (``row_at``) split into pairs, the
+    pair innermost, ``width`` columns per block. Returns the loop over pairs of rows."""
+    loops = sch.get_loops(sch.get_sblock(name))
+    rows, pair = sch.split(loops[row_at], [None, PAIR])
+    sch.reorder(rows, *loops[row_at + 1:], pair)  # (rows/2, [head,] column, pair)
+    _tensorize(sch, sch.split(loops[-1], [None, width])[1], pairs_intrinsic(source, width, heads_between))
+    return rows
 
 
 def gemm(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: tuple = (),
