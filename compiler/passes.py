@@ -539,26 +539,34 @@ SMALL_POWER = 4  # x**k by multiplication up to this k (GPT-2's GELU cubes its i
 
 
 def exact_widenings() -> tvm.transform.Pass:
-    """Cast(fp32, Cast(h, B[i])) → B[i] where every store to B is Cast(fp32, x) with x of the 16-bit
-    dtype h: the fp32 panels the CPU schedule widens fp16/bf16 operands into once (`unsafe_set_dtype`
-    leaves its readers narrowing back) hold values h represents exactly."""
+    """Cast(fp32, Cast(h, B[i])) → B[i] where every store to B (or to a tensorized block's view of
+    it: `x86_panels`) is Cast(fp32, x) with x of the 16-bit dtype h: the fp32 panels the CPU schedule
+    widens fp16/bf16 operands into once (`unsafe_set_dtype` leaves its readers narrowing back) hold
+    values h represents exactly."""
 
     @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.ExactWidenings")
     def transform(func: PrimFunc, _mod, _ctx) -> PrimFunc:
         widened: list[tuple[tirx.Buffer, str | None]] = []  # buffer, the 16-bit dtype of all its stores
+        views: list[tuple[tirx.Buffer, tirx.Buffer]] = []  # a tensorized block's match buffer, its source
+
+        def on_block(block: SBlock, visitor) -> None:
+            views.extend((m.buffer, m.source.source) for m in block.match_buffers)
+            visitor.default_visit(block)
 
         def on_store(store: tirx.BufferStore, visitor) -> None:
-            v = store.value
-            narrow = str(v.value.ty.dtype) if isinstance(v, tirx.Cast) and str(v.ty.dtype) == "float32" \
-                and str(v.value.ty.dtype) in ("float16", "bfloat16") else None
+            v = store.value  # a scalar or a vector store (`x86_panels`): its element types
+            narrow = _element(v.value) if isinstance(v, tirx.Cast) and _element(v) == "float32" \
+                and _element(v.value) in ("float16", "bfloat16") else None
+            target = next((source for view, source in views if view.same_as(store.buffer)), store.buffer)
             for i, (buf, dtype) in enumerate(widened):
-                if buf.same_as(store.buffer):
+                if buf.same_as(target):
                     widened[i] = (buf, dtype if dtype == narrow else None)
                     break
             else:
-                widened.append((store.buffer, narrow))
+                widened.append((target, narrow))
             visitor.default_visit(store)
 
+        tvm_ffi.structural_visit(func.body, [(SBlock, on_block)])
         tvm_ffi.structural_visit(func.body, [(tirx.BufferStore, on_store)])
         if not any(dtype for _, dtype in widened):
             return func
@@ -575,6 +583,12 @@ def exact_widenings() -> tvm.transform.Pass:
         return tvm_ffi.structural_map(func, [(tirx.Cast, on_cast)])
 
     return transform
+
+
+def _element(value: PrimExpr) -> str:
+    """The element dtype of a scalar or vector ``value`` (float16x16 → float16)."""
+    dtype = tvm.DataType(str(value.ty.dtype))
+    return str(dtype.with_lanes(1)) if dtype.lanes > 1 else str(dtype)
 
 
 def element_aligned_arguments() -> tvm.transform.Pass:

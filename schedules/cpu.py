@@ -55,6 +55,7 @@ from tvmattn.schedules.x86_bf16 import (
     import_dot,
     pairs_intrinsic,
 )
+from tvmattn.schedules.x86_panels import query_panel_intrinsic
 
 KNOBS = (
     Knob("q_tile", (8, 16, 24, 32, 48, 64), 16, "queries per parallel task (a multiple of the vector width)"),
@@ -144,7 +145,7 @@ class CpuAttention(AttentionRule):
             _attention_core(sch, spec, target, lanes, knobs, steps)
         for step in steps:
             step()
-        if steps:  # every deferred step is a bf16 dot product's or its panel's
+        if steps and spec.dtype == "bfloat16" and has_bf16_dot(target):  # the dot products' LLVM IR
             import_dot(sch, sch.get_loops(sch.get_sblock("out" if spec.projections else spec.output))[0])
         return sch
 
@@ -197,7 +198,7 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
         _scores_along_head_dim(sch, scores_rf)
         _row_reduction(sch, "row_max", s_lanes)
     else:
-        _pack_queries(sch, spec, task, q_tile, qk_pairs)
+        _pack_queries(sch, spec, task, q_tile, lanes, qk_pairs, steps)
         tile_keys = _scores(sch, s_lanes, qk_keys, qk_pairs, steps, widen=spec.dtype != "float32" and not qk_pairs)
         if spec.attn_mask is not None and {"s", "t"} <= set(spec.attn_mask_dims):
             _pack_mask(sch, task, q_tile)  # (row_max then reads the mask's tile: a pass of its own)
@@ -348,9 +349,12 @@ def _split_keys(sch: Schedule, spec: AttentionSpec, lanes: int, chunks: int) -> 
     _vectorize(sch, sch.get_loops(sch.get_sblock("pv"))[-1], spec.d_v, lanes)
 
 
-def _pack_queries(sch: Schedule, spec: AttentionSpec, task, q_tile: int, pairs: bool) -> None:
+def _pack_queries(sch: Schedule, spec: AttentionSpec, task, q_tile: int, lanes: int, pairs: bool,
+                   steps: list) -> None:
     """Copy the task's queries into a (d_k, q_tile) panel: QKᵀ then loads whole vectors of queries
-    (``pairs``: a (d_k/2, q_tile, 2) panel, the operand of `x86_bf16.DOT_16x2`)."""
+    (``pairs``: a (d_k/2, q_tile, 2) panel, the operand of `x86_bf16.DOT_16x2`). Where the tiles
+    hold whole blocks of lanes × lanes words, a transposition in registers (`_tensorize_queries`, a
+    step for ``steps``)."""
     padded = _has_block(sch, "q_rows")  # (B, h, n_rows, d_k): the stage is the panel
     panel = sch.get_sblock("q_rows") if padded else _copy_of(sch, sch.get_sblock("scores"), ("q", "q_proj"))
     sch.compute_at(panel, task, preserve_unit_loops=True)
@@ -365,6 +369,25 @@ def _pack_queries(sch: Schedule, spec: AttentionSpec, task, q_tile: int, pairs: 
     sch.transform_layout(panel, ("write", 0), layout, assume_injective_transform=True)
     if spec.dtype != "float32" and not pairs:  # widened once here, not at every use
         sch.unsafe_set_dtype(panel, 0, "float32")
+    width = lanes * (PAIR if pairs else 1)  # of d_k per block
+    if not padded and isinstance(spec.n_q, int) and spec.n_q % q_tile == 0 and q_tile % lanes == 0 \
+            and spec.d_k % width == 0:
+        bshd = not spec.projections and spec.layout == "BSHD"
+        intrinsic = query_panel_intrinsic(spec.dtype, lanes, pairs, argument=not spec.projections, heads_between=bshd)
+        steps.append(functools.partial(_tensorize_queries, sch, sch.get(panel).name_hint, intrinsic, lanes,
+                                       width, bshd))
+
+
+def _tensorize_queries(sch: Schedule, name: str, intrinsic: str, lanes: int, width: int,
+                       heads_between: bool) -> None:
+    """The query panel ``name`` as ``intrinsic`` (`x86_panels.query_panel_intrinsic`): its loops
+    (…, s, [head,] e), blocks of ``lanes`` queries × ``width`` of d_k (a unit head loop outside them)."""
+    loops = sch.get_loops(sch.get_sblock(name))
+    head = loops[-2:-1] if heads_between else []
+    s_out, s_in = sch.split(loops[-3] if heads_between else loops[-2], [None, lanes])
+    e_out, e_in = sch.split(loops[-1], [None, width])
+    sch.reorder(*head, s_out, e_out, s_in, e_in)
+    _tensorize(sch, s_in, intrinsic)
 
 
 def _pack_mask(sch: Schedule, task, q_tile: int) -> None:

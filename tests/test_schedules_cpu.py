@@ -1,6 +1,8 @@
 """Every variant of the CPU schedule against the oracle: knobs at their extremes, tails, masks, GQA,
 cross-attention, both layouts, symbolic lengths, and the decode paths (one query; split-K)."""
 
+import re
+
 import pytest
 import tvm_ffi
 from helpers import assert_matches_oracle, compiled
@@ -103,7 +105,35 @@ def test_eight_lane_vectors(spec):
     assert_matches_oracle(kernel, {name: 65 for name in spec.symbolic_dims})
 
 
-@pytest.mark.parametrize("target", [AVX2, {"kind": "llvm", "mcpu": "znver4", "num-cores": 2}], ids=["avx2", "avx512"])
+AVX512 = {"kind": "llvm", "mcpu": "znver4", "num-cores": 2}  # with AVX512-BF16
+PANEL_CASES = (("float32", "BHSD"), ("float16", "BSHD"), ("bfloat16", "BHSD"), ("bfloat16", "BSHD"))
+PANELS = [AttentionSpec(batch=2, seq_len=64, num_heads=2, head_dim=64, projections=False, dtype=dtype,
+                        layout=layout) for dtype, layout in PANEL_CASES]
+PANELS += [AttentionSpec(batch=1, seq_len=64, num_heads=2, d_model=128, dtype=d) for d in ("float32", "bfloat16")]
+
+
+def _own_assembly(kernel) -> str:
+    """The kernel's assembly without the runtime helpers every module carries (__extendhfsf2, …)."""
+    functions = re.split(r"^(?=[A-Za-z_][\w.]*:)", kernel.source(), flags=re.M)  # at each function's label
+    return "".join(f for f in functions if not f.startswith("__"))
+
+
+@pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
+@pytest.mark.parametrize("spec", PANELS, ids=["fp32", "fp16-bshd", "bf16", "bf16-bshd", "fp32-layer", "bf16-layer"])
+def test_query_panel_is_transposed_in_registers(target, spec):
+    """QKᵀ's query panel, (d_k, q_tile) or the bf16 dot products' (d_k/2, q_tile, 2), copied in blocks
+    of lanes × lanes words shuffled in registers (`x86_panels`): with AVX-512, no scatter (fp32) nor
+    16-bit extract per element (bf16 pairs) is left; and the kernel matches the oracle."""
+    kernel = tvmattn.compile(spec, target)
+    if target is AVX512:
+        asm = _own_assembly(kernel)
+        assert "vscatter" not in asm and "vpextrw" not in asm
+    needs = "avx2" if target is AVX2 else "avx512_bf16" if spec.dtype == "bfloat16" else "avx512bw"
+    if _host_has(needs):
+        assert_matches_oracle(kernel)
+
+
+@pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
 @pytest.mark.parametrize("preset", ["gpt2-small", "llama-gqa", "t5-cross"])
 def test_projection_defaults_fit_registers_and_l2(target, preset):
     """The default projection tile: its accumulators, W vectors and the broadcast x fit the vector
