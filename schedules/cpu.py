@@ -359,9 +359,19 @@ def _pack_queries(sch: Schedule, spec: AttentionSpec, task, q_tile: int, lanes: 
     (``pairs``: a (d_k/2, q_tile, 2) panel, the operand of `x86_bf16.DOT_16x2`). Where the tiles
     hold whole blocks of lanes × lanes words, a transposition in registers (`_tensorize_queries`, a
     step for ``steps``)."""
-    padded = _has_block(sch, "q_rows")  # (B, h, n_rows, d_k): the stage is the panel
-    panel = sch.get_sblock("q_rows") if padded else _copy_of(sch, sch.get_sblock("scores"), ("q", "q_proj"))
+    padded = _has_block(sch, "q_rows")  # (B, h, n_rows, d_k), rows clamped to n - 1
+    width = lanes * (PAIR if pairs else 1)  # of d_k per block of the panel
+    whole = q_tile % lanes == 0 and spec.d_k % width == 0 and (padded or (isinstance(spec.n_q, int)
+                                                                          and spec.n_q % q_tile == 0))
+    if padded and not whole:  # the stage is the panel
+        panel = sch.get_sblock("q_rows")
+    else:  # (a padded one: a copy of the task's clamped rows as they are, then the blocks of it)
+        panel = _copy_of(sch, sch.get_sblock("scores"), ("q_rows",) if padded else ("q", "q_proj"))
     sch.compute_at(panel, task, preserve_unit_loops=True)
+    if padded and whole:
+        rows = sch.get_sblock("q_rows")
+        sch.compute_at(rows, task, preserve_unit_loops=True)
+        _vectorize(sch, sch.get_loops(rows)[-1], spec.d_k, lanes)
     # bf16 dot products: (d_k/2, q_tile, 2), each query's pairs of e side by side
     at = (lambda e, s: (e // PAIR, s % q_tile, e % PAIR)) if pairs else (lambda e, s: (e, s % q_tile))  # noqa: E731
     if spec.projections and not padded:  # q_proj (B, n, h·d_k)
@@ -373,11 +383,10 @@ def _pack_queries(sch: Schedule, spec: AttentionSpec, task, q_tile: int, lanes: 
     sch.transform_layout(panel, ("write", 0), layout, assume_injective_transform=True)
     if spec.dtype != "float32" and not pairs:  # widened once here, not at every use
         sch.unsafe_set_dtype(panel, 0, "float32")
-    width = lanes * (PAIR if pairs else 1)  # of d_k per block
-    if not padded and isinstance(spec.n_q, int) and spec.n_q % q_tile == 0 and q_tile % lanes == 0 \
-            and spec.d_k % width == 0:
-        bshd = not spec.projections and spec.layout == "BSHD"
-        intrinsic = query_panel_intrinsic(spec.dtype, lanes, pairs, argument=not spec.projections, heads_between=bshd)
+    if whole:
+        bshd = not spec.projections and spec.layout == "BSHD" and not padded
+        intrinsic = query_panel_intrinsic(spec.dtype, lanes, pairs, argument=not (spec.projections or padded),
+                                          heads_between=bshd)
         steps.append(functools.partial(_tensorize_queries, sch, sch.get(panel).name_hint, intrinsic, lanes,
                                        width, bshd))
 
