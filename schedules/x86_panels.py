@@ -32,6 +32,7 @@ def query_panel_intrinsic(source: str, lanes: int, pairs: bool, argument: bool, 
     memory holds bf16 pairs as the words they are; a buffer of the kernel's own is widened to fp32
     by TVM's legaliser and read through its values. ``heads_between``: rows of a (s, head, d_k)
     tensor (BSHD), one head of it."""
+    argument = argument or not pairs  # (fp32 panels read values either way)
     name = (f"tvmattn_query_panel_{lanes}x{lanes}_{source}{'_pairs' if pairs else ''}"
             f"{'' if argument else '_own'}{'_bshd' if heads_between else ''}")
     if name not in _REGISTERED:
