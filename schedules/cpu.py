@@ -6,7 +6,8 @@ so the K/V rows they share are still in cache. Every attention stage is computed
 task holds a q_tile × n_kv score tile, never the n × n_kv matrix. Tiles are stored key-major,
 (tile, t, s), so that every stage vectorises over queries:
 
-    pack    q tile → (d_k, q_tile)                           once per task
+    pack    q tile → (d_k, q_tile)                           once per task, lanes × lanes blocks
+                                                             transposed in registers (`x86_panels`)
     scores  acc[qk_keys][q_tile/lanes vectors] += k[t, e] (broadcast) · q[e, s:s+lanes]
             row_max: of each register tile as it is stored (a mask tile: a pass of its own)
     probs   exp2(logits - row_max), vectorised over s; row_sum: of each key's row as it is computed
