@@ -153,18 +153,24 @@ def _pairs(source: str, width: int, heads_between: bool, implementation: bool) -
                 for c in T.unroll(width // LANES):
                     if source == "bfloat16":  # the words (low: row t, high: row t+1), through fp32: V may
                         # be a buffer of the kernel's own that the legaliser widens (`_bits_of`)
-                        lo = T.meta_var(T.reinterpret(T.cast(src.vload(row(0, c * LANES), "bfloat16x16"),
-                                                             "float32x16"), dtype="uint32x16"))
-                        hi = T.meta_var(T.reinterpret(T.cast(src.vload(row(1, c * LANES), "bfloat16x16"),
-                                                             "float32x16"), dtype="uint32x16"))
-                        dst.vstore([c * LANES, 0], T.reinterpret((hi & T.uint32(0xFFFF0000)) | (lo >> T.uint32(16)),
-                                                                 dtype="bfloat16x32"))
+                        lo = T.meta_var(T.cast(src.vload(row(0, c * LANES), "bfloat16x16"), "float32x16"))
+                        hi = T.meta_var(T.cast(src.vload(row(1, c * LANES), "bfloat16x16"), "float32x16"))
+                        words = T.meta_var(pair_words(lo, hi))
+                        dst.vstore([c * LANES, 0], T.reinterpret(words, dtype="bfloat16x32"))
                     else:  # fp32 → bf16 rounded to nearest even, on vcvtne2ps2bf16 (`PAIRS_FUNCTION`)
                         dst.vstore([c * LANES, 0], T.reinterpret(T.call_pure_extern(
                             "int32x16", PAIRS_FUNCTION, src.vload(row(0, c * LANES), "float32x16"),
                             src.vload(row(1, c * LANES), "float32x16")), dtype="bfloat16x32"))
 
     return func
+
+
+def pair_words(lo: PrimExpr, hi: PrimExpr) -> PrimExpr:
+    """Two vectors of bf16 values held as fp32 (exactly: their low 16 bits are zero) as 32-bit words
+    of pairs, ``lo``'s value in the low half: the layout `DOT_16x2`'s operands have."""
+    lanes = lo.ty.dtype.lanes
+    lo_bits, hi_bits = (tirx.reinterpret(f"uint32x{lanes}", v) for v in (lo, hi))
+    return (hi_bits & tirx.const(0xFFFF0000, "uint32")) | (lo_bits >> tirx.const(16, "uint32"))
 
 
 _REINTERPRET = tvm.ir.Op.get("tirx.reinterpret")

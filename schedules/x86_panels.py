@@ -20,7 +20,7 @@ from tvm.ir.expr import Expr as PrimExpr
 from tvm.s_tir import SBlock, SBlockRealize, TensorIntrin
 from tvm.script import tirx as T
 
-from tvmattn.schedules.x86_bf16 import PAIR
+from tvmattn.schedules.x86_bf16 import PAIR, pair_words
 
 _REGISTERED: set[str] = set()
 
@@ -106,10 +106,9 @@ def _pair_words(src, at: list, lanes: int, argument: bool) -> PrimExpr:
     `x86_bf16.pairs_intrinsic` reads V)."""
     if argument:
         return tirx.reinterpret(f"uint32x{lanes}", src.vload(at, f"bfloat16x{PAIR * lanes}"))
-    halves = [tirx.reinterpret(f"uint32x{lanes}", tirx.Cast(f"float32x{lanes}", src.vload(
-        [*at[:-1], h * lanes], f"bfloat16x{lanes}"))) for h in range(PAIR)]
-    even, odd = (_shuffle(halves, [PAIR * i + k for i in range(lanes)]) for k in range(PAIR))
-    return (odd & tirx.const(0xFFFF0000, "uint32")) | (even >> tirx.const(16, "uint32"))  # bf16: the top halves
+    halves = [tirx.Cast(f"float32x{lanes}", src.vload([*at[:-1], h * lanes], f"bfloat16x{lanes}"))
+              for h in range(PAIR)]
+    return pair_words(*(_shuffle(halves, [PAIR * i + k for i in range(lanes)]) for k in range(PAIR)))  # even, odd e
 
 
 def _transposed(rows: list[PrimExpr]) -> list[PrimExpr]:
