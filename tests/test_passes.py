@@ -1,5 +1,7 @@
 """tvmattn's TIR passes: masked key tiles are skipped (loops tightened), exp is a vectorisable polynomial."""
 
+import re
+
 import numpy as np
 import pytest
 import tvm
@@ -120,3 +122,26 @@ def test_symbolic_window_and_padding_build():
                          causal_align="bottom_right", window=36, key_padding=True, layout="BSHD",
                          projections=False)
     assert_matches_oracle(compiled(spec), {"n": 37})
+
+
+ONE_LAUNCH = [AttentionSpec(batch=2, seq_len=40, num_heads=4, d_model=64, causal=True, dtype="float16"),
+              AttentionSpec(batch=2, seq_len="n", num_heads=4, num_kv_heads=2, d_model=64, dtype="bfloat16"),
+              AttentionSpec(batch=2, seq_len=64, num_heads=4, head_dim=32, projections=False, dtype="bfloat16")]
+
+
+@pytest.mark.parametrize("spec", ONE_LAUNCH, ids=["fp16-layer", "bf16-symbolic-gqa-layer", "bf16-core"])
+def test_consecutive_parallel_loops_start_in_one_launch(spec):
+    """`passes.one_parallel_launch`: a kernel of several parallel passes (a layer's projections and
+    attention; V's pair panel, then the query tiles) starts TVM's thread pool once (one parallel
+    lambda in its LLVM IR, where each pass was one), and the barriers between the passes keep the
+    result right whatever the number of threads (each pass splits its loop over all of them)."""
+    kernel = compiled(spec)
+    ll = kernel.executable.mod.inspect_source("ll")
+    assert len(re.findall(r"^define .*@__tvm_parallel_lambda", ll, flags=re.M)) == 1
+    config_threadpool = tvm.get_global_func("runtime.config_threadpool")
+    try:
+        for threads in (1, 3, 2):  # (3 on this 2-core machine: the barrier waits for a descheduled thread)
+            config_threadpool(1, threads)
+            assert_matches_oracle(kernel, {name: 37 for name in spec.symbolic_dims})
+    finally:
+        config_threadpool(1, 0)  # (0: the default again, TVM_NUM_THREADS or the cores)
