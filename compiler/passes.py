@@ -311,7 +311,8 @@ def one_parallel_launch() -> tvm.transform.Pass:
                 i += 1
                 continue
             j = i  # the run: loops, and bindings between them
-            while j + 1 < len(stmts) and isinstance(_parallel_loop(stmts[j + 1]) or stmts[j + 1], (For, tirx.Bind)):
+            while j + 1 < len(stmts) and (_parallel_loop(stmts[j + 1]) is not None
+                                          or isinstance(stmts[j + 1], tirx.Bind)):
                 j += 1
             while _parallel_loop(stmts[j]) is None:
                 j -= 1
