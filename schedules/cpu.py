@@ -734,6 +734,12 @@ def _register_tile(sch: Schedule, block, outer, layout, unrolled: tuple, vector,
     if intrinsic is None:
         _vectorize(sch, vector, lanes, lanes)
     _vectorize(sch, sch.get_loops(acc)[-1], None, lanes)
+    # the store unrolled like the update: a loop over the tile would leave it a stack array that LLVM
+    # zeroes before and spills after every tile (32 stores per 16 accumulators)
+    acc_loops = sch.get_loops(acc)
+    at = next(i for i, loop in enumerate(acc_loops) if sch.get(loop).same_as(sch.get(outer)))
+    for loop in acc_loops[at + 1:-1]:
+        sch.unroll(loop)
     init = sch.decompose_reduction(block, reduction)
     if intrinsic is not None:  # ``vector`` and the loops inside it are the intrinsic's
         _vectorize(sch, sch.get_loops(init)[-1], lanes, lanes)

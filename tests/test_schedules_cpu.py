@@ -11,6 +11,7 @@ from tvm.tirx import For, ForKind
 
 import tvmattn
 from tvmattn import AttentionSpec
+from tvmattn.compiler.build import lower, schedule_attention
 from tvmattn.compiler.target import resolve_target, vector_lanes
 from tvmattn.models.presets import PRESETS
 from tvmattn.schedules import cpu, default_knobs
@@ -148,3 +149,15 @@ def test_projection_defaults_fit_registers_and_l2(target, preset):
     assert knobs["gemm_rows"] * knobs["gemm_vecs"] + knobs["gemm_vecs"] + 1 <= registers
     panel = spec.d_model * knobs["gemm_block_cols"] * knobs["gemm_vecs"] * lanes * 4
     assert panel <= cpu.PANEL_BYTES or knobs["gemm_block_cols"] == 1
+
+
+@pytest.mark.parametrize("spec", PANELS[:3] + PANELS[4:6],
+                         ids=["fp32", "fp16-bshd", "bf16", "fp32-layer", "bf16-layer"])
+def test_qk_register_tile_is_stored_from_registers(spec):
+    """QKᵀ's accumulators (``scores_local``) are read and written at constant indices only: the
+    tile's store is unrolled like its update, so LLVM keeps the tile in registers. A store loop over
+    the tile left it a stack array, zeroed before and spilled after every register tile: 32 extra
+    stores per 16 accumulators, 7–10 % of a bf16 kernel at d_k = 32–64."""
+    lowered = lower(*schedule_attention(spec, resolve_target(AVX512))[:1], resolve_target(AVX512)).script()
+    indices = re.findall(r"scores_local\[([^\]]*)\]", lowered)
+    assert indices and all(index.isdigit() for index in indices), sorted(set(indices))
