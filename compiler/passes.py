@@ -20,6 +20,8 @@ one_parallel_launch    Start a statement list's consecutive parallel loops in on
                        pool, a barrier between them (each launch wakes the pool's sleeping workers).
 polynomial_math        Replace fp32 ``exp``, ``sigmoid``, ``tanh``, ``erf`` and small integer powers by
                        vectorisable polynomials (LLVM would otherwise call scalar libm per lane).
+vector_exp2            After vectorisation: fp32 ``exp2`` as a polynomial, on AVX-512 vectors with
+                       ``vreduceps``/``vscalefps`` (no clamps, no NaN test).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from tvm.tirx import For, ForKind, PrimFunc
 
 from tvmattn.compiler import variant
 from tvmattn.compiler.spec import AttentionSpec
+from tvmattn.compiler.target import has_feature
 from tvmattn.compiler.te_attention import KEY_STAGE
 
 PADDED_AXES = "tvmattn.padded_axes"  # block annotation: iterators whose tail its inputs are padded for
@@ -678,27 +681,26 @@ def element_aligned_arguments() -> tvm.transform.Pass:
     return transform
 
 
-# 2^r on [-1/2, 1/2], fitted to the relative error, highest power first: degree 5, 1.8e-7 in fp32;
+# 2^r on [0, 1), fitted to the relative error (Remez), highest power first: degree 5, 1.6e-7 in fp32;
 # degree 3, 7.5e-5, for bf16 kernels: they round every result to 8 significant bits (half an ulp is
 # 2e-3), P for P·V as well, so two fewer FMAs per vector cost nothing visible (3–5 % of a kernel).
-EXP2_P = (1.3218672247603536e-3, 9.671698324382305e-3, 5.550893023610115e-2, 0.24022237956523895,
-          0.6931468844413757, 1.0)
-EXP2_P_BF16 = (5.517132143402796e-2, 0.2426105422817228, 0.6932609856052576, 0.9999281093641539)
+EXP2_P = (1.8775766751932426e-3, 8.989340090486452e-3, 5.58263180533071e-2, 0.24015361704436922,
+          0.6931530732001702, 0.9999999250635262)
+EXP2_P_BF16 = (7.802452264047931e-2, 0.22606715542748335, 0.6958335404947529, 0.9999252185627155)
+EXP2_COEFFICIENTS = "tvmattn.exp2_coefficients"  # function attribute: `polynomial_math`'s p, for `vector_exp2`
 
 
 def polynomial_math(exp2_coefficients: tuple[float, ...] = EXP2_P) -> tvm.transform.Pass:
-    """fp32 exp, exp2, sigmoid, tanh and erf as vectorisable polynomials, and x**k for a small integer
-    k as products: LLVM would otherwise call scalar libm (``expf``, ``tanhf``, ``erff``, ``powf``) per lane.
+    """fp32 exp, sigmoid, tanh and erf as vectorisable polynomials, and x**k for a small integer k as
+    products: LLVM would otherwise call scalar libm (``expf``, ``tanhf``, ``erff``, ``powf``) per lane.
+    exp2 is left for `vector_exp2`, after vectorisation, with ``exp2_coefficients`` (a shorter p where
+    the result is rounded coarser, `EXP2_P_BF16`) recorded on the function.
 
     exp(x) = 2^n · p(r), n = round(x·log2 e), r = x - n·ln 2 (Cody–Waite), p of degree 6: relative
     error about 2e-7 on [-87, 88]; larger inputs are clamped to 88, smaller ones give 0 (a logit of
     -inf has weight 0, not exp(-87) ≈ 1.6e-38), and NaN stays NaN (the clamp's min/max would turn it
-    into a number: a NaN input must show in the output). exp2(x) = 2^n · p(x - n), n = round(x): no
-    Cody–Waite step and p of degree 5, about 40 % fewer instructions (the attention softmax runs in
-    base 2 for it); 0 below -126.5 (no denormals), clamped at 127, NaN kept; ``exp2_coefficients``: a
-    shorter p where the result is rounded coarser (`EXP2_P_BF16`). sigmoid(x) =
-    1 / (1 + exp(-x)). tanh and erf are the odd rational approximations Eigen and TVM's
-    ``fast_tanh``/``fast_erf`` use (a few ulp).
+    into a number: a NaN input must show in the output). sigmoid(x) = 1 / (1 + exp(-x)). tanh and erf
+    are the odd rational approximations Eigen and TVM's ``fast_tanh``/``fast_erf`` use (a few ulp).
     """
 
     @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.PolynomialMath")
@@ -708,8 +710,6 @@ def polynomial_math(exp2_coefficients: tuple[float, ...] = EXP2_P) -> tvm.transf
                 return call
             if call.op.same_as(_EXP):
                 return _exp_f32(call.args[0])
-            if call.op.same_as(_EXP2):
-                return _exp2_f32(call.args[0], exp2_coefficients)
             if call.op.same_as(_SIGMOID):
                 return tirx.const(1.0, "float32") / (tirx.const(1.0, "float32") + _exp_f32(-call.args[0]))
             if call.op.same_as(_TANH):
@@ -724,6 +724,36 @@ def polynomial_math(exp2_coefficients: tuple[float, ...] = EXP2_P) -> tvm.transf
                         out = out * call.args[0]
                     return out
             return call
+
+        func = tvm_ffi.structural_map(func, [(Call, on_call)])
+        return func.with_attr(EXP2_COEFFICIENTS, [float(c) for c in exp2_coefficients])
+
+    return transform
+
+
+def vector_exp2() -> tvm.transform.Pass:
+    """fp32 exp2, after vectorisation (in the CPU pipeline, `build._cpu_pipeline`), as
+    2^x = 2^⌊x⌋ · p(x − ⌊x⌋), p of `polynomial_math`'s coefficients on [0, 1).
+
+    With AVX-512, a 16-lane vector is five instructions and a polynomial: ``vreduceps`` gives x − ⌊x⌋
+    and ``vscalefps`` multiplies by 2^⌊x⌋, both exact at the edges, so that -inf gives 0, +inf gives
+    +inf and NaN stays NaN with no clamp or test of their own (a third of the softmax's instructions
+    in the attention kernels). Elsewhere 2^⌊x⌋ is written into the exponent field of x clamped to
+    [-127, 128] (0 from -127: no denormals; +inf from 128), and NaN is passed by a select."""
+
+    @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.VectorExp2")
+    def transform(func: PrimFunc, _mod, _ctx) -> PrimFunc:
+        coefficients = tuple(float(c) for c in func.attrs.get(EXP2_COEFFICIENTS, EXP2_P)) \
+            if func.attrs is not None else EXP2_P
+        target = func.attrs.get("target") if func.attrs is not None else None
+        avx512 = target is not None and has_feature(target, "avx512f")
+
+        def on_call(call):
+            if not call.op.same_as(_EXP2) or _element(call) != "float32":
+                return call
+            if avx512 and call.ty.dtype.lanes == AVX512_LANES:
+                return _exp2_avx512(call.args[0], coefficients)
+            return _exp2_f32(call.args[0], coefficients)
 
         return tvm_ffi.structural_map(func, [(Call, on_call)])
 
@@ -753,10 +783,11 @@ def _odd_rational(arg: PrimExpr, limit: float, p: tuple, q: tuple) -> PrimExpr:
 
 
 def _exp2_f32(arg: PrimExpr, coefficients: tuple[float, ...]) -> PrimExpr:
-    f = lambda v: tirx.const(v, "float32")  # noqa: E731
-    # 2^-127 has a zero exponent field: exactly 0, so -inf needs no test of its own (exp's does)
-    x = tirx.min(tirx.max(arg, f(-127.0)), f(127.0))
-    n = tirx.nearbyint(x)
+    f = _constant_like(arg)
+    # 2^-127 has a zero exponent field: exactly 0, so -inf needs no test of its own (exp's does); 2^128,
+    # all ones: +inf
+    x = tirx.min(tirx.max(arg, f(-127.0)), f(128.0))
+    n = tirx.floor(x)
     r = x - n  # exact
     p = f(coefficients[0])
     for coeff in coefficients[1:]:
@@ -764,9 +795,37 @@ def _exp2_f32(arg: PrimExpr, coefficients: tuple[float, ...]) -> PrimExpr:
     return tirx.Select(tirx.isnan(arg), arg, p * _two_to(n))
 
 
+AVX512_LANES = 16
+_REDUCE_FLOOR = 0b1001  # vreduceps imm8: no fraction bits kept, round down, precision exception suppressed
+_CURRENT_ROUNDING = 4  # the intrinsics' rounding argument: MXCSR's, no embedded rounding
+_ALL_LANES = -1  # the intrinsics' write mask, i16
+
+
+def _exp2_avx512(x: PrimExpr, coefficients: tuple[float, ...]) -> PrimExpr:
+    """2^x for a float32x16 ``x``: vscalefps(p(vreduceps(x)), x) (see `vector_exp2`)."""
+    f = _constant_like(x)
+    dtype = str(x.ty.dtype)
+    mask, rounding = tirx.const(_ALL_LANES, "int16"), tirx.const(_CURRENT_ROUNDING, "int32")
+    r = tirx.call_llvm_pure_intrin(dtype, "llvm.x86.avx512.mask.reduce.ps.512", x,
+                                   tirx.const(_REDUCE_FLOOR, "int32"), x, mask, rounding)  # x − ⌊x⌋ ∈ [0, 1)
+    p = f(coefficients[0])
+    for coeff in coefficients[1:]:
+        p = p * r + f(coeff)
+    return tirx.call_llvm_pure_intrin(dtype, "llvm.x86.avx512.mask.scalef.ps.512", p, x, p, mask, rounding)
+
+
+def _constant_like(x: PrimExpr):
+    """fp32 constants of ``x``'s lane count (a Broadcast for a vector)."""
+    lanes = x.ty.dtype.lanes
+    return lambda v: tirx.const(v, "float32") if lanes == 1 else tirx.Broadcast(tirx.const(v, "float32"), lanes)
+
+
 def _two_to(n: PrimExpr) -> PrimExpr:
     """2^n for an integral fp32 n in [-127, 128]: n + 127 written into the exponent field."""
-    return tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("int32", n) + 127, 23))
+    lanes = n.ty.dtype.lanes
+    typed = lambda t: t if lanes == 1 else f"{t}x{lanes}"  # noqa: E731
+    word = lambda c: tirx.const(c, "int32") if lanes == 1 else tirx.Broadcast(tirx.const(c, "int32"), lanes)  # noqa: E731
+    return tirx.reinterpret(typed("float32"), tirx.shift_left(tirx.Cast(typed("int32"), n) + word(127), word(23)))
 
 
 def _exp_f32(arg: PrimExpr) -> PrimExpr:
