@@ -93,9 +93,12 @@ class CpuAttention(AttentionRule):
         and 1.4× the 16-query tiles with bf16 dot products and fp16 at (4, 12, 512, 64)); 32-query
         tiles where a mask bounds each tile's keys (causal, a window): a tile computes every key up
         to its last query, and half its diagonal block is masked away (1.08× fp16 and 1.04× bf16 at
-        (1, 8, 128, 64) causal, 1.08× fp16 at (8, 8, 256, 32), the same as 64 from n = 512)."""
+        (1, 8, 128, 64) causal, 1.08× fp16 at (8, 8, 256, 32), the same as 64 from n = 512); 16-query
+        tiles, fp32's, for a masked fp16 core, whose K is widened before the tasks (1.03× at (1, 8,
+        128, 64) causal, 1.00–1.01× from n = 256)."""
         masked = spec.causal or spec.window is not None
-        dots = {"q_tile": 32 if masked else 64, "pv_vecs": 4} if spec.dtype != "float32" else {}
+        tile = 64 if not masked else 16 if spec.dtype == "float16" and not spec.projections else 32
+        dots = {"q_tile": tile, "pv_vecs": 4} if spec.dtype != "float32" else {}
         if not spec.projections:
             return dots
         d_in = max(spec.d_model, spec.h * spec.d_v)  # W_O's rows are the merged heads
