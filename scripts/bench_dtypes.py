@@ -1,6 +1,7 @@
 """tvmattn's kernels in fp32, bf16 and fp16 against each other, in one process: the kernel bench's
 suite (and the decode shape of the 16-bit targets) in interleaved rounds, so that the ratios to fp32
-read the same machine state.
+read the same machine state. Each kernel is timed as `tvmattn bench` times tvmattn (resident tensors,
+no NumPy conversion per call).
 
     python scripts/bench_dtypes.py [--budget 1.0] [--layers]
 
@@ -12,10 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import numpy as np
-
 from tvmattn.compiler import bench  # first: idle TVM workers do not spin
-from tvmattn.compiler.build import compile as build
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.verify import random_inputs
 
@@ -26,11 +24,10 @@ LAYERS = [AttentionSpec(batch=b, seq_len=n, num_heads=12, d_model=768, causal=Tr
 
 
 def runner(spec: AttentionSpec):
-    """The default-schedule kernel of ``spec`` on seeded inputs (the fp32 values rounded to the dtype)."""
-    kernel = build(spec, "cpu", tuned=False)
-    args = list(random_inputs(spec, seed=0).values())
-    out = np.empty(spec.output_shape(), args[0].dtype)
-    return lambda: kernel(*args, out=out)
+    """The default-schedule kernel of ``spec`` on seeded inputs (the fp32 values rounded to the dtype),
+    timed as `tvmattn bench` times it: on tensors already resident, the kernel alone."""
+    run, _ = bench.tvmattn_impl(spec, random_inputs(spec, seed=0), tuned=False)
+    return run
 
 
 def main() -> None:
@@ -42,7 +39,7 @@ def main() -> None:
     print(f"{'spec':58s} " + " ".join(f"{d:>9s}" for d in DTYPES) + "   bf16×   fp16×  (fp32 ms / ms)")
     for spec in specs:
         runs = {d: runner(spec.replace(dtype=d)) for d in DTYPES}
-        ms = {d: statistics.median(t) * 1e3 for d, t in bench.interleaved(runs, args.budget).items()}
+        ms = {d: statistics.median(t) * 1e3 for d, t in bench.interleaved(runs, args.budget, rounds=9).items()}
         ratios = "  ".join(f"{ms['float32'] / ms[d]:6.2f}" for d in DTYPES[1:])
         label = spec.describe().replace("float32 ", "")
         print(f"{label:58s} " + " ".join(f"{ms[d]:9.3f}" for d in DTYPES) + f"  {ratios}", flush=True)
