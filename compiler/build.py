@@ -21,7 +21,7 @@ from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import host_target, is_cpu, resolve_target
 from tvmattn.compiler.te_attention import attention_te
 from tvmattn.compiler.tuning.lookup import tuned_schedule
-from tvmattn.schedules import x86_bf16
+from tvmattn.schedules import x86_amx, x86_bf16
 from tvmattn.schedules.ops import ScheduleFunctions
 
 
@@ -70,7 +70,7 @@ def lowering_passes(spec: AttentionSpec, target: Target) -> tvm.transform.Pass:
     if is_cpu(target):
         exp2 = passes.EXP2_P_BF16 if spec.dtype == "bfloat16" else passes.EXP2_P
         seq += [passes.pad_query_tiles(), passes.peel_key_tails(), passes.polynomial_math(exp2),
-                passes.exact_widenings(), x86_bf16.keep_operands_16bit()]
+                passes.exact_widenings(), x86_bf16.keep_operands_16bit(), x86_amx.tile_configuration()]
     return tvm.transform.Sequential(seq)
 
 

@@ -706,7 +706,7 @@ def polynomial_math(exp2_coefficients: tuple[float, ...] = EXP2_P) -> tvm.transf
     @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.PolynomialMath")
     def transform(func: PrimFunc, _mod, _ctx) -> PrimFunc:
         def on_call(call):
-            if str(call.ty.dtype) != "float32":
+            if str(getattr(call.ty, "dtype", "")) != "float32":  # (a pointer, an AMX tile's address, has none)
                 return call
             if call.op.same_as(_EXP):
                 return _exp_f32(call.args[0])

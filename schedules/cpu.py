@@ -47,6 +47,17 @@ from tvmattn.compiler.target import vector_lanes
 from tvmattn.compiler.te_attention import KEY_STAGE, attention_te
 from tvmattn.schedules.knobs import Knob, KnobValue
 from tvmattn.schedules.rule import AttentionRule
+from tvmattn.schedules.x86_amx import (
+    BLOCK,
+    DOT,
+    STEP,
+    STORE,
+    ZERO,
+    configure_tiles,
+    has_amx,
+    import_amx,
+    transposed_values_intrinsic,
+)
 from tvmattn.schedules.x86_bf16 import (
     LANES,
     PAIR,
@@ -122,7 +133,11 @@ class CpuAttention(AttentionRule):
             q_tile = min(knobs["q_tile"], spec.n_q) if isinstance(spec.n_q, int) else knobs["q_tile"]
             q_tile = _dot_tile(spec, target, q_tile) or q_tile
             qk_keys = _qk_keys(None, spec, target, knobs["qk_keys"])
-            dots = [stage for stage, on in zip(("QKᵀ", "P·V"), bf16_dots(spec, target, q_tile, qk_keys)) if on]
+            if amx_tiles(spec, target, q_tile):
+                used = ["q_tile"]
+                what += ", QKᵀ and P·V on AMX tiles (tdpbf16ps)"
+            else:
+                dots = [stage for stage, on in zip(("QKᵀ", "P·V"), bf16_dots(spec, target, q_tile, qk_keys)) if on]
         if spec.projections:
             used += ["gemm_rows", "gemm_vecs", "gemm_block_rows", "gemm_block_cols"]
             dots += [weight.upper() for name, weight in PROJECTIONS.items() if weight_pairs(spec, target, name)]
@@ -147,14 +162,18 @@ class CpuAttention(AttentionRule):
             if _has_block(sch, name):
                 _gemm(sch, spec, target, name, lanes, knobs, steps)
         chunks = _divisor_at_most(spec.n_kv, _int(sch, knobs["key_chunks"]))  # rfactor drops tail predicates
+        amx = False
         if _few_tasks_of_one_query(spec, target, lanes) and chunks > 1:
             _split_keys(sch, spec, lanes, chunks)
         else:
-            _attention_core(sch, spec, target, lanes, knobs, steps)
+            amx = _attention_core(sch, spec, target, lanes, knobs, steps)
         for step in steps:
             step()
-        if steps and spec.dtype == "bfloat16" and has_bf16_dot(target):  # the dot products' LLVM IR
-            import_dot(sch, sch.get_loops(sch.get_sblock("out" if spec.projections else spec.output))[0])
+        first = sch.get_loops(sch.get_sblock("out" if spec.projections else spec.output))[0]
+        if amx:  # the tiles' configuration and the dot products' LLVM IR
+            import_amx(sch, first)
+        elif steps and spec.dtype == "bfloat16" and has_bf16_dot(target):  # the dot products' LLVM IR
+            import_dot(sch, first)
         return sch
 
 
@@ -169,14 +188,16 @@ def gemm_defaults(d_in: int, lanes: int, bits: int) -> dict[str, int]:
 
 
 def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: int,
-                    k: Mapping[str, KnobValue], steps: list) -> None:
+                    k: Mapping[str, KnobValue], steps: list) -> bool:
+    """The query-tile kernel (see the module docstring); True where QKᵀ and P·V run on AMX tiles."""
     tile_factor = _at_most(sch, k["q_tile"], spec.n_q)  # a few queries (decode): one exact tile
     tile_factor = _dot_tile(spec, target, _int(sch, tile_factor)) or tile_factor  # dot products: whole tiles
     q_tile = _int(sch, tile_factor)
     s_lanes = _lanes_for(q_tile, lanes)  # queries per vector
     by_head_dim = s_lanes == 1 and _lanes_for(spec.d_k, lanes) > 1  # one query (decode): vectors along d_k
     qk_keys = _qk_keys(sch, spec, target, k["qk_keys"])
-    qk_pairs, pv_pairs = bf16_dots(spec, target, q_tile, _int(sch, qk_keys))
+    amx = amx_tiles(spec, target, q_tile)
+    qk_pairs, pv_pairs = (True, True) if amx else bf16_dots(spec, target, q_tile, _int(sch, qk_keys))
     if by_head_dim:
         scores_rf = _split_head_dim(sch, _lanes_for(spec.d_k, lanes))
     # Tile-local buffers are laid out (query tile, key, query in tile): vectors run along queries, and
@@ -184,8 +205,10 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
     by_tile = lambda b, i, s, *rest: (b, i, s // q_tile, *rest, s % q_tile)  # noqa: E731
     for name in ("scores", "probs", "row_max", "row_sum"):
         sch.transform_layout(sch.get_sblock(name), ("write", 0), by_tile, assume_injective_transform=True)
-    sch.transform_layout(sch.get_sblock("pv"), ("write", 0),
-                         lambda b, i, s, c: (b, i, s // q_tile, s % q_tile, c), assume_injective_transform=True)
+    # (AMX: pvᵀ, d_v-major, as its tiles compute it: `_amx_weights_v`)
+    pv_at = (lambda b, i, s, c: (b, i, s // q_tile, c, s % q_tile)) if amx else (  # noqa: E731
+        lambda b, i, s, c: (b, i, s // q_tile, s % q_tile, c))
+    sch.transform_layout(sch.get_sblock("pv"), ("write", 0), pv_at, assume_injective_transform=True)
 
     attn = sch.get_sblock("attn")
     loops = _loops_by_axis(sch, attn)
@@ -196,6 +219,8 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
     sch.reorder(loops["b"], head_kv, s_tile, head_in_group, s_in, loops["c"])
     task = sch.fuse(loops["b"], head_kv, s_tile, head_in_group)
     sch.parallel(task)
+    if amx:
+        configure_tiles(sch, task)
     _vectorize(sch, loops["c"], spec.d_v, lanes)
     for name in PER_TILE:
         sch.compute_at(sch.get_sblock(name), task, preserve_unit_loops=True)
@@ -210,7 +235,10 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
         widen = spec.dtype != "float32" and not qk_pairs
         if widen and not spec.projections:
             _widened_before_tasks(sch, "scores", ("k",), spec.d_k, lanes)
-        tile_keys = _scores(sch, s_lanes, qk_keys, qk_pairs, steps, widen=widen and spec.projections)
+        if amx:
+            tile_keys = _amx_scores(sch, steps)
+        else:
+            tile_keys = _scores(sch, s_lanes, qk_keys, qk_pairs, steps, widen=widen and spec.projections)
         if spec.attn_mask is not None and {"s", "t"} <= set(spec.attn_mask_dims):
             _pack_mask(sch, task, q_tile)  # (row_max then reads the mask's tile: a pass of its own)
             _row_reduction(sch, "row_max", s_lanes)
@@ -229,14 +257,18 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
     else:  # one query: the keys are contiguous
         _vectorize(sch, t, spec.n_kv if isinstance(spec.n_kv, int) else None, lanes)
         _row_reduction(sch, "row_sum", s_lanes)
-    panels = _pack_pairs(sch, spec, t) if pv_pairs else None
+    panels = _pack_pairs(sch, spec, t, amx) if pv_pairs else None
     if spec.dtype != "float32" and not pv_pairs and s_lanes > 1 and not spec.projections:
         _widened_before_tasks(sch, "pv", ("v_rows", "v"), spec.d_v, lanes)
-    # whole row groups per tile: a partial group's accumulator has a loop-dependent size
-    _weights_v(sch, spec, lanes, _divisor_at_most(q_tile, _int(sch, k["pv_rows"])), k["pv_vecs"], pv_pairs,
-               steps)
+    if amx:
+        _amx_weights_v(sch, steps)
+        _pv_rows(sch, lanes, steps)
+    else:  # whole row groups per tile: a partial group's accumulator has a loop-dependent size
+        _weights_v(sch, spec, lanes, _divisor_at_most(q_tile, _int(sch, k["pv_rows"])), k["pv_vecs"], pv_pairs,
+                   steps)
     if panels:
-        steps.append(functools.partial(_tensorize_pairs, sch, spec, panels, q_tile))
+        steps.append(functools.partial(_tensorize_pairs, sch, spec, panels, q_tile, amx))
+    return amx
 
 
 def _row_reduction(sch: Schedule, name: str, s_lanes: int, at=None) -> None:
@@ -301,6 +333,17 @@ def bf16_dots(spec: AttentionSpec, target: Target, q_tile: int, qk_keys: int) ->
         return False, False
     qk = spec.d_k % PAIR == 0 and n_kv % qk_keys == 0
     return qk, n_kv % PAIR == 0 and spec.d_v % LANES == 0
+
+
+def amx_tiles(spec: AttentionSpec, target: Target, q_tile: int) -> bool:
+    """Whether QKᵀ and P·V of the query-tile kernel run on AMX tiles (`x86_amx`, 32 × 32 blocks of
+    accumulators): bf16 on a CPU with AMX-BF16 (and AVX512-BF16, which rounds P into its pairs), a
+    core kernel in BHSD with static lengths: query tiles a multiple of 32 dividing n_q, and n_kv, d_k,
+    d_v multiples of 32 (an instruction takes no tail). Elsewhere `bf16_dots` decides."""
+    sizes = (spec.n_q, spec.n_kv)
+    return (spec.dtype == "bfloat16" and has_amx(target) and has_bf16_dot(target) and not spec.projections
+            and spec.layout == "BHSD" and all(isinstance(x, int) for x in sizes) and q_tile % BLOCK == 0
+            and spec.n_q % q_tile == 0 and spec.n_kv % BLOCK == 0 and spec.d_k % STEP == 0 and spec.d_v % BLOCK == 0)
 
 
 def _few_tasks_of_one_query(spec: AttentionSpec, target: Target, lanes: int) -> bool:
@@ -446,6 +489,34 @@ def _scores(sch: Schedule, lanes: int, keys_factor: KnobValue, pairs: bool, step
     return t_out
 
 
+def _amx_scores(sch: Schedule, steps: list):
+    """acc[32 keys][32 queries] += k[t, e:e+32] · panel[e/2, s, e%2] in four AMX tiles (`x86_amx.DOT`:
+    the keys read in place, the query panel as its pair operand), 32 steps of e per product. Returns
+    the loop over blocks of keys."""
+    scores = sch.get_sblock("scores")
+    s, t, e = sch.get_loops(scores)[-3:]
+    t_out, t_in = sch.split(t, [None, BLOCK])
+    s_out, s_in = sch.split(s, [None, BLOCK])
+    e_out, e_in = sch.split(e, [None, STEP])
+    sch.reorder(t_out, s_out, e_out, t_in, s_in, e_in)
+    _amx_block(sch, scores, s_out, e_out, lambda b, i, st, t, s: (b, i, st, t // BLOCK, s // BLOCK, t % BLOCK, s % BLOCK),
+               f"b=v_b_o,s=v_s_o*{BLOCK},t=v_t_o*{BLOCK}", steps)
+    return t_out
+
+
+def _amx_block(sch: Schedule, block, outer, reduction, layout, key_blocks: str, steps: list) -> None:
+    """The register-tile idiom (`_register_tile`) on AMX's tiles: ``block``'s 32 × 32 accumulator under
+    ``outer`` (laid out by ``layout``), its init, update (from the loop inside ``reduction``) and
+    store as `x86_amx.ZERO`, `DOT` and `STORE`, tensorized by ``steps``."""
+    acc = sch.cache_write(block, 0, "local")
+    sch.transform_layout(block, ("write", 0), layout, assume_injective_transform=True)
+    sch.reverse_compute_at(acc, outer, preserve_unit_loops=True)
+    init = sch.decompose_reduction(block, reduction)
+    steps.append(functools.partial(_tensorize, sch, sch.get_loops(block)[-3], DOT, key_blocks))
+    steps.append(functools.partial(_tensorize, sch, sch.get_loops(init)[-2], ZERO))
+    steps.append(functools.partial(_tensorize, sch, sch.get_loops(acc)[-2], STORE))
+
+
 def _widen_keys(sch: Schedule, scores, t_out, lanes: int) -> None:
     """The qk_keys × d_k keys of a register tile converted to fp32 once, a vector at a time
     (vcvtph2ps), into a small tile the FMAs broadcast from: widening each key element where it is
@@ -506,7 +577,30 @@ def _weights_v(sch: Schedule, spec: AttentionSpec, lanes: int, rows_factor: Knob
                    key_blocks=f"b=v_b_o,s=v_s_o,t=v_t_o*{PAIR}", later=steps)
 
 
-def _pack_pairs(sch: Schedule, spec: AttentionSpec, pair_loop) -> tuple[str, str]:
+def _amx_weights_v(sch: Schedule, steps: list) -> None:
+    """pvᵀ: acc[32 of d_v][32 queries] += Vᵀ[c, t:t+32] · P[t/2, s, t%2] in four AMX tiles
+    (`x86_amx.DOT` on `_pack_pairs`' panels: Vᵀ, and P's pairs as QKᵀ's query panel), 32 keys per
+    product. Stored d_v-major (`_pv_rows` turns it for the epilogue)."""
+    pv = sch.get_sblock("pv")
+    s, c, t = sch.get_loops(pv)[-3:]
+    s_out, s_in = sch.split(s, [None, BLOCK])
+    c_out, c_in = sch.split(c, [None, BLOCK])
+    t_out, t_in = sch.split(t, [None, STEP])
+    sch.reorder(c_out, s_out, t_out, c_in, s_in, t_in)
+    _amx_block(sch, pv, s_out, t_out, lambda b, i, st, c, s: (b, i, st, c // BLOCK, s // BLOCK, c % BLOCK, s % BLOCK),
+               f"b=v_b_o,s=v_s_o*{BLOCK},t=v_t_o*{STEP}", steps)
+
+
+def _pv_rows(sch: Schedule, lanes: int, steps: list) -> None:
+    """The task's pvᵀ (d_v, q_tile) turned into rows of d_v for the epilogue: 16 × 16 blocks of fp32
+    transposed in registers (`x86_panels`, as the query panel's)."""
+    rows = _copy_of(sch, sch.get_sblock("attn"), ("pv",))  # (after pv's store, inside the task)
+    sch.transform_layout(rows, ("write", 0), lambda b, i, st, c, s: (b, i, st, s, c), assume_injective_transform=True)
+    intrinsic = query_panel_intrinsic("float32", lanes, False, argument=True, heads_between=False)
+    steps.append(functools.partial(_tensorize_queries, sch, sch.get(rows).name_hint, intrinsic, lanes, lanes, False))
+
+
+def _pack_pairs(sch: Schedule, spec: AttentionSpec, pair_loop, amx: bool = False) -> tuple[str, str]:
     """The operands of P·V as `x86_bf16.DOT_16x2` reads them: P rounded to bf16 (as FlashAttention
     rounds it for 16-bit inputs; the row sums keep fp32), per pair of keys as probs computes it
     (``pair_loop``), and V, once before the tasks (a copy per task would be a pass over V per query
@@ -521,7 +615,9 @@ def _pack_pairs(sch: Schedule, spec: AttentionSpec, pair_loop) -> tuple[str, str
     p_name = sch.get(p_panel).name_hint
     sch.transform_layout(p_panel, ("write", 0), lambda b, i, st, t, s: (b, i, st, t // PAIR, s, t % PAIR),
                          assume_injective_transform=True)
-    if spec.projections and not padded:  # v_proj (B, n_kv, h_kv·d_v)
+    if amx:  # (a BHSD core: `amx_tiles`)
+        v_layout = lambda b, h, t, c: (b, h, t // STEP, c, t % STEP)  # noqa: E731
+    elif spec.projections and not padded:  # v_proj (B, n_kv, h_kv·d_v)
         v_layout = lambda b, t, m: (b, t // PAIR, m, t % PAIR)  # noqa: E731
     elif spec.layout == "BHSD" or padded:
         v_layout = lambda b, h, t, c: (b, h, t // PAIR, c, t % PAIR)  # noqa: E731
@@ -557,14 +653,23 @@ def _pad_values(sch: Schedule, spec: AttentionSpec, lanes: int, pairs: bool) -> 
     _vectorize(sch, c, spec.d_v, lanes)
 
 
-def _tensorize_pairs(sch: Schedule, spec: AttentionSpec, panels: tuple[str, str], q_tile: int) -> None:
-    """`_pack_pairs`' copies as `x86_bf16.pairs_intrinsic`, one block per pair of rows (a deferred
-    step, `_register_tile`'s ``later``)."""
+def _tensorize_pairs(sch: Schedule, spec: AttentionSpec, panels: tuple[str, str], q_tile: int,
+                     amx: bool = False) -> None:
+    """`_pack_pairs`' copies as `x86_bf16.pairs_intrinsic`, one block per pair of rows, and with
+    ``amx`` V's as `x86_amx.transposed_values_intrinsic` (a deferred step, `_register_tile`'s
+    ``later``)."""
     p_name, v_name = panels
     # V's loops (b, t, h, c), else (…, t, c) (v_rows is BHSD)
     bshd = not spec.projections and spec.layout == "BSHD" and not _has_block(sch, "v_rows")
     _in_pairs(sch, p_name, -2, q_tile, "float32")
-    _in_pairs(sch, v_name, -3 if bshd else -2, spec.d_v, "bfloat16", bshd)  # (a layer's v_proj: a head at a time)
+    if amx:  # blocks of 32 keys × 16 of d_v
+        t, c = sch.get_loops(sch.get_sblock(v_name))[-2:]
+        t_out, t_in = sch.split(t, [None, STEP])
+        c_out, c_in = sch.split(c, [None, LANES])
+        sch.reorder(t_out, c_out, t_in, c_in)
+        _tensorize(sch, t_in, transposed_values_intrinsic())
+    else:
+        _in_pairs(sch, v_name, -3 if bshd else -2, spec.d_v, "bfloat16", bshd)  # (a layer's v_proj: a head at a time)
     sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock(v_name + "_o"))))  # V's panel: a pass before the tasks
     # P's panel is a key stage: it reads the weights of the keys its queries see, in pairs (V's reads
     # the input, every key)

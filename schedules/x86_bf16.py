@@ -37,6 +37,8 @@ BF16_BYTES = 2  # the operands' alignment: the kernels' arguments are aligned to
 DOT_16x2 = "tvmattn_dot_16x2_bf16"  # the block computes C + B·A (QKᵀ: the query panel, a key's pair)
 DOT_16x2_PAIR_FIRST = "tvmattn_dot_16x2_bf16_pair_first"  # C + A·B (P·V: a pair of weights, the V panel)
 DOT_FUNCTION = "tvmattn_dpbf16ps"
+# what reads a packed operand as the bits it holds: the dot product, and AMX's tile loads (`x86_amx`)
+OPERAND_READERS = (DOT_FUNCTION, "llvm.x86.tileloadd64")
 PAIRS_FUNCTION = "tvmattn_cvtne2ps2bf16_pairs"  # two fp32 rows → their bf16 pairs, rounded to nearest even
 # vcvtne2ps2bf16 puts its second operand's 16 values below its first's; the panel wants them interleaved
 _INTERLEAVE = ", ".join(f"i32 {i // 2 + (i % 2) * 16}" for i in range(32))
@@ -174,6 +176,7 @@ def pair_words(lo: PrimExpr, hi: PrimExpr) -> PrimExpr:
 
 
 _REINTERPRET = tvm.ir.Op.get("tirx.reinterpret")
+_ADDRESS_OF = tvm.ir.Op.get("tirx.address_of")
 
 
 def import_dot(sch: Schedule, loop) -> None:
@@ -220,10 +223,13 @@ def keep_operands_16bit() -> tvm.transform.Pass:
                 return tirx.BufferStore(store.buffer, _bits_of(store.value), store.indices)
             return store
 
-        def on_call(call: Call):  # reinterpret(bits) of reinterpret(bf16) of a load: the load's bits
-            if call.op.same_as(_REINTERPRET) and isinstance(call.args[0], Call) and \
-                    call.args[0].op.same_as(_REINTERPRET) and "bfloat16" in str(call.args[0].ty.dtype):
-                return tirx.reinterpret(str(call.ty.dtype), call.args[0].args[0])
+        def on_call(call: Call):
+            inner = call.args[0] if call.args and isinstance(call.args[0], Call) else None
+            reread = inner is not None and inner.op.same_as(_REINTERPRET) and "bfloat16" in str(inner.ty.dtype)
+            if reread and call.op.same_as(_REINTERPRET):  # reinterpret(bits) of reinterpret(bf16) of a load: its bits
+                return tirx.reinterpret(str(call.ty.dtype), inner.args[0])
+            if reread and call.op.same_as(_ADDRESS_OF):  # an element's address (AMX's tile loads): the load's
+                return tirx.address_of(inner.args[0])
             return call
 
         return tvm_ffi.structural_map(func, [(tirx.Buffer, on_buffer), (TensorLoad, on_load),
@@ -250,14 +256,14 @@ def _bits_of(value: PrimExpr) -> PrimExpr:
 
 
 def _own_bf16_buffers(func: tirx.PrimFunc) -> list[tirx.Buffer]:
-    """The bf16 buffers ``func`` allocates that `DOT_FUNCTION` reads, and every view (match buffer)
-    of them."""
+    """The bf16 buffers ``func`` allocates that one of `OPERAND_READERS` reads, and every view (match
+    buffer) of them."""
     allocated: list[tirx.Buffer] = []
     operands: list[tirx.Buffer] = []
 
     def on_block(block: SBlock, visitor) -> None:
         allocated.extend(b for b in block.alloc_buffers if str(b.dtype) == "bfloat16")
-        if block.match_buffers and DOT_FUNCTION in block.body.script():
+        if block.match_buffers and any(reader in block.body.script() for reader in OPERAND_READERS):
             operands.extend(m.source.source for m in block.match_buffers)
         visitor.default_visit(block)
 

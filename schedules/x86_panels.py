@@ -86,7 +86,7 @@ def _query_panel(source: str, lanes: int, pairs: bool, argument: bool,
         rows = [src.vload(at(s), f"{source}x{lanes}") for s in range(lanes)]
     start = (lambda p: [p, 0, 0]) if pairs else (lambda p: [p, 0])  # noqa: E731
     stores = tirx.SeqStmt([dst.vstore(start(p), _as_panel(column, source, pairs))
-                           for p, column in enumerate(_transposed(rows))])  # row p of the panel: word p of each query
+                           for p, column in enumerate(transposed(rows))])  # row p of the panel: word p of each query
     root = desc.body.block
     return desc, desc.with_body(SBlockRealize([], True, SBlock([], root.reads, root.writes, "root", stores)))
 
@@ -111,7 +111,7 @@ def _pair_words(src, at: list, lanes: int, argument: bool) -> PrimExpr:
     return pair_words(*(_shuffle(halves, [PAIR * i + k for i in range(lanes)]) for k in range(PAIR)))  # even, odd e
 
 
-def _transposed(rows: list[PrimExpr]) -> list[PrimExpr]:
+def transposed(rows: list[PrimExpr]) -> list[PrimExpr]:
     """The columns of a square matrix of words given by its rows (a power of two of them): for b = 1,
     2, 4, …, rows i and i + b (i without bit b) swap their off-diagonal b × b blocks."""
     n = len(rows)

@@ -6,17 +6,25 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+from tvm.target import Target
 
 import tvmattn
 from tvmattn.compiler.build import build_serial
 from tvmattn.compiler.flash import FlashTiles
 from tvmattn.compiler.kernel import CompiledAttention
 from tvmattn.compiler.spec import AttentionSpec
+from tvmattn.compiler.target import AMX_FEATURES, host_target
 from tvmattn.compiler.verify import check
+
+HOST = host_target()
+# This CPU with AMX's features off: the AVX512-BF16 kernels a CPU without AMX (Zen 4) runs, runnable here
+NO_AMX = Target({"kind": "llvm", "mcpu": str(HOST.attrs["mcpu"]), "num-cores": int(HOST.attrs["num-cores"]),
+                 "mattr": [str(f) for f in HOST.attrs.get("mattr", ()) if str(f)[1:] not in AMX_FEATURES]
+                 + [f"-{f}" for f in AMX_FEATURES]})
 
 
 @functools.lru_cache(maxsize=64)
-def compiled(spec: AttentionSpec, target: str = "cpu", knobs: tuple = ()) -> CompiledAttention:
+def compiled(spec: AttentionSpec, target: str | Target = "cpu", knobs: tuple = ()) -> CompiledAttention:
     return tvmattn.compile(spec, target, knobs=dict(knobs) or None)
 
 

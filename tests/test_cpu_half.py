@@ -1,20 +1,22 @@
 """bf16 and fp16 CPU kernels on their fast paths, against the float64 oracle: bf16 QKᵀ and P·V on
-AVX512-BF16 dot products (vdpbf16ps) over every spec axis the paths take, and the instruction in
-the generated code exactly when the target has the feature."""
+AMX tiles (tdpbf16ps) and on AVX512-BF16 dot products (vdpbf16ps) over every spec axis the paths
+take, and the instructions in the generated code exactly when the target has the feature. The
+vdpbf16ps kernels are built for this CPU with AMX off (`helpers.NO_AMX`: what a Zen 4 runs)."""
 
 import pytest
-from helpers import assert_matches_oracle, compiled
+from helpers import HOST, NO_AMX, assert_matches_oracle, compiled
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import specs
 
 import tvmattn
 from tvmattn import AttentionSpec
-from tvmattn.compiler.target import host_target
+from tvmattn.schedules.x86_amx import has_amx
 from tvmattn.schedules.x86_bf16 import has_bf16_dot
 
-HOST_HAS_BF16_DOT = has_bf16_dot(host_target())
+HOST_HAS_BF16_DOT = has_bf16_dot(HOST)
 needs_bf16_dot = pytest.mark.skipif(not HOST_HAS_BF16_DOT, reason="this CPU has no AVX512-BF16")
+needs_amx = pytest.mark.skipif(not has_amx(HOST), reason="this CPU has no AMX-BF16 (or Linux does not grant it)")
 
 
 @st.composite
@@ -34,7 +36,7 @@ def dot_specs(draw, symbolic: bool = False) -> AttentionSpec:
 @settings(max_examples=20, deadline=None)
 @given(dot_specs())
 def test_bf16_dot_products_match_the_oracle(spec):
-    kernel = compiled(spec)
+    kernel = compiled(spec, NO_AMX)
     assert "vdpbf16ps" in kernel.schedule, kernel.schedule
     assert_matches_oracle(kernel)
 
@@ -47,7 +49,7 @@ def test_symbolic_lengths_run_on_the_bf16_dot_products(spec, data):
     of 16, the rows and keys past the end read the last again and are hidden), at lengths inside and
     past a block."""
     spec = spec.replace(head_dim=data.draw(st.sampled_from((16, 32, 64))), v_head_dim=None)
-    kernel = compiled(spec)
+    kernel = compiled(spec, NO_AMX)
     stages = kernel.schedule.split(" on bf16 dot products")[0].replace(" and ", ", ").split(", ")
     assert {"QKᵀ", "P·V"} <= set(stages), kernel.schedule
     for i, n in enumerate(data.draw(st.lists(st.integers(1, 70), min_size=2, max_size=3))):
@@ -63,7 +65,7 @@ def test_symbolic_lengths_with_an_attn_mask_on_the_bf16_dot_products(kind, dims)
     only (read in place at a clamped key), along queries only."""
     spec = AttentionSpec(batch="B", seq_len="n", kv_seq_len="m", num_heads=2, head_dim=32, attn_mask=kind,
                          attn_mask_dims=dims, projections=False, dtype="bfloat16")
-    kernel = compiled(spec)
+    kernel = compiled(spec, NO_AMX)
     assert "QKᵀ and P·V on bf16 dot products" in kernel.schedule, kernel.schedule
     for seed, sizes in enumerate(({"B": 2, "n": 21, "m": 40}, {"B": 1, "n": 1, "m": 9}, {"B": 1, "n": 64, "m": 64})):
         assert_matches_oracle(kernel, sizes, seed=seed)
@@ -77,22 +79,58 @@ def test_bf16_dot_products_skip_hidden_key_tiles(causal, window, key_padding):
     still give the hidden key of a pair weight 0."""
     spec = AttentionSpec(batch=2, seq_len=96, num_heads=2, head_dim=32, causal=causal, window=window,
                          key_padding=key_padding, projections=False, dtype="bfloat16")
-    kernel = compiled(spec, knobs=(("q_tile", 32),))
+    kernel = compiled(spec, NO_AMX, knobs=(("q_tile", 32),))
     assert "P·V on bf16 dot products" in kernel.schedule, kernel.schedule
     for seed in range(3):
         assert_matches_oracle(kernel, seed=seed)
 
 
+@st.composite
+def amx_specs(draw, symbolic: bool = False) -> AttentionSpec:
+    """A bf16 core spec whose QKᵀ and P·V can take AMX's tiles (`cpu.amx_tiles`): lengths and head
+    widths in whole blocks of 32; every other axis drawn."""
+    spec = draw(specs(dtype="bfloat16", symbolic=False, intermediate=False, projections=False, max_len=80))
+    d = draw(st.sampled_from((32, 64, 128)))
+    seq = draw(st.sampled_from((32, 64, 96, 128)))
+    kv_seq = draw(st.one_of(st.none(), st.sampled_from((32, 64, 96, 160))))
+    return spec.replace(head_dim=d, v_head_dim=draw(st.sampled_from((None, 32, 64))), seq_len=seq,
+                        kv_seq_len=kv_seq, d_model=spec.h * d, layout="BHSD",
+                        window=None if spec.window is None else draw(st.integers(1, seq // 2)))
+
+
+@needs_amx
+@settings(max_examples=15, deadline=None)
+@given(amx_specs())
+def test_amx_tiles_match_the_oracle(spec):
+    kernel = compiled(spec)
+    assert "AMX tiles" in kernel.schedule, kernel.schedule
+    assert_matches_oracle(kernel)
+
+
 SPEC = AttentionSpec(batch=1, seq_len=64, num_heads=2, head_dim=64, projections=False, dtype="bfloat16")
 
 
-@pytest.mark.parametrize("mcpu,has_dot", [("znver4", True), ("sapphirerapids", True), ("znver3", False),
-                                          ("skylake-avx512", False)])
-def test_bf16_dot_instruction_exactly_where_the_target_has_it(mcpu, has_dot):
+@pytest.mark.parametrize("mcpu,has_dot,has_tiles", [("znver4", True, False), ("sapphirerapids", True, True),
+                                                    ("znver3", False, False), ("skylake-avx512", False, False)])
+def test_bf16_instructions_exactly_where_the_target_has_them(mcpu, has_dot, has_tiles):
+    """AMX's tile products where the CPU has them (each task configures the tiles and releases them),
+    else AVX512-BF16's dot products, else fp32 FMAs; P rounded to bf16 pairs for P·V on either."""
     kernel = tvmattn.compile(SPEC, {"kind": "llvm", "mcpu": mcpu, "num-cores": 2}, knobs={})
-    assert ("vdpbf16ps" in kernel.source()) == has_dot
-    assert ("vcvtne2ps2bf16" in kernel.source()) == has_dot  # P rounded to bf16 pairs for P·V
-    assert ("vdpbf16ps" in kernel.schedule) == has_dot
+    asm = kernel.source()
+    assert ("vdpbf16ps" in asm) == (has_dot and not has_tiles)
+    assert all((op in asm) == has_tiles for op in ("tdpbf16ps", "tileloadd", "tilestored", "ldtilecfg", "tilerelease"))
+    assert ("vcvtne2ps2bf16" in asm) == has_dot
+    assert ("vdpbf16ps" in kernel.schedule) == (has_dot and not has_tiles)
+    assert ("AMX tiles" in kernel.schedule) == has_tiles
+    if (has_amx(HOST) or not has_tiles) and (HOST_HAS_BF16_DOT or not has_dot):  # this CPU runs it
+        assert_matches_oracle(kernel)
+
+
+def test_amx_needs_whole_blocks_of_32():
+    """d_k = 16 (half a tile row) and a query tile of 16 keep the AVX512-BF16 dot products."""
+    target = {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2}
+    assert "vdpbf16ps" in tvmattn.compile(SPEC.replace(head_dim=16), target).schedule
+    assert "vdpbf16ps" in tvmattn.compile(SPEC, target, knobs={"q_tile": 16}).schedule
 
 
 # d_k = 3: QKᵀ and P·V cannot take the dot products, so any vdpbf16ps is the projections'
@@ -121,7 +159,7 @@ def test_layers_with_projections_on_the_bf16_dot_products_match_the_oracle(spec,
     projections on the dot products wherever their reduction comes in whole pairs (odd head widths
     straddle heads in W_O's)."""
     spec = spec.replace(d_model=data.draw(st.sampled_from((16, 32, 48))), seq_len=max(spec.n_q, 16))
-    assert_matches_oracle(compiled(spec))
+    assert_matches_oracle(compiled(spec, NO_AMX))
 
 
 def test_bf16_without_the_instruction_matches_the_oracle():
