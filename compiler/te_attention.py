@@ -16,8 +16,8 @@
 The core kernel (``projections=False``) starts at q, k, v in the spec's layout and ends at attn in
 that layout, or, when ``spec.output`` names one, at an intermediate (B,h,n,n_kv) stage. Built with a
 ``block`` (the CPU's bf16 dot products), symbolic lengths run in whole blocks from scores to pv, with
-the queries, values and a per-query mask padded as stages of their own, q_rows, v_rows and mask_rows
-(`_core`). Cross-attention, GQA, both layouts and broadcast masks only change index maps.
+the queries, keys, values and a per-query mask padded as stages of their own, q_rows, k_rows, v_rows
+and mask_rows (`_core`). Cross-attention, GQA, both layouts and broadcast masks only change index maps.
 
 Axis names are part of the contract: b batch, i query head, s query position, t key position,
 e the q·k dot product, c a value column. TVM names a block's iterators after them (v_b, v_s, v_t, …),
@@ -103,16 +103,17 @@ def _core_inputs(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor],
 # ---- the core: scores → logits → softmax → P·V ---------------------------------------------------
 def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: dict[str, te.Tensor],
           q_at: Reader, k_at: Reader, v_at: Reader, block: int = 1) -> None:
-    """scores … pv. With ``block`` > 1, a symbolic query or key length L runs to `_whole` blocks, so
-    a kernel's tiles never end inside a block (a tensor intrinsic takes no tail predicate): the rows
+    """scores … pv. With ``block`` > 1, a symbolic query or key length L, or a static one that is no
+    multiple of it, runs to `_whole` blocks, so a kernel's tiles never end inside a block (a tensor intrinsic takes no tail predicate): the rows
     past L read row L-1 again, the keys past it are hidden, and the epilogue stores rows < n only.
-    The queries and values then have stages of their own, q_rows (B, h, n_rows, d_k) and v_rows
-    (B, h_kv, n_keys, d_v), that the schedule packs; so has an attn_mask that varies along queries and
-    keys, mask_rows (its clamped index inside a packed tile overflows TVM's simplifier)."""
+    The queries, keys and values then have stages of their own, q_rows (B, h, n_rows, d_k), k_rows
+    (B, h_kv, n_keys, d_k) and v_rows (B, h_kv, n_keys, d_v), that the schedule packs or inlines; so
+    has an attn_mask that varies along queries and keys, mask_rows (its clamped index inside a packed
+    tile overflows TVM's simplifier)."""
     B, n, n_kv, h, g = dim(spec.batch), dim(spec.n_q), dim(spec.n_kv), spec.h, spec.group
-    pad_rows, pad_keys = (block > 1 and not isinstance(x, int) for x in (n, n_kv))
+    pad_rows, pad_keys = (block > 1 and (not isinstance(x, int) or x % block > 0) for x in (n, n_kv))
     n_rows = (n + block - 1) // block * block if pad_rows else n  # as the split of n by the tile writes it
-    n_keys = _whole(n_kv, block) if pad_keys else n_kv
+    n_keys = (_whole(n_kv, block) if isinstance(n_kv, tirx.Var) else -(-n_kv // block) * block) if pad_keys else n_kv
     row = (lambda s: tirx.min(s, n - 1)) if pad_rows else (lambda s: s)  # noqa: E731
     key = (lambda t: tirx.min(t, n_kv - 1)) if pad_keys else (lambda t: t)  # noqa: E731
     q_in, k_in, v_in = q_at, k_at, v_at
@@ -123,6 +124,8 @@ def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: d
         q_rows = stages["q_rows"] = te.compute((B, h, n_rows, spec.d_k), q_at, name="q_rows")
         q_at = lambda b, i, s, e: q_rows[b, i, s, e]  # noqa: E731
     if pad_keys:
+        k_rows = stages["k_rows"] = te.compute((B, spec.h_kv, n_keys, spec.d_k), k_at, name="k_rows")
+        k_at = lambda b, i, t, e: k_rows[b, i, t, e]  # noqa: E731
         v_rows = stages["v_rows"] = te.compute((B, spec.h_kv, n_keys, spec.d_v), v_at, name="v_rows")
         v_at = lambda b, i, t, c: v_rows[b, i, t, c]  # noqa: E731
     if spec.key_padding:

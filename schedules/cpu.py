@@ -49,11 +49,11 @@ from tvmattn.schedules.knobs import Knob, KnobValue
 from tvmattn.schedules.rule import AttentionRule
 from tvmattn.schedules.x86_amx import (
     BLOCK,
-    DOT,
     STEP,
     STORE,
     ZERO,
     configure_tiles,
+    dot_intrinsic,
     has_amx,
     import_amx,
     transposed_values_intrinsic,
@@ -116,9 +116,9 @@ class CpuAttention(AttentionRule):
         return dots | gemm_defaults(d_in, vector_lanes(target), tvm.DataType(spec.dtype).bits)
 
     def workload(self, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> PrimFunc:
-        """The tensor expression's function; on the bf16 dot products, symbolic lengths run in whole
-        blocks of `LANES` (`te_attention._core`), the tiles the instruction needs."""
-        return attention_te(spec, LANES if _padded_dots(spec, target) else 1).prim_func()
+        """The tensor expression's function; on the bf16 instructions, symbolic lengths run in whole
+        blocks (`_padding`, `te_attention._core`), the tiles the instructions need."""
+        return attention_te(spec, _padding(spec, target)).prim_func()
 
     def describe(self, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> str:
         """Which variant ``apply`` builds for ``spec``, with the knobs it reads."""
@@ -130,7 +130,8 @@ class CpuAttention(AttentionRule):
         else:
             used = ["q_tile", "qk_keys", "pv_rows", "pv_vecs"]
             what = f"query tiles × {lanes}-lane vectors"
-            q_tile = min(knobs["q_tile"], spec.n_q) if isinstance(spec.n_q, int) else knobs["q_tile"]
+            n_q = _whole(spec.n_q, _padding(spec, target))
+            q_tile = min(knobs["q_tile"], n_q) if isinstance(n_q, int) else knobs["q_tile"]
             q_tile = _dot_tile(spec, target, q_tile) or q_tile
             qk_keys = _qk_keys(None, spec, target, knobs["qk_keys"])
             if amx_tiles(spec, target, q_tile):
@@ -169,11 +170,9 @@ class CpuAttention(AttentionRule):
             amx = _attention_core(sch, spec, target, lanes, knobs, steps)
         for step in steps:
             step()
-        first = sch.get_loops(sch.get_sblock("out" if spec.projections else spec.output))[0]
-        if amx:  # the tiles' configuration and the dot products' LLVM IR
-            import_amx(sch, first)
-        elif steps and spec.dtype == "bfloat16" and has_bf16_dot(target):  # the dot products' LLVM IR
-            import_dot(sch, first)
+        if steps and spec.dtype == "bfloat16" and has_bf16_dot(target):  # the instructions' LLVM IR
+            first = sch.get_loops(sch.get_sblock("out" if spec.projections else spec.output))[0]
+            (import_amx if amx else import_dot)(sch, first)
         return sch
 
 
@@ -190,7 +189,7 @@ def gemm_defaults(d_in: int, lanes: int, bits: int) -> dict[str, int]:
 def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: int,
                     k: Mapping[str, KnobValue], steps: list) -> bool:
     """The query-tile kernel (see the module docstring); True where QKᵀ and P·V run on AMX tiles."""
-    tile_factor = _at_most(sch, k["q_tile"], spec.n_q)  # a few queries (decode): one exact tile
+    tile_factor = _at_most(sch, k["q_tile"], _whole(spec.n_q, _padding(spec, target)))  # decode: one exact tile
     tile_factor = _dot_tile(spec, target, _int(sch, tile_factor)) or tile_factor  # dot products: whole tiles
     q_tile = _int(sch, tile_factor)
     s_lanes = _lanes_for(q_tile, lanes)  # queries per vector
@@ -224,8 +223,9 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
     _vectorize(sch, loops["c"], spec.d_v, lanes)
     for name in PER_TILE:
         sch.compute_at(sch.get_sblock(name), task, preserve_unit_loops=True)
-    if _has_block(sch, "v_rows"):  # keys in whole blocks (`_padded_dots`): P·V's panels are packed from it
+    if _has_block(sch, "v_rows"):  # keys in whole blocks (`_padding`): P·V's panels are packed from them
         _pad_values(sch, spec, lanes, pv_pairs)
+        _padded_keys(sch, spec, lanes, amx)
 
     if by_head_dim:
         _scores_along_head_dim(sch, scores_rf)
@@ -236,7 +236,7 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
         if widen and not spec.projections:
             _widened_before_tasks(sch, "scores", ("k",), spec.d_k, lanes)
         if amx:
-            tile_keys = _amx_scores(sch, steps)
+            tile_keys = _amx_scores(sch, spec.layout == "BSHD" and not _has_block(sch, "k_rows"), steps)
         else:
             tile_keys = _scores(sch, s_lanes, qk_keys, qk_pairs, steps, widen=widen and spec.projections)
         if spec.attn_mask is not None and {"s", "t"} <= set(spec.attn_mask_dims):
@@ -290,34 +290,48 @@ def _row_reduction(sch: Schedule, name: str, s_lanes: int, at=None) -> None:
     sch.decompose_reduction(blk, at)
 
 
-def _padded_dots(spec: AttentionSpec, target: Target) -> bool:
-    """Whether the core kernel's symbolic lengths run in whole blocks of `LANES` (`te_attention._core`)
-    for the bf16 dot products: then QKᵀ always takes them (static queries in whole dot tiles, d_k in
-    pairs, `_qk_keys` dividing the block; TVM 0.27 cannot build the widened key tiles over padded
-    keys)."""
-    n_q = spec.n_q
-    return (spec.dtype == "bfloat16" and has_bf16_dot(target)
-            and spec.d_k % PAIR == 0 and any(isinstance(x, str) for x in (n_q, spec.n_kv))
-            and (isinstance(n_q, str) or n_q % LANES == 0))
+def _padding(spec: AttentionSpec, target: Target) -> int:
+    """The block the core kernel's lengths run in (`te_attention._core`; 1: none), for the bf16
+    instructions, which take no tail: 32 for AMX's tiles (`amx_tiles`; symbolic lengths, and static
+    ones that are no multiple of 32), else `LANES` for the dot products (symbolic lengths), which QKᵀ
+    then always takes (static queries in whole dot tiles, d_k in pairs, `_qk_keys` dividing the
+    block; TVM 0.27 cannot build the widened key tiles over padded keys)."""
+    n_q, n_kv = spec.n_q, spec.n_kv
+    if not (spec.dtype == "bfloat16" and has_bf16_dot(target) and spec.d_k % PAIR == 0):
+        return 1
+    if _amx_widths(spec, target) and any(isinstance(x, str) or x % BLOCK for x in (n_q, n_kv)):
+        return BLOCK
+    symbolic = any(isinstance(x, str) for x in (n_q, n_kv))
+    return LANES if symbolic and (isinstance(n_q, str) or n_q % LANES == 0) else 1
+
+
+def _whole(length, block: int):
+    """A length as the kernel's stages run it (`_padding`): in whole blocks where padded (a symbolic
+    one: any multiple of the block stands for it)."""
+    if block == 1:
+        return length
+    return block if not isinstance(length, int) else -(-length // block) * block
 
 
 def _qk_keys(sch: Schedule | None, spec: AttentionSpec, target: Target, knob: KnobValue) -> KnobValue:
-    """Keys per QKᵀ register tile: the knob, at most a static n_kv; with `_padded_dots`, the largest
+    """Keys per QKᵀ register tile: the knob, at most a static n_kv; with `_padding`, the largest
     divisor of `LANES` up to it (the padded keys come in whole blocks)."""
-    if _padded_dots(spec, target) and not isinstance(spec.n_kv, int):
+    if _padding(spec, target) > 1 and not isinstance(spec.n_kv, int):
         return _divisor_at_most(LANES, _int(sch, knob))
     return _at_most(sch, knob, spec.n_kv)
 
 
 def _dot_tile(spec: AttentionSpec, target: Target, q_tile: int) -> int | None:
-    """The query tile for bf16 dot products at most ``q_tile``: the largest power of two from 16 that
-    divides a static n_q, or `LANES` for a symbolic one (its rows run in whole blocks of `LANES`);
-    None: no such tile, or no such instruction."""
+    """The query tile for bf16 dot products or AMX tiles at most ``q_tile``: the largest power of two
+    from 16 that divides a static n_q (padded, `_padding`), or the block a symbolic one runs in; None:
+    no such tile, or no such instruction."""
     if spec.dtype != "bfloat16" or not has_bf16_dot(target):
         return None
+    block = _padding(spec, target)
     if not isinstance(spec.n_q, int):
-        return LANES if _padded_dots(spec, target) else None
-    return next((t for t in (64, 32, LANES) if t <= q_tile and spec.n_q % t == 0), None)
+        return block if block > 1 else None
+    n_q = _whole(spec.n_q, block)
+    return next((t for t in (64, 32, LANES) if t <= q_tile and n_q % t == 0), None)
 
 
 def bf16_dots(spec: AttentionSpec, target: Target, q_tile: int, qk_keys: int) -> tuple[bool, bool]:
@@ -326,8 +340,8 @@ def bf16_dots(spec: AttentionSpec, target: Target, q_tile: int, qk_keys: int) ->
     and key tiles (``qk_keys``), whole pairs of the reduction (d_k even; for P·V an even n_kv) and d_v
     in whole vectors: a tail's predicate cannot sit inside the instruction. Elsewhere the stage
     widens to fp32 FMAs."""
-    padded = _padded_dots(spec, target)  # a symbolic length: whole blocks of LANES
-    n_q, n_kv = ((LANES if padded and not isinstance(x, int) else x) for x in (spec.n_q, spec.n_kv))
+    block = _padding(spec, target)
+    n_q, n_kv = (_whole(x, block) for x in (spec.n_q, spec.n_kv))
     if spec.dtype != "bfloat16" or not has_bf16_dot(target) or q_tile < LANES or q_tile & (q_tile - 1) \
             or not isinstance(n_q, int) or n_q % q_tile or not isinstance(n_kv, int):
         return False, False
@@ -337,13 +351,20 @@ def bf16_dots(spec: AttentionSpec, target: Target, q_tile: int, qk_keys: int) ->
 
 def amx_tiles(spec: AttentionSpec, target: Target, q_tile: int) -> bool:
     """Whether QKᵀ and P·V of the query-tile kernel run on AMX tiles (`x86_amx`, 32 × 32 blocks of
-    accumulators): bf16 on a CPU with AMX-BF16 (and AVX512-BF16, which rounds P into its pairs), a
-    core kernel in BHSD with static lengths: query tiles a multiple of 32 dividing n_q, and n_kv, d_k,
-    d_v multiples of 32 (an instruction takes no tail). Elsewhere `bf16_dots` decides."""
-    sizes = (spec.n_q, spec.n_kv)
+    accumulators): `_amx_widths`, and lengths in whole blocks of 32 (an instruction takes no tail),
+    padded to them where they are not (`_padding`), with query tiles a multiple of 32 dividing them.
+    Elsewhere `bf16_dots` decides."""
+    block = _padding(spec, target)
+    n_q, n_kv = (_whole(x, block) for x in (spec.n_q, spec.n_kv))
+    return (_amx_widths(spec, target) and block in (1, BLOCK) and q_tile % BLOCK == 0 and n_q % q_tile == 0
+            and n_kv % BLOCK == 0)
+
+
+def _amx_widths(spec: AttentionSpec, target: Target) -> bool:
+    """A spec whose widths AMX's tiles take: a bf16 core kernel on a CPU with AMX-BF16 (and
+    AVX512-BF16, which rounds P into its pairs), d_k and d_v multiples of 32."""
     return (spec.dtype == "bfloat16" and has_amx(target) and has_bf16_dot(target) and not spec.projections
-            and spec.layout == "BHSD" and all(isinstance(x, int) for x in sizes) and q_tile % BLOCK == 0
-            and spec.n_q % q_tile == 0 and spec.n_kv % BLOCK == 0 and spec.d_k % STEP == 0 and spec.d_v % BLOCK == 0)
+            and spec.d_k % STEP == 0 and spec.d_v % BLOCK == 0)
 
 
 def _few_tasks_of_one_query(spec: AttentionSpec, target: Target, lanes: int) -> bool:
@@ -489,30 +510,33 @@ def _scores(sch: Schedule, lanes: int, keys_factor: KnobValue, pairs: bool, step
     return t_out
 
 
-def _amx_scores(sch: Schedule, steps: list):
+def _amx_scores(sch: Schedule, heads_between: bool, steps: list):
     """acc[32 keys][32 queries] += k[t, e:e+32] · panel[e/2, s, e%2] in four AMX tiles (`x86_amx.DOT`:
-    the keys read in place, the query panel as its pair operand), 32 steps of e per product. Returns
-    the loop over blocks of keys."""
+    the keys read in place, ``heads_between`` in BSHD, the query panel as its pair operand), 32 steps
+    of e per product. Returns the loop over blocks of keys."""
     scores = sch.get_sblock("scores")
     s, t, e = sch.get_loops(scores)[-3:]
     t_out, t_in = sch.split(t, [None, BLOCK])
     s_out, s_in = sch.split(s, [None, BLOCK])
     e_out, e_in = sch.split(e, [None, STEP])
     sch.reorder(t_out, s_out, e_out, t_in, s_in, e_in)
-    _amx_block(sch, scores, s_out, e_out, lambda b, i, st, t, s: (b, i, st, t // BLOCK, s // BLOCK, t % BLOCK, s % BLOCK),
-               f"b=v_b_o,s=v_s_o*{BLOCK},t=v_t_o*{BLOCK}", steps)
+    _amx_block(sch, scores, s_out, e_out, dot_intrinsic(heads_between), f"b=v_b_o,s=v_s_o*{BLOCK},t=v_t_o*{BLOCK}",
+               steps)
     return t_out
 
 
-def _amx_block(sch: Schedule, block, outer, reduction, layout, key_blocks: str, steps: list) -> None:
-    """The register-tile idiom (`_register_tile`) on AMX's tiles: ``block``'s 32 × 32 accumulator under
-    ``outer`` (laid out by ``layout``), its init, update (from the loop inside ``reduction``) and
-    store as `x86_amx.ZERO`, `DOT` and `STORE`, tensorized by ``steps``."""
+def _amx_block(sch: Schedule, block, outer, reduction, dot: str, key_blocks: str, steps: list) -> None:
+    """The register-tile idiom (`_register_tile`) on AMX's tiles: ``block``'s 32 × 32 accumulator
+    under ``outer``, its init, update (from the loop inside ``reduction``, the intrinsic ``dot``) and
+    store as `x86_amx.ZERO`, `DOT` and `STORE`, tensorized by ``steps``. The block's buffer is
+    (…, row, column) and its loops (…, rows, columns, reduction) blocks of 32 inside ``outer``."""
     acc = sch.cache_write(block, 0, "local")
-    sch.transform_layout(block, ("write", 0), layout, assume_injective_transform=True)
+    sch.transform_layout(block, ("write", 0),  # one 32 × 32 block per accumulator, whatever is around it
+                         lambda *i, m, n: (*i, m // BLOCK, n // BLOCK, m % BLOCK, n % BLOCK),
+                         assume_injective_transform=True)
     sch.reverse_compute_at(acc, outer, preserve_unit_loops=True)
     init = sch.decompose_reduction(block, reduction)
-    steps.append(functools.partial(_tensorize, sch, sch.get_loops(block)[-3], DOT, key_blocks))
+    steps.append(functools.partial(_tensorize, sch, sch.get_loops(block)[-3], dot, key_blocks))
     steps.append(functools.partial(_tensorize, sch, sch.get_loops(init)[-2], ZERO))
     steps.append(functools.partial(_tensorize, sch, sch.get_loops(acc)[-2], STORE))
 
@@ -587,8 +611,7 @@ def _amx_weights_v(sch: Schedule, steps: list) -> None:
     c_out, c_in = sch.split(c, [None, BLOCK])
     t_out, t_in = sch.split(t, [None, STEP])
     sch.reorder(c_out, s_out, t_out, c_in, s_in, t_in)
-    _amx_block(sch, pv, s_out, t_out, lambda b, i, st, c, s: (b, i, st, c // BLOCK, s // BLOCK, c % BLOCK, s % BLOCK),
-               f"b=v_b_o,s=v_s_o*{BLOCK},t=v_t_o*{STEP}", steps)
+    _amx_block(sch, pv, s_out, t_out, dot_intrinsic(), f"b=v_b_o,s=v_s_o*{BLOCK},t=v_t_o*{STEP}", steps)
 
 
 def _pv_rows(sch: Schedule, lanes: int, steps: list) -> None:
@@ -615,7 +638,9 @@ def _pack_pairs(sch: Schedule, spec: AttentionSpec, pair_loop, amx: bool = False
     p_name = sch.get(p_panel).name_hint
     sch.transform_layout(p_panel, ("write", 0), lambda b, i, st, t, s: (b, i, st, t // PAIR, s, t % PAIR),
                          assume_injective_transform=True)
-    if amx:  # (a BHSD core: `amx_tiles`)
+    if amx and spec.layout == "BSHD" and not padded:  # (a core kernel: `amx_tiles`)
+        v_layout = lambda b, t, h, c: (b, h, t // STEP, c, t % STEP)  # noqa: E731
+    elif amx:
         v_layout = lambda b, h, t, c: (b, h, t // STEP, c, t % STEP)  # noqa: E731
     elif spec.projections and not padded:  # v_proj (B, n_kv, h_kv·d_v)
         v_layout = lambda b, t, m: (b, t // PAIR, m, t % PAIR)  # noqa: E731
@@ -653,6 +678,18 @@ def _pad_values(sch: Schedule, spec: AttentionSpec, lanes: int, pairs: bool) -> 
     _vectorize(sch, c, spec.d_v, lanes)
 
 
+def _padded_keys(sch: Schedule, spec: AttentionSpec, lanes: int, amx: bool) -> None:
+    """k_rows, K with its keys in whole blocks: on AMX's tiles, one parallel pass before the tasks that
+    QKᵀ reads as its row operand (a clamped row is no block of rows), else inlined into QKᵀ."""
+    k_rows = sch.get_sblock("k_rows")
+    if not amx:
+        sch.compute_inline(k_rows)
+        return
+    *rows, e = sch.get_loops(k_rows)
+    sch.parallel(sch.fuse(*rows))
+    _vectorize(sch, e, spec.d_k, lanes)
+
+
 def _tensorize_pairs(sch: Schedule, spec: AttentionSpec, panels: tuple[str, str], q_tile: int,
                      amx: bool = False) -> None:
     """`_pack_pairs`' copies as `x86_bf16.pairs_intrinsic`, one block per pair of rows, and with
@@ -662,12 +699,13 @@ def _tensorize_pairs(sch: Schedule, spec: AttentionSpec, panels: tuple[str, str]
     # V's loops (b, t, h, c), else (…, t, c) (v_rows is BHSD)
     bshd = not spec.projections and spec.layout == "BSHD" and not _has_block(sch, "v_rows")
     _in_pairs(sch, p_name, -2, q_tile, "float32")
-    if amx:  # blocks of 32 keys × 16 of d_v
-        t, c = sch.get_loops(sch.get_sblock(v_name))[-2:]
+    if amx:  # blocks of 32 keys × 16 of d_v (loops …, t, [head,] c)
+        loops = sch.get_loops(sch.get_sblock(v_name))
+        t, heads, c = (loops[-3], loops[-2:-1], loops[-1]) if bshd else (loops[-2], [], loops[-1])
         t_out, t_in = sch.split(t, [None, STEP])
         c_out, c_in = sch.split(c, [None, LANES])
-        sch.reorder(t_out, c_out, t_in, c_in)
-        _tensorize(sch, t_in, transposed_values_intrinsic())
+        sch.reorder(t_out, *heads, c_out, t_in, c_in)
+        _tensorize(sch, t_in, transposed_values_intrinsic(bshd))
     else:
         _in_pairs(sch, v_name, -3 if bshd else -2, spec.d_v, "bfloat16", bshd)  # (a layer's v_proj: a head at a time)
     sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock(v_name + "_o"))))  # V's panel: a pass before the tasks

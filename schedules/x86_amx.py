@@ -156,22 +156,6 @@ def _register() -> None:
                     C[vm, vn] = T.float32(0)
 
     @T.prim_func(s_tir=True)
-    def dot(a: T.handle, b: T.handle, c: T.handle) -> None:
-        lda, ldb = T.int32(), T.int32()
-        A = T.match_buffer(a, (BLOCK, STEP), "bfloat16", strides=[lda, 1], offset_factor=1, align=BF16_BYTES)
-        B = T.match_buffer(b, (STEP // PAIR, BLOCK, PAIR), "bfloat16", strides=[ldb, PAIR, 1], offset_factor=1,
-                           align=BF16_BYTES)
-        C = T.match_buffer(c, (BLOCK, BLOCK), "float32", scope="local", offset_factor=1)
-        with T.sblock("root"):
-            T.reads(C[0:BLOCK, 0:BLOCK], B[0:STEP // PAIR, 0:BLOCK, 0:PAIR], A[0:BLOCK, 0:STEP])
-            T.writes(C[0:BLOCK, 0:BLOCK])
-            for m, n, k in T.grid(BLOCK, BLOCK, STEP):
-                with T.sblock("update"):
-                    vn, vm, vk = T.axis.remap("SSR", [n, m, k])
-                    C[vm, vn] = C[vm, vn] + (T.cast(B[vk // PAIR, vn, vk % PAIR], "float32")
-                                             * T.cast(A[vm, vk], "float32"))
-
-    @T.prim_func(s_tir=True)
     def store(c: T.handle, d: T.handle) -> None:
         ldd = T.int32()
         C = T.match_buffer(c, (BLOCK, BLOCK), "float32", scope="local", offset_factor=1)
@@ -184,55 +168,94 @@ def _register() -> None:
                     vm, vn = T.axis.remap("SS", [m, n])
                     D[vm, vn] = C[vm, vn]
 
-    halves = [(i, j) for i in range(2) for j in range(2)]
-    TensorIntrin.register(ZERO, zero, _block(zero, [_tile("tilezero", _id(2 * i + j)) for i, j in halves]))
-    A, B, _ = dot.params
-    loads = [_tile("tileloadd64", _id(4 + i), _address(A, i * ROWS, 0),
-                   _bytes(A.strides[0], BF16_BYTES)) for i in range(2)]
-    loads += [_tile("tileloadd64", _id(6 + j), _address(B, 0, j * ROWS, 0),
-                    _bytes(B.strides[0], BF16_BYTES)) for j in range(2)]
-    products = [_tile("tdpbf16ps", _id(2 * i + j), _id(4 + i), _id(6 + j)) for i, j in halves]
-    TensorIntrin.register(DOT, dot, _block(dot, loads + products))
+    TensorIntrin.register(ZERO, zero, _block(zero, [_tile("tilezero", _id(2 * i + j)) for i, j in HALVES]))
     _, D = store.params
     stores = [_tile("tilestored64", _id(2 * i + j), _address(D, i * ROWS, j * ROWS),
-                    _bytes(D.strides[0], F32_BYTES)) for i, j in halves]
+                    _bytes(D.strides[0], F32_BYTES)) for i, j in HALVES]
     TensorIntrin.register(STORE, store, _block(store, stores))
 
 
+HALVES = [(i, j) for i in range(2) for j in range(2)]  # the accumulator's tiles: (row half, column half)
 _register()
+_REGISTERED: set[str] = set()
 
-_TRANSPOSED: set[str] = set()
 
-
-def transposed_values_intrinsic() -> str:
-    """The tensor intrinsic (registered on first use) that packs 32 keys × 16 columns of V (bf16, any
-    row stride) into the 16 × 32 block of Vᵀ that `DOT`'s A operand reads: P·V runs as pvᵀ[c, s] +=
-    Vᵀ[c, t] · P[t/2, s, t%2], the key-major weights being the pair panel B. Rows 2p and 2p + 1 of V
-    become the 32-bit words (V[2p, c], V[2p + 1, c]) of 16 columns, and their 16 × 16 transposition
-    (`x86_panels.transposed`) is Vᵀ: row c holds word p of every pair, keys 0 … 31 in order."""
-    name = "tvmattn_amx_values_transposed_32x16"
-    if name in _TRANSPOSED:
+def dot_intrinsic(heads_between: bool = False) -> str:
+    """The name of `DOT` for a row operand A of any row stride, registered on first use:
+    ``heads_between``, rows of a (t, head, e) tensor (BSHD), one head of it."""
+    name = DOT + ("_bshd" if heads_between else "")
+    if name in _REGISTERED:
         return name
+    shape = (BLOCK, 1, STEP) if heads_between else (BLOCK, STEP)
+    row = (lambda m, k: [m, 0, k]) if heads_between else (lambda m, k: [m, k])  # noqa: E731
+
+    @T.prim_func(s_tir=True)
+    def dot(a: T.handle, b: T.handle, c: T.handle) -> None:
+        lda, head_stride, ldb = T.int32(), T.int32(), T.int32()
+        A = T.match_buffer(a, shape, "bfloat16", strides=[lda, head_stride, 1] if heads_between else [lda, 1],
+                           offset_factor=1, align=BF16_BYTES)
+        B = T.match_buffer(b, (STEP // PAIR, BLOCK, PAIR), "bfloat16", strides=[ldb, PAIR, 1], offset_factor=1,
+                           align=BF16_BYTES)
+        C = T.match_buffer(c, (BLOCK, BLOCK), "float32", scope="local", offset_factor=1)
+        with T.sblock("root"):
+            if heads_between:
+                T.reads(C[0:BLOCK, 0:BLOCK], B[0:STEP // PAIR, 0:BLOCK, 0:PAIR], A[0:BLOCK, 0:1, 0:STEP])
+            else:
+                T.reads(C[0:BLOCK, 0:BLOCK], B[0:STEP // PAIR, 0:BLOCK, 0:PAIR], A[0:BLOCK, 0:STEP])
+            T.writes(C[0:BLOCK, 0:BLOCK])
+            for m, n, k in T.grid(BLOCK, BLOCK, STEP):
+                with T.sblock("update"):
+                    vn, vm, vk = T.axis.remap("SSR", [n, m, k])
+                    C[vm, vn] = C[vm, vn] + (T.cast(B[vk // PAIR, vn, vk % PAIR], "float32")
+                                             * T.cast(A[tuple(row(vm, vk))], "float32"))
+
+    A, B, _ = dot.params
+    loads = [_tile("tileloadd64", _id(4 + i), _address(A, *row(i * ROWS, 0)), _bytes(A.strides[0], BF16_BYTES))
+             for i in range(2)]
+    loads += [_tile("tileloadd64", _id(6 + j), _address(B, 0, j * ROWS, 0), _bytes(B.strides[0], BF16_BYTES))
+              for j in range(2)]
+    products = [_tile("tdpbf16ps", _id(2 * i + j), _id(4 + i), _id(6 + j)) for i, j in HALVES]
+    TensorIntrin.register(name, dot, _block(dot, loads + products))
+    _REGISTERED.add(name)
+    return name
+
+
+def transposed_values_intrinsic(heads_between: bool = False) -> str:
+    """The tensor intrinsic (registered on first use) that packs 32 keys × 16 columns of V (bf16, any
+    row stride; ``heads_between``: rows of a (t, head, c) tensor) into the 16 × 32 block of Vᵀ that
+    `DOT`'s A operand reads: P·V runs as pvᵀ[c, s] += Vᵀ[c, t] · P[t/2, s, t%2], the key-major
+    weights being the pair panel B. Rows 2p and 2p + 1 of V become the 32-bit words (V[2p, c],
+    V[2p + 1, c]) of 16 columns, and their 16 × 16 transposition (`x86_panels.transposed`) is Vᵀ: row
+    c holds word p of every pair, keys 0 … 31 in order."""
+    name = "tvmattn_amx_values_transposed_32x16" + ("_bshd" if heads_between else "")
+    if name in _REGISTERED:
+        return name
+    shape = (STEP, 1, ROWS) if heads_between else (STEP, ROWS)
 
     @T.prim_func(s_tir=True)
     def desc(a: T.handle, b: T.handle) -> None:
-        row_stride, out_stride = T.int32(), T.int32()
-        src = T.match_buffer(a, (STEP, ROWS), "bfloat16", strides=[row_stride, 1], offset_factor=1, align=BF16_BYTES)
+        row_stride, head_stride, out_stride = T.int32(), T.int32(), T.int32()
+        src = T.match_buffer(a, shape, "bfloat16", offset_factor=1, align=BF16_BYTES,
+                             strides=[row_stride, head_stride, 1] if heads_between else [row_stride, 1])
         dst = T.match_buffer(b, (ROWS, STEP), "bfloat16", strides=[out_stride, 1], offset_factor=1)
         with T.sblock("root"):
-            T.reads(src[0:STEP, 0:ROWS])
+            if heads_between:
+                T.reads(src[0:STEP, 0:1, 0:ROWS])
+            else:
+                T.reads(src[0:STEP, 0:ROWS])
             T.writes(dst[0:ROWS, 0:STEP])
             for t, c in T.grid(STEP, ROWS):
                 with T.sblock("pack"):  # the block's iterators as a copy's: key, column
                     vt, vc = T.axis.remap("SS", [t, c])
-                    dst[vc, vt] = src[vt, vc]
+                    dst[vc, vt] = src[vt, 0, vc] if heads_between else src[vt, vc]
 
     src, dst = desc.params
+    at = (lambda t: [t, 0, 0]) if heads_between else (lambda t: [t, 0])  # noqa: E731
     # through fp32: V may be a buffer of the kernel's own that the legaliser widens (as `x86_bf16._pairs`)
-    rows = [tirx.Cast(f"float32x{ROWS}", src.vload([t, 0], f"bfloat16x{ROWS}")) for t in range(STEP)]
+    rows = [tirx.Cast(f"float32x{ROWS}", src.vload(at(t), f"bfloat16x{ROWS}")) for t in range(STEP)]
     words = [pair_words(rows[2 * p], rows[2 * p + 1]) for p in range(STEP // PAIR)]
     stores = [dst.vstore([c, 0], tirx.reinterpret(f"bfloat16x{STEP}", column))
               for c, column in enumerate(transposed(words))]
     TensorIntrin.register(name, desc, _block(desc, stores))
-    _TRANSPOSED.add(name)
+    _REGISTERED.add(name)
     return name

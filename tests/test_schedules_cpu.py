@@ -127,7 +127,7 @@ def test_query_panel_is_transposed_in_registers(target, spec):
     """QKᵀ's query panel, (d_k, q_tile) or the bf16 dot products' (d_k/2, q_tile, 2), copied in blocks
     of lanes × lanes words shuffled in registers (`x86_panels`): with AVX-512, no scatter (fp32) nor
     16-bit extract per element (bf16 pairs) is left; and the kernel matches the oracle (symbolic
-    lengths: rows in whole blocks, `_padded_dots`, the last one clamped)."""
+    lengths: rows in whole blocks, `_padding`, the last one clamped)."""
     kernel = tvmattn.compile(spec, target)
     if target is AVX512:
         asm = _own_assembly(kernel)
