@@ -104,8 +104,9 @@ def _core_inputs(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor],
 def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: dict[str, te.Tensor],
           q_at: Reader, k_at: Reader, v_at: Reader, block: int = 1) -> None:
     """scores … pv. With ``block`` > 1, a symbolic query or key length L, or a static one that is no
-    multiple of it, runs to `_whole` blocks, so a kernel's tiles never end inside a block (a tensor intrinsic takes no tail predicate): the rows
-    past L read row L-1 again, the keys past it are hidden, and the epilogue stores rows < n only.
+    multiple of it, runs to `_whole` blocks, so a kernel's tiles never end inside a block (a tensor
+    intrinsic takes no tail predicate): the rows past L read row L-1 again, the keys past it are
+    hidden, and the epilogue stores rows < n only.
     The queries, keys and values then have stages of their own, q_rows (B, h, n_rows, d_k), k_rows
     (B, h_kv, n_keys, d_k) and v_rows (B, h_kv, n_keys, d_v), that the schedule packs or inlines; so
     has an attn_mask that varies along queries and keys, mask_rows (its clamped index inside a packed

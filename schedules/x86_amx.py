@@ -54,6 +54,8 @@ BF16_BYTES, F32_BYTES = 2, 4
 # rows (u8, from byte 48); every tile 16 × 64 bytes
 _PALETTE = bytes([1] + [0] * 15 + [64, 0] * 8 + [0] * 16 + [ROWS] * 8 + [0] * 8)
 _CONFIG = "".join(f"\\{b:02X}" for b in _PALETTE)
+# arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): this process may use the tiles' state
+_SYSCALL = f"i64 {SYS_ARCH_PRCTL}, i64 {ARCH_REQ_XCOMP_PERM}, i64 {XFEATURE_XTILEDATA}"
 AMX_LLVM = f"""
 @tvmattn_amx_palette = private unnamed_addr constant [64 x i8] c"{_CONFIG}", align 64
 @tvmattn_amx_asked = internal global i32 0, align 4
@@ -63,7 +65,8 @@ define i32 @{BEGIN}() {{
   %done = icmp ne i32 %asked, 0
   br i1 %done, label %configure, label %ask
 ask:
-  %r = call i64 asm sideeffect "syscall", "={{rax}},{{rax}},{{rdi}},{{rsi}},~{{rcx}},~{{r11}},~{{memory}}"(i64 {SYS_ARCH_PRCTL}, i64 {ARCH_REQ_XCOMP_PERM}, i64 {XFEATURE_XTILEDATA})
+  %r = call i64 asm sideeffect "syscall", "={{rax}},{{rax}},{{rdi}},{{rsi}},~{{rcx}},~{{r11}},~{{memory}}"(
+    {_SYSCALL})
   store atomic i32 1, ptr @tvmattn_amx_asked monotonic, align 4
   br label %configure
 configure:

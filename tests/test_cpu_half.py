@@ -87,24 +87,40 @@ def test_bf16_dot_products_skip_hidden_key_tiles(causal, window, key_padding):
 
 @st.composite
 def amx_specs(draw, symbolic: bool = False) -> AttentionSpec:
-    """A bf16 core spec whose QKᵀ and P·V can take AMX's tiles (`cpu.amx_tiles`): lengths and head
-    widths in whole blocks of 32; every other axis drawn."""
-    spec = draw(specs(dtype="bfloat16", symbolic=False, intermediate=False, projections=False, max_len=80))
+    """A bf16 core spec whose QKᵀ and P·V take AMX's tiles (`cpu.amx_tiles`): head widths in whole
+    tiles; lengths whole blocks of 32 or padded to them (other static ones, and symbolic ones);
+    every other axis drawn."""
+    spec = draw(specs(dtype="bfloat16", symbolic=symbolic, intermediate=False, projections=False, max_len=100))
     d = draw(st.sampled_from((32, 64, 128)))
-    seq = draw(st.sampled_from((32, 64, 96, 128)))
-    kv_seq = draw(st.one_of(st.none(), st.sampled_from((32, 64, 96, 160))))
-    return spec.replace(head_dim=d, v_head_dim=draw(st.sampled_from((None, 32, 64))), seq_len=seq,
-                        kv_seq_len=kv_seq, d_model=spec.h * d, layout="BHSD",
-                        window=None if spec.window is None else draw(st.integers(1, seq // 2)))
+    spec = spec.replace(head_dim=d, v_head_dim=draw(st.sampled_from((None, 32, 64))), d_model=spec.h * d)
+    if symbolic or spec.n_q == 1 or draw(st.booleans()):  # (one query: the decode kernel, no tiles)
+        return spec.replace(seq_len=max(spec.n_q, 2) if isinstance(spec.n_q, int) else spec.n_q)
+    seq = draw(st.sampled_from((32, 64, 96)))  # whole blocks
+    kv_seq = draw(st.one_of(st.none(), st.sampled_from((32, 64, 160))))
+    window = None if spec.window is None else draw(st.integers(1, 40))
+    return spec.replace(seq_len=seq, kv_seq_len=kv_seq, window=window)
 
 
 @needs_amx
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(amx_specs())
 def test_amx_tiles_match_the_oracle(spec):
     kernel = compiled(spec)
     assert "AMX tiles" in kernel.schedule, kernel.schedule
     assert_matches_oracle(kernel)
+
+
+@needs_amx
+@settings(max_examples=8, deadline=None)
+@given(amx_specs(symbolic=True), st.data())
+def test_symbolic_lengths_run_on_amx_tiles(spec, data):
+    """One symbolic kernel on AMX's tiles (its lengths padded to whole blocks of 32, the rows and keys
+    past the end reading the last again and hidden), at lengths inside and past a block."""
+    kernel = compiled(spec)
+    assert "AMX tiles" in kernel.schedule, kernel.schedule
+    for i, n in enumerate(data.draw(st.lists(st.integers(1, 100), min_size=2, max_size=3))):
+        assert_matches_oracle(kernel, {name: 2 if name == "B" else n + 5 * j
+                                       for j, name in enumerate(spec.symbolic_dims)}, seed=i)
 
 
 SPEC = AttentionSpec(batch=1, seq_len=64, num_heads=2, head_dim=64, projections=False, dtype="bfloat16")
