@@ -141,7 +141,11 @@ class CpuAttention(AttentionRule):
                 dots = [stage for stage, on in zip(("QKᵀ", "P·V"), bf16_dots(spec, target, q_tile, qk_keys)) if on]
         if spec.projections:
             used += ["gemm_rows", "gemm_vecs", "gemm_block_rows", "gemm_block_cols"]
-            dots += [weight.upper() for name, weight in PROJECTIONS.items() if weight_pairs(spec, target, name)]
+            tiles = [weight.upper() for name, weight in PROJECTIONS.items() if weight_tiles(spec, target, name)]
+            dots += [weight.upper() for name, weight in PROJECTIONS.items()
+                     if weight_pairs(spec, target, name) and not weight_tiles(spec, target, name)]
+            if tiles:
+                what += f", {_listed(tiles)} on AMX tiles"
         if dots:
             what += f", {_listed(dots)} on bf16 dot products (vdpbf16ps)"
         return f"{what}: " + " ".join(f"{name}={knobs[name]}" for name in used)
@@ -154,7 +158,7 @@ class CpuAttention(AttentionRule):
         lanes = vector_lanes(target)
         for name in INLINED:
             # (W_O's x, merged, a stage of its own where `_pad_rows` pads it: an einsum's operand)
-            if _has_block(sch, name) and not (name == "merged" and not isinstance(spec.n_q, int)):
+            if _has_block(sch, name) and not (name == "merged" and _padded_rows(spec, target, "out")):
                 sch.compute_inline(sch.get_sblock(name))
         # Every tensorize runs last, in order (`_register_tile`'s ``later``): a tensorized stage can
         # leave the root scope no "stage pipeline" for the other stages' primitives.
@@ -163,11 +167,11 @@ class CpuAttention(AttentionRule):
             if _has_block(sch, name):
                 _gemm(sch, spec, target, name, lanes, knobs, steps)
         chunks = _divisor_at_most(spec.n_kv, _int(sch, knobs["key_chunks"]))  # rfactor drops tail predicates
-        amx = False
+        amx = spec.projections and any(weight_tiles(spec, target, name) for name in PROJECTIONS)
         if _few_tasks_of_one_query(spec, target, lanes) and chunks > 1:
             _split_keys(sch, spec, lanes, chunks)
         else:
-            amx = _attention_core(sch, spec, target, lanes, knobs, steps)
+            amx |= _attention_core(sch, spec, target, lanes, knobs, steps)
         for step in steps:
             step()
         if steps and spec.dtype == "bfloat16" and has_bf16_dot(target):  # the instructions' LLVM IR
@@ -236,7 +240,8 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
         if widen and not spec.projections:
             _widened_before_tasks(sch, "scores", ("k",), spec.d_k, lanes)
         if amx:
-            tile_keys = _amx_scores(sch, spec.layout == "BSHD" and not _has_block(sch, "k_rows"), steps)
+            heads_between = not spec.projections and spec.layout == "BSHD" and not _has_block(sch, "k_rows")
+            tile_keys = _amx_scores(sch, heads_between, steps)
         else:
             tile_keys = _scores(sch, s_lanes, qk_keys, qk_pairs, steps, widen=widen and spec.projections)
         if spec.attn_mask is not None and {"s", "t"} <= set(spec.attn_mask_dims):
@@ -361,9 +366,9 @@ def amx_tiles(spec: AttentionSpec, target: Target, q_tile: int) -> bool:
 
 
 def _amx_widths(spec: AttentionSpec, target: Target) -> bool:
-    """A spec whose widths AMX's tiles take: a bf16 core kernel on a CPU with AMX-BF16 (and
-    AVX512-BF16, which rounds P into its pairs), d_k and d_v multiples of 32."""
-    return (spec.dtype == "bfloat16" and has_amx(target) and has_bf16_dot(target) and not spec.projections
+    """A spec whose widths AMX's tiles take: bf16 on a CPU with AMX-BF16 (and AVX512-BF16, which
+    rounds P into its pairs), d_k and d_v multiples of 32."""
+    return (spec.dtype == "bfloat16" and has_amx(target) and has_bf16_dot(target)
             and spec.d_k % STEP == 0 and spec.d_v % BLOCK == 0)
 
 
@@ -520,24 +525,26 @@ def _amx_scores(sch: Schedule, heads_between: bool, steps: list):
     s_out, s_in = sch.split(s, [None, BLOCK])
     e_out, e_in = sch.split(e, [None, STEP])
     sch.reorder(t_out, s_out, e_out, t_in, s_in, e_in)
-    _amx_block(sch, scores, s_out, e_out, dot_intrinsic(heads_between), f"b=v_b_o,s=v_s_o*{BLOCK},t=v_t_o*{BLOCK}",
-               steps)
+    _amx_block(sch, scores, s_out, e_out, False, f"b=v_b_o,s=v_s_o*{BLOCK},t=v_t_o*{BLOCK}", steps, heads_between)
     return t_out
 
 
-def _amx_block(sch: Schedule, block, outer, reduction, dot: str, key_blocks: str, steps: list) -> None:
+def _amx_block(sch: Schedule, block, outer, reduction, gemm: bool, key_blocks: str | None, steps: list,
+               heads_between: bool = False) -> None:
     """The register-tile idiom (`_register_tile`) on AMX's tiles: ``block``'s 32 × 32 accumulator
-    under ``outer``, its init, update (from the loop inside ``reduction``, the intrinsic ``dot``) and
-    store as `x86_amx.ZERO`, `DOT` and `STORE`, tensorized by ``steps``. The block's buffer is
-    (…, row, column) and its loops (…, rows, columns, reduction) blocks of 32 inside ``outer``."""
+    under ``outer``, its init, update (from the loop inside ``reduction``) and store as `x86_amx.ZERO`,
+    `DOT` (`x86_amx.dot_intrinsic` of ``gemm`` and ``heads_between``) and `STORE`, tensorized by
+    ``steps``. The block's buffer is (…, row, column) and its loops (…, rows, columns, reduction)
+    blocks of 32 inside ``outer``."""
     acc = sch.cache_write(block, 0, "local")
     sch.transform_layout(block, ("write", 0),  # one 32 × 32 block per accumulator, whatever is around it
                          lambda *i, m, n: (*i, m // BLOCK, n // BLOCK, m % BLOCK, n % BLOCK),
                          assume_injective_transform=True)
     sch.reverse_compute_at(acc, outer, preserve_unit_loops=True)
     init = sch.decompose_reduction(block, reduction)
+    dot = dot_intrinsic(heads_between, gemm)
     steps.append(functools.partial(_tensorize, sch, sch.get_loops(block)[-3], dot, key_blocks))
-    steps.append(functools.partial(_tensorize, sch, sch.get_loops(init)[-2], ZERO))
+    steps.append(functools.partial(_tensorize, sch, sch.get_loops(init)[-2], ZERO + ("_gemm" if gemm else "")))
     steps.append(functools.partial(_tensorize, sch, sch.get_loops(acc)[-2], STORE))
 
 
@@ -611,7 +618,7 @@ def _amx_weights_v(sch: Schedule, steps: list) -> None:
     c_out, c_in = sch.split(c, [None, BLOCK])
     t_out, t_in = sch.split(t, [None, STEP])
     sch.reorder(c_out, s_out, t_out, c_in, s_in, t_in)
-    _amx_block(sch, pv, s_out, t_out, dot_intrinsic(), f"b=v_b_o,s=v_s_o*{BLOCK},t=v_t_o*{STEP}", steps)
+    _amx_block(sch, pv, s_out, t_out, False, f"b=v_b_o,s=v_s_o*{BLOCK},t=v_t_o*{STEP}", steps)
 
 
 def _pv_rows(sch: Schedule, lanes: int, steps: list) -> None:
@@ -638,7 +645,9 @@ def _pack_pairs(sch: Schedule, spec: AttentionSpec, pair_loop, amx: bool = False
     p_name = sch.get(p_panel).name_hint
     sch.transform_layout(p_panel, ("write", 0), lambda b, i, st, t, s: (b, i, st, t // PAIR, s, t % PAIR),
                          assume_injective_transform=True)
-    if amx and spec.layout == "BSHD" and not padded:  # (a core kernel: `amx_tiles`)
+    if amx and spec.projections and not padded:  # v_proj (B, n_kv, h_kv·d_v)
+        v_layout = lambda b, t, m: (b, t // STEP, m, t % STEP)  # noqa: E731
+    elif amx and spec.layout == "BSHD" and not padded:
         v_layout = lambda b, t, h, c: (b, h, t // STEP, c, t % STEP)  # noqa: E731
     elif amx:
         v_layout = lambda b, h, t, c: (b, h, t // STEP, c, t % STEP)  # noqa: E731
@@ -719,19 +728,25 @@ def _tensorize_pairs(sch: Schedule, spec: AttentionSpec, panels: tuple[str, str]
 
 def _gemm(sch: Schedule, spec: AttentionSpec, target: Target, name: str, lanes: int,
           k: Mapping[str, KnobValue], steps: list) -> None:
-    """A projection of the layer: `gemm` on its block, then its cast to the storage dtype, if any. On
-    the bf16 dot products (`weight_pairs`) W is packed into pairs first, once, before the tasks; the
-    tensorize steps of the register tile and of that copy go to ``steps``."""
+    """A projection of the layer: `gemm` (`amx_gemm` on AMX's tiles, `weight_tiles`) on its block, then
+    its cast to the storage dtype, if any. On the bf16 dot products (`weight_pairs`) and AMX's tiles W
+    is packed into pairs first, once, before the tasks; the tensorize steps of the register tile and of
+    that copy go to ``steps``."""
     acc_name = name + "_acc" if _has_block(sch, name + "_acc") else name
     blk = sch.get_sblock(acc_name)
-    pairs = weight_pairs(spec, target, name)
-    if not isinstance(sch.get(sch.get_loops(blk)[-3]).extent, tvm.tirx.IntImm):
-        _pad_rows(sch, blk, lanes, cast=acc_name != name)
-    if pairs:
+    tiles = weight_tiles(spec, target, name)
+    pairs = tiles or weight_pairs(spec, target, name)
+    if _padded_rows(spec, target, name):
+        _pad_rows(sch, blk, lanes, cast=acc_name != name, block=BLOCK if tiles else LANES)
+    if pairs:  # AMX: blocks of 32 columns, (m/32, c/2, 32, 2), each B operand's rows 128 bytes apart
+        at = (lambda c, m: (m // BLOCK, c // PAIR, m % BLOCK, c % PAIR)) if tiles else (  # noqa: E731
+            lambda c, m: (c // PAIR, m, c % PAIR))
         panel = _copy_of(sch, blk, (PROJECTIONS[name],))
-        sch.transform_layout(panel, ("write", 0), lambda c, m: (c // PAIR, m, c % PAIR),
-                             assume_injective_transform=True)
-    gemm(sch, blk, lanes, k, pairs=steps if pairs else None)
+        sch.transform_layout(panel, ("write", 0), at, assume_injective_transform=True)
+    if tiles:
+        amx_gemm(sch, blk, k, steps)
+    else:
+        gemm(sch, blk, lanes, k, pairs=steps if pairs else None)
     if pairs:
         steps.append(functools.partial(_tensorize_weight_pairs, sch, sch.get(panel).name_hint))
     if acc_name != name:  # the cast to the storage dtype, per output element
@@ -741,12 +756,12 @@ def _gemm(sch: Schedule, spec: AttentionSpec, target: Target, name: str, lanes: 
         _vectorize(sch, loops[-1], int(sch.get(loops[-1]).extent), lanes)
 
 
-def _pad_rows(sch: Schedule, blk, lanes: int, cast: bool) -> None:
-    """A projection's symbolic rows computed in whole blocks of `LANES` (``pad_einsum``: x copied
-    with zero rows past its end, in a parallel pass; the accumulator's extra rows are never stored),
-    so that `gemm`'s tiles divide them: no tail predicate in the micro-kernel (where the dot
-    products cannot take one at all)."""
-    sch.pad_einsum(blk, [1, LANES, 1, 1])
+def _pad_rows(sch: Schedule, blk, lanes: int, cast: bool, block: int) -> None:
+    """A projection's rows computed in whole blocks (``pad_einsum``: x copied with zero rows past its
+    end, in a parallel pass; the accumulator's extra rows are never stored): symbolic ones in blocks
+    of `LANES`, and on AMX's tiles any in blocks of 32, so that `gemm`'s tiles divide them: no tail
+    predicate in the micro-kernel (where the bf16 instructions cannot take one at all)."""
+    sch.pad_einsum(blk, [1, block, 1, 1])
     x_pad = next(b for b in sch.get_producers(blk) if sch.get(b).name_hint.endswith("_pad"))
     for stage in sch.get_producers(x_pad):  # merged (W_O's x): read where it is padded
         sch.compute_inline(stage)
@@ -775,6 +790,50 @@ def weight_pairs(spec: AttentionSpec, target: Target, projection: str) -> bool:
     whole_pairs = depth % PAIR == 0 and (projection != "out" or spec.d_v % PAIR == 0)
     return (spec.dtype == "bfloat16" and has_bf16_dot(target) and not (isinstance(rows, int) and rows < MIN_PAIR_ROWS)
             and whole_pairs and columns % LANES == 0)
+
+
+def _padded_rows(spec: AttentionSpec, target: Target, projection: str) -> bool:
+    """Whether a projection's rows are padded to whole blocks (`_pad_rows`): symbolic ones, and on
+    AMX's tiles static ones that are no multiple of 32."""
+    rows = spec.n_kv if projection in ("k_proj", "v_proj") else spec.n_q
+    return not isinstance(rows, int) or (weight_tiles(spec, target, projection) and rows % BLOCK > 0)
+
+
+def weight_tiles(spec: AttentionSpec, target: Target, projection: str) -> bool:
+    """Whether a projection runs on AMX's tiles (`amx_gemm`): bf16 on a CPU with AMX-BF16 (and
+    AVX512-BF16), at least `MIN_PAIR_ROWS` rows if they are static (any rows run in whole blocks of 32,
+    `_pad_rows`), the reduction and the columns in whole blocks of 32 (W_O's blocks of merged columns
+    within one head: d_v a multiple of 32)."""
+    depth, columns = spec.input_shapes()[PROJECTIONS[projection]]
+    rows = spec.n_kv if projection in ("k_proj", "v_proj") else spec.n_q
+    rows *= spec.batch if isinstance(spec.batch, int) else 1
+    return (spec.dtype == "bfloat16" and has_amx(target) and has_bf16_dot(target)
+            and not (isinstance(rows, int) and rows < MIN_PAIR_ROWS) and depth % STEP == 0 and columns % BLOCK == 0
+            and (projection != "out" or spec.d_v % STEP == 0))
+
+
+def amx_gemm(sch: Schedule, blk, k: Mapping[str, KnobValue], steps: list) -> None:
+    """y[…, s, m] = Σ_c x[…, s, c]·w[c, m] on AMX's tiles (loops: batch…, s, m, c; rows and columns
+    in whole blocks of 32, w a (m/32, c/2, 32, 2) pair panel): parallel over (batch, row block,
+    column block) tasks of ``gemm_rows × gemm_block_rows`` rows (one block of 32 where they are
+    symbolic) × ``gemm_vecs × 16 × gemm_block_cols`` columns, the x and W panels a task streams, as
+    `gemm`'s; per 32 × 32 accumulator block, 32 steps of c per product (`x86_amx.DOT`, x's rows read
+    in place)."""
+    *batch, s, m, c = sch.get_loops(blk)
+    extent = sch.get(s).extent
+    row_blocks = extent.value // BLOCK if isinstance(extent, tvm.tirx.IntImm) else 1
+    col_blocks = int(sch.get(m).extent) // BLOCK
+    rows = _divisor_at_most(row_blocks, max(1, _int(sch, k["gemm_rows"]) * _int(sch, k["gemm_block_rows"]) // BLOCK))
+    cols = _divisor_at_most(col_blocks, max(1, _int(sch, k["gemm_vecs"]) * LANES * _int(sch, k["gemm_block_cols"])
+                                            // BLOCK))
+    r_task, r_out, r_in = sch.split(s, [None, rows, BLOCK])
+    m_task, m_out, m_in = sch.split(m, [None, cols, BLOCK])
+    c_out, c_in = sch.split(c, [None, STEP])
+    sch.reorder(*batch, r_task, m_task, r_out, m_out, c_out, r_in, m_in, c_in)
+    task = sch.fuse(*batch, r_task, m_task)
+    sch.parallel(task)
+    configure_tiles(sch, task)
+    _amx_block(sch, blk, m_out, c_out, True, None, steps)
 
 
 def _listed(names: list[str]) -> str:

@@ -42,7 +42,7 @@ from tvmattn.schedules.x86_panels import transposed
 ROWS = 16  # rows of a tile: of A and C, and B's pairs of the reduction
 STEP = 32  # bf16 of the reduction per tile row (64 bytes)
 BLOCK = 2 * ROWS  # the accumulator block: 2 × 2 tiles of 16 × 16 fp32
-ZERO = "tvmattn_amx_zero_32x32"
+ZERO = "tvmattn_amx_zero_32x32"  # and ZERO + "_gemm", iterating as `dot_intrinsic`'s gemm
 DOT = "tvmattn_amx_dot_32x32x32"
 STORE = "tvmattn_amx_store_32x32"
 BEGIN = "tvmattn_amx_begin"
@@ -147,16 +147,24 @@ def _block(func: tirx.PrimFunc, body: list) -> tirx.PrimFunc:
 
 
 def _register() -> None:
-    @T.prim_func(s_tir=True)
-    def zero(c: T.handle) -> None:
-        C = T.match_buffer(c, (BLOCK, BLOCK), "float32", scope="local", offset_factor=1)
-        with T.sblock("root"):
-            T.reads()
-            T.writes(C[0:BLOCK, 0:BLOCK])
-            for m, n in T.grid(BLOCK, BLOCK):
-                with T.sblock("zero"):  # (iterators in the stages' order: query, then key or column)
-                    vn, vm = T.axis.remap("SS", [n, m])
-                    C[vm, vn] = T.float32(0)
+    for gemm in (False, True):
+        @T.prim_func(s_tir=True)
+        def zero(c: T.handle) -> None:
+            C = T.match_buffer(c, (BLOCK, BLOCK), "float32", scope="local", offset_factor=1)
+            with T.sblock("root"):
+                T.reads()
+                T.writes(C[0:BLOCK, 0:BLOCK])
+                for m, n in T.grid(BLOCK, BLOCK):
+                    with T.sblock("zero"):  # (iterators in the block's order: see `dot_intrinsic`)
+                        if gemm:
+                            vm, vn = T.axis.remap("SS", [m, n])
+                            C[vm, vn] = T.float32(0)
+                        else:
+                            vn, vm = T.axis.remap("SS", [n, m])
+                            C[vm, vn] = T.float32(0)
+
+        zeros = [_tile("tilezero", _id(2 * i + j)) for i, j in HALVES]
+        TensorIntrin.register(ZERO + ("_gemm" if gemm else ""), zero, _block(zero, zeros))
 
     @T.prim_func(s_tir=True)
     def store(c: T.handle, d: T.handle) -> None:
@@ -171,7 +179,6 @@ def _register() -> None:
                     vm, vn = T.axis.remap("SS", [m, n])
                     D[vm, vn] = C[vm, vn]
 
-    TensorIntrin.register(ZERO, zero, _block(zero, [_tile("tilezero", _id(2 * i + j)) for i, j in HALVES]))
     _, D = store.params
     stores = [_tile("tilestored64", _id(2 * i + j), _address(D, i * ROWS, j * ROWS),
                     _bytes(D.strides[0], F32_BYTES)) for i, j in HALVES]
@@ -183,10 +190,12 @@ _register()
 _REGISTERED: set[str] = set()
 
 
-def dot_intrinsic(heads_between: bool = False) -> str:
+def dot_intrinsic(heads_between: bool = False, gemm: bool = False) -> str:
     """The name of `DOT` for a row operand A of any row stride, registered on first use:
-    ``heads_between``, rows of a (t, head, e) tensor (BSHD), one head of it."""
-    name = DOT + ("_bshd" if heads_between else "")
+    ``heads_between``, rows of a (t, head, e) tensor (BSHD), one head of it. The attention's stages
+    (QKᵀ, P·V) iterate (column, row, k) and multiply B·A; with ``gemm``, a projection's, (row,
+    column, k) and A·B (x·W)."""
+    name = DOT + ("_bshd" if heads_between else "") + ("_gemm" if gemm else "")
     if name in _REGISTERED:
         return name
     shape = (BLOCK, 1, STEP) if heads_between else (BLOCK, STEP)
@@ -201,16 +210,22 @@ def dot_intrinsic(heads_between: bool = False) -> str:
                            align=BF16_BYTES)
         C = T.match_buffer(c, (BLOCK, BLOCK), "float32", scope="local", offset_factor=1)
         with T.sblock("root"):
-            if heads_between:
-                T.reads(C[0:BLOCK, 0:BLOCK], B[0:STEP // PAIR, 0:BLOCK, 0:PAIR], A[0:BLOCK, 0:1, 0:STEP])
+            a_region = T.meta_var(A[0:BLOCK, 0:1, 0:STEP] if heads_between else A[0:BLOCK, 0:STEP])
+            if gemm:
+                T.reads(C[0:BLOCK, 0:BLOCK], a_region, B[0:STEP // PAIR, 0:BLOCK, 0:PAIR])
             else:
-                T.reads(C[0:BLOCK, 0:BLOCK], B[0:STEP // PAIR, 0:BLOCK, 0:PAIR], A[0:BLOCK, 0:STEP])
+                T.reads(C[0:BLOCK, 0:BLOCK], B[0:STEP // PAIR, 0:BLOCK, 0:PAIR], a_region)
             T.writes(C[0:BLOCK, 0:BLOCK])
             for m, n, k in T.grid(BLOCK, BLOCK, STEP):
                 with T.sblock("update"):
-                    vn, vm, vk = T.axis.remap("SSR", [n, m, k])
-                    C[vm, vn] = C[vm, vn] + (T.cast(B[vk // PAIR, vn, vk % PAIR], "float32")
-                                             * T.cast(A[tuple(row(vm, vk))], "float32"))
+                    if gemm:
+                        vm, vn, vk = T.axis.remap("SSR", [m, n, k])
+                        C[vm, vn] = C[vm, vn] + T.cast(A[tuple(row(vm, vk))], "float32") * T.cast(
+                            B[vk // PAIR, vn, vk % PAIR], "float32")
+                    else:
+                        vn, vm, vk = T.axis.remap("SSR", [n, m, k])
+                        C[vm, vn] = C[vm, vn] + T.cast(B[vk // PAIR, vn, vk % PAIR], "float32") * T.cast(
+                            A[tuple(row(vm, vk))], "float32")
 
     A, B, _ = dot.params
     loads = [_tile("tileloadd64", _id(4 + i), _address(A, *row(i * ROWS, 0)), _bytes(A.strides[0], BF16_BYTES))
