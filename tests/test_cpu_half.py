@@ -123,6 +123,21 @@ def test_symbolic_lengths_run_on_amx_tiles(spec, data):
                                        for j, name in enumerate(spec.symbolic_dims)}, seed=i)
 
 
+@needs_amx
+@settings(max_examples=10, deadline=None)
+@given(specs(dtype="bfloat16", projections=True, max_len=80), st.data())
+def test_layers_on_amx_tiles_match_the_oracle(spec, data):
+    """Full layers, static, padded or symbolic, with their projections (model widths in whole blocks
+    of 32) and their core on AMX's tiles."""
+    d = data.draw(st.sampled_from((32, 64)))
+    spec = spec.replace(head_dim=d, v_head_dim=data.draw(st.sampled_from((None, 32))), d_model=32 * spec.h,
+                        seq_len=max(spec.n_q, 16) if isinstance(spec.n_q, int) else spec.n_q)
+    kernel = compiled(spec)
+    assert "QKᵀ and P·V on AMX tiles" in kernel.schedule and "W_O on AMX tiles" in kernel.schedule, kernel.schedule
+    for seed, n in enumerate((16, 45) if spec.symbolic_dims else (None,)):
+        assert_matches_oracle(kernel, {name: 2 if name == "B" else n for name in spec.symbolic_dims}, seed=seed)
+
+
 SPEC = AttentionSpec(batch=1, seq_len=64, num_heads=2, head_dim=64, projections=False, dtype="bfloat16")
 
 
@@ -151,6 +166,20 @@ def test_amx_needs_whole_blocks_of_32():
 
 # d_k = 3: QKᵀ and P·V cannot take the dot products, so any vdpbf16ps is the projections'
 LAYER = AttentionSpec(batch=1, seq_len=32, num_heads=16, head_dim=3, d_model=48, causal=True, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("seq_len", [32, 100, 1, "n"])
+def test_layer_projections_on_amx_tiles(seq_len):
+    """W_Q, W_K, W_V and W_O on tile products where the target has AMX, from 16 rows (static ones padded
+    to whole blocks of 32, as symbolic ones); a one-token step keeps its projections widened."""
+    # d_k = 16: the core cannot take the tiles, so any tdpbf16ps is the projections'
+    spec = LAYER.replace(seq_len=seq_len, num_heads=2, head_dim=16, v_head_dim=32, d_model=64)
+    kernel = tvmattn.compile(spec, {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2}, knobs={})
+    assert ("tdpbf16ps" in kernel.source()) == (seq_len != 1)
+    assert ("W_Q, W_K, W_V and W_O on AMX tiles" in kernel.schedule) == (seq_len != 1)
+    if has_amx(HOST):
+        for n in (1, 17, 40) if seq_len == "n" else (None,):
+            assert_matches_oracle(kernel, {"n": n} if n else None)
 
 
 @pytest.mark.parametrize("mcpu,has_dot", [("znver4", True), ("znver3", False)])
