@@ -298,13 +298,16 @@ def _row_reduction(sch: Schedule, name: str, s_lanes: int, at=None) -> None:
 def _padding(spec: AttentionSpec, target: Target) -> int:
     """The block the core kernel's lengths run in (`te_attention._core`; 1: none), for the bf16
     instructions, which take no tail: 32 for AMX's tiles (`amx_tiles`; symbolic lengths, and static
-    ones that are no multiple of 32), else `LANES` for the dot products (symbolic lengths), which QKᵀ
+    ones that are no multiple of 32, but for one query), else `LANES` for the dot products (symbolic
+    lengths), which QKᵀ
     then always takes (static queries in whole dot tiles, d_k in pairs, `_qk_keys` dividing the
     block; TVM 0.27 cannot build the widened key tiles over padded keys)."""
     n_q, n_kv = spec.n_q, spec.n_kv
     if not (spec.dtype == "bfloat16" and has_bf16_dot(target) and spec.d_k % PAIR == 0):
         return 1
-    if _amx_widths(spec, target) and any(isinstance(x, str) or x % BLOCK for x in (n_q, n_kv)):
+    # (one query, a decode step, keeps its dot products along d_k: 31 padding rows cost 2.5× there,
+    # while from 4 queries the padded tiles beat the other kernels: 1.8× at (1, 16, 4 → 1024, 64))
+    if _amx_widths(spec, target) and n_q != 1 and any(isinstance(x, str) or x % BLOCK for x in (n_q, n_kv)):
         return BLOCK
     symbolic = any(isinstance(x, str) for x in (n_q, n_kv))
     return LANES if symbolic and (isinstance(n_q, str) or n_q % LANES == 0) else 1

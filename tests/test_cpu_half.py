@@ -157,6 +157,14 @@ def test_bf16_instructions_exactly_where_the_target_has_them(mcpu, has_dot, has_
         assert_matches_oracle(kernel)
 
 
+def test_one_query_keeps_its_dot_products_along_the_head():
+    """A decode step is no tile product: padded to 32 queries it would compute 31 rows for nothing."""
+    spec = AttentionSpec(batch=2, seq_len=1, kv_seq_len=256, num_heads=8, head_dim=64, projections=False,
+                         dtype="bfloat16")
+    kernel = tvmattn.compile(spec, {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2})
+    assert "AMX" not in kernel.schedule and "tdpbf16ps" not in kernel.source()
+
+
 def test_amx_needs_whole_blocks_of_32():
     """d_k = 16 (half a tile row) and a query tile of 16 keep the AVX512-BF16 dot products."""
     target = {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2}
