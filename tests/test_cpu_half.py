@@ -3,6 +3,10 @@ AMX tiles (tdpbf16ps) and on AVX512-BF16 dot products (vdpbf16ps) over every spe
 take, and the instructions in the generated code exactly when the target has the feature. The
 vdpbf16ps kernels are built for this CPU with AMX off (`helpers.NO_AMX`: what a Zen 4 runs)."""
 
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 from helpers import HOST, NO_AMX, assert_matches_oracle, compiled
 from hypothesis import given, settings
@@ -155,6 +159,39 @@ def test_bf16_instructions_exactly_where_the_target_has_them(mcpu, has_dot, has_
     assert ("AMX tiles" in kernel.schedule) == has_tiles
     if (has_amx(HOST) or not has_tiles) and (HOST_HAS_BF16_DOT or not has_dot):  # this CPU runs it
         assert_matches_oracle(kernel)
+
+
+# A process that never imported tvmattn, so nobody asked Linux for AMX's state but the kernel itself
+FRESH_PROCESS = """
+import sys, numpy as np, ml_dtypes, tvm
+q, k, v, ref = (np.load(f"{sys.argv[2]}/{n}.npy") for n in ("q", "k", "v", "ref"))
+args = [tvm.runtime.tensor(x.astype(ml_dtypes.bfloat16)) for x in (q, k, v)]
+out = tvm.runtime.tensor(np.zeros(ref.shape, ml_dtypes.bfloat16))
+tvm.runtime.load_module(sys.argv[1])["main"](*args, out)
+err = np.abs(out.numpy().astype(np.float64) - ref).max() / np.abs(ref).max()
+print(err)
+sys.exit(0 if err < 5e-2 else 1)
+"""
+
+
+@needs_amx
+def test_an_exported_amx_kernel_asks_for_the_tiles_itself(tmp_path):
+    """Linux faults the first tile instruction of a process that did not ask for AMX's state: the
+    exported library asks itself (once per process), so it runs wherever TVM's runtime loads it."""
+    spec = AttentionSpec(batch=1, seq_len=96, num_heads=2, head_dim=32, causal=True, projections=False,
+                         dtype="bfloat16")
+    kernel = compiled(spec)
+    assert "AMX tiles" in kernel.schedule
+    kernel.export_library(str(tmp_path / "attention.so"))
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 96, 32)).astype(np.float32) for _ in range(3))
+    import ml_dtypes
+    q, k, v = (x.astype(ml_dtypes.bfloat16).astype(np.float64) for x in (q, k, v))  # the values the kernel sees
+    for name, x in dict(q=q, k=k, v=v, ref=tvmattn.reference(spec, q, k, v)).items():
+        np.save(tmp_path / f"{name}.npy", x)
+    proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS, str(tmp_path / "attention.so"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_one_query_keeps_its_dot_products_along_the_head():
