@@ -56,9 +56,10 @@ class AttentionTE:
         return te.create_prim_func(self.inputs + [self.output]).with_attr("global_symbol", "main")
 
 
-def attention_te(spec: AttentionSpec, block: int = 1) -> AttentionTE:
+def attention_te(spec: AttentionSpec, block: int = 1, parts: bool = False) -> AttentionTE:
     """Build the tensor expression of ``spec`` (see the module docstring for the stages); ``block``:
-    the core's symbolic lengths run in whole blocks of it (`_core`)."""
+    the core's symbolic lengths run in whole blocks of it; ``parts``: its fp16 operands as sums of
+    two bf16 parts (`_core`)."""
     dims: dict[str, tirx.Var] = {}
 
     def dim(x: Dim):
@@ -67,7 +68,7 @@ def attention_te(spec: AttentionSpec, block: int = 1) -> AttentionTE:
     stages: dict[str, te.Tensor] = {}
     inputs: list[te.Tensor] = []
     q_at, k_at, v_at = (_projections if spec.projections else _core_inputs)(spec, dim, inputs, stages)
-    _core(spec, dim, inputs, stages, q_at, k_at, v_at, block)
+    _core(spec, dim, inputs, stages, q_at, k_at, v_at, block, parts)
     out = _epilogue(spec, dim, stages, {t.op.name: t for t in inputs})
     return AttentionTE(spec, inputs, out, stages, dims)
 
@@ -102,7 +103,7 @@ def _core_inputs(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor],
 
 # ---- the core: scores → logits → softmax → P·V ---------------------------------------------------
 def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: dict[str, te.Tensor],
-          q_at: Reader, k_at: Reader, v_at: Reader, block: int = 1) -> None:
+          q_at: Reader, k_at: Reader, v_at: Reader, block: int = 1, parts: bool = False) -> None:
     """scores … pv. With ``block`` > 1, a symbolic query or key length L, or a static one that is no
     multiple of it, runs to `_whole` blocks, so a kernel's tiles never end inside a block (a tensor
     intrinsic takes no tail predicate): the rows past L read row L-1 again, the keys past it are
@@ -110,7 +111,11 @@ def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: d
     The queries, keys and values then have stages of their own, q_rows (B, h, n_rows, d_k), k_rows
     (B, h_kv, n_keys, d_k) and v_rows (B, h_kv, n_keys, d_v), that the schedule packs or inlines; so
     has an attn_mask that varies along queries and keys, mask_rows (its clamped index inside a packed
-    tile overflows TVM's simplifier)."""
+    tile overflows TVM's simplifier).
+
+    With ``parts`` (fp16 on bf16 tile products, `bf16_parts`), each operand of QKᵀ and P·V is the sum
+    of two bf16 stages, q_hi + q_lo, k_hi + k_lo, P's p_hi + p_lo, v_hi + v_lo (they replace q_rows,
+    k_rows and v_rows), and each product is hi·hi + hi·lo + lo·hi."""
     B, n, n_kv, h, g = dim(spec.batch), dim(spec.n_q), dim(spec.n_kv), spec.h, spec.group
     pad_rows, pad_keys = (block > 1 and (not isinstance(x, int) or x % block > 0) for x in (n, n_kv))
     n_rows = (n + block - 1) // block * block if pad_rows else n  # as the split of n by the tile writes it
@@ -121,10 +126,14 @@ def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: d
     q_at = lambda b, i, s, e: q_in(b, i, row(s), e)  # noqa: E731
     k_at = lambda b, i, t, e: k_in(b, i, key(t), e)  # noqa: E731
     v_at = lambda b, i, t, c: v_in(b, i, key(t), c)  # noqa: E731
-    if pad_rows:
+    if parts:  # (the stages of the parts read the clamped rows and keys)
+        q_parts = _parts(stages, "q", (B, h, n_rows, spec.d_k), q_at)
+        k_parts = _parts(stages, "k", (B, spec.h_kv, n_keys, spec.d_k), k_at)
+        v_parts = _parts(stages, "v", (B, spec.h_kv, n_keys, spec.d_v), v_at)
+    if pad_rows and not parts:
         q_rows = stages["q_rows"] = te.compute((B, h, n_rows, spec.d_k), q_at, name="q_rows")
         q_at = lambda b, i, s, e: q_rows[b, i, s, e]  # noqa: E731
-    if pad_keys:
+    if pad_keys and not parts:
         k_rows = stages["k_rows"] = te.compute((B, spec.h_kv, n_keys, spec.d_k), k_at, name="k_rows")
         k_at = lambda b, i, t, e: k_rows[b, i, t, e]  # noqa: E731
         v_rows = stages["v_rows"] = te.compute((B, spec.h_kv, n_keys, spec.d_v), v_at, name="v_rows")
@@ -149,9 +158,12 @@ def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: d
         return variant.sees(spec, s, t, kv_len(b), size_expr(n), mask_at(b, i, s, t), *past_the_end)
 
     e = te.reduce_axis((0, spec.d_k), "e")
+    if parts:
+        product = lambda b, i, s, t: _sum_of_parts(q_parts, k_parts, (b, i, s, e), (b, i // g, t, e))  # noqa: E731
+    else:
+        product = lambda b, i, s, t: q_at(b, i, s, e).astype(ACC) * k_at(b, i // g, t, e).astype(ACC)  # noqa: E731
     scores = te.compute(  # (B, h, n_rows, n_keys): n, n_kv unless padded
-        (B, h, n_rows, n_keys),
-        lambda b, i, s, t: te.sum(q_at(b, i, s, e).astype(ACC) * k_at(b, i // g, t, e).astype(ACC), axis=e),
+        (B, h, n_rows, n_keys), lambda b, i, s, t: te.sum(product(b, i, s, t), axis=e),
         name="scores", attrs={KEY_STAGE: 1})
     # In base 2 (log2 e folded into the scale's multiply: exp2 is the cheaper polynomial), but in
     # natural units where the kernel returns them: then no softmax follows.
@@ -174,10 +186,55 @@ def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: d
     row_sum = te.compute((B, h, n_rows), lambda b, i, s: te.sum(probs[b, i, s, t], axis=t),
                          name="row_sum", attrs={KEY_STAGE: 1})
     t = te.reduce_axis((0, n_keys), "t")
-    pv = te.compute((B, h, n_rows, spec.d_v),
-                    lambda b, i, s, c: te.sum(probs[b, i, s, t] * v_at(b, i // g, t, c).astype(ACC), axis=t),
+    if parts:
+        # (key-major, (B, h, n_keys, n_rows): as P's panels pack pairs of keys)
+        p_parts = _parts(stages, "p", (B, h, n_keys, n_rows), lambda b, i, t, s: probs[b, i, s, t])
+        weighted = lambda b, i, s, c: _sum_of_parts(p_parts, v_parts, (b, i, t, s), (b, i // g, t, c))  # noqa: E731
+    else:
+        weighted = lambda b, i, s, c: probs[b, i, s, t] * v_at(b, i // g, t, c).astype(ACC)  # noqa: E731
+    pv = te.compute((B, h, n_rows, spec.d_v), lambda b, i, s, c: te.sum(weighted(b, i, s, c), axis=t),
                     name="pv", attrs={KEY_STAGE: 1})
     stages.update(scores=scores, logits=logits, row_max=row_max, probs=probs, row_sum=row_sum, pv=pv)
+
+
+def bf16_parts(x: PrimExpr) -> tuple[PrimExpr, PrimExpr]:
+    """x (fp16 or fp32) as hi + lo, two bf16 values: hi = x rounded to bf16, lo = what it left out,
+    rounded. An fp16 value's 11 significant bits are exactly hi's 8 and lo's 3 (+ a sign), within
+    bf16's exponent range; an fp32 value is kept to about 16 bits (P's weights)."""
+    wide = x.astype(ACC)
+    hi = bf16_rounded(wide)
+    # (each part rounded before its cast: a buffer that TVM widens to fp32 stores the value as it is)
+    return hi.astype("bfloat16"), bf16_rounded(wide - hi).astype("bfloat16")
+
+
+def bf16_rounded(x: PrimExpr) -> PrimExpr:
+    """fp32 ``x`` (any lanes) rounded to bf16's precision, to nearest even, kept in fp32; spelt in
+    integer operations, as the rounding of a cast to bf16 is: TVM's bf16 legaliser folds
+    ``fp32(bf16(x))`` into ``x``, which would make every lo part 0."""
+    lanes = x.ty.dtype.lanes
+    typed = lambda t: t if lanes == 1 else f"{t}x{lanes}"  # noqa: E731
+    word = lambda c: tirx.const(c, "uint32") if lanes == 1 else tirx.Broadcast(tirx.const(c, "uint32"), lanes)  # noqa: E731
+    bits = tirx.reinterpret(typed("uint32"), x)
+    bits = (bits + word(0x7FFF) + ((bits >> word(16)) & word(1))) & word(0xFFFF0000)
+    return tirx.reinterpret(typed("float32"), bits)
+
+
+def _parts(stages: dict[str, te.Tensor], name: str, shape: tuple, at: Reader) -> tuple[te.Tensor, te.Tensor]:
+    """The stages {name}_hi and {name}_lo of ``at`` (`bf16_parts`), 4-d as every operand."""
+    def part(k: int) -> Reader:
+        return lambda b, i, s, c: bf16_parts(at(b, i, s, c))[k]
+
+    for k, suffix in enumerate(("hi", "lo")):
+        stages[f"{name}_{suffix}"] = te.compute(shape, part(k), name=f"{name}_{suffix}")
+    return stages[f"{name}_hi"], stages[f"{name}_lo"]
+
+
+def _sum_of_parts(x: tuple[te.Tensor, te.Tensor], y: tuple[te.Tensor, te.Tensor], at_x: tuple, at_y: tuple):
+    """x·y from their parts: hi·hi + hi·lo + lo·hi (lo·lo, 2^-16 of the product, is left out), each
+    product exact in fp32."""
+    (x_hi, x_lo), (y_hi, y_lo) = x, y
+    hi_hi = x_hi[at_x].astype(ACC) * y_hi[at_y].astype(ACC)
+    return hi_hi + x_hi[at_x].astype(ACC) * y_lo[at_y].astype(ACC) + x_lo[at_x].astype(ACC) * y_hi[at_y].astype(ACC)
 
 
 def _whole(x: PrimExpr, block: int) -> PrimExpr:

@@ -87,6 +87,11 @@ KNOBS = (
 # widened projections there; 0.9–1.3× from 16 rows, 1.6–1.9× from 64, (1, n, 768) layers).
 MIN_PAIR_ROWS = 16
 PANEL_BYTES = 384 * 1024  # a projection task's panel of W (d_in × its columns), to stay in L2
+# Static keys from which an fp16 core's bf16 parts on AMX's tiles (`fp16_parts`) beat its widened fp32
+# FMAs: the parts' passes cost a task what three times the tile products save it on short rows
+# (fp32 time ÷ fp16: 1.06 and 0.96 at a causal (1, 16, 256, 64), 1.29 and 0.99 at (1, 8, 512, 64);
+# 0.77 and 0.93 at a causal (1, 8, 128, 64))
+PARTS_MIN_KEYS = 256
 
 PROJECTIONS = {"q_proj": "w_q", "k_proj": "w_k", "v_proj": "w_v", "out": "w_o"}  # the layer's GEMMs: block → W
 INLINED = ("q_heads", "k_heads", "v_heads", "logits", "merged")
@@ -118,7 +123,7 @@ class CpuAttention(AttentionRule):
     def workload(self, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> PrimFunc:
         """The tensor expression's function; on the bf16 instructions, symbolic lengths run in whole
         blocks (`_padding`, `te_attention._core`), the tiles the instructions need."""
-        return attention_te(spec, _padding(spec, target)).prim_func()
+        return attention_te(spec, _padding(spec, target), fp16_parts(spec, target)).prim_func()
 
     def describe(self, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> str:
         """Which variant ``apply`` builds for ``spec``, with the knobs it reads."""
@@ -174,7 +179,7 @@ class CpuAttention(AttentionRule):
             amx |= _attention_core(sch, spec, target, lanes, knobs, steps)
         for step in steps:
             step()
-        if steps and spec.dtype == "bfloat16" and has_bf16_dot(target):  # the instructions' LLVM IR
+        if amx or (steps and spec.dtype == "bfloat16" and has_bf16_dot(target)):  # the instructions' LLVM IR
             first = sch.get_loops(sch.get_sblock("out" if spec.projections else spec.output))[0]
             (import_amx if amx else import_dot)(sch, first)
         return sch
@@ -200,6 +205,7 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
     by_head_dim = s_lanes == 1 and _lanes_for(spec.d_k, lanes) > 1  # one query (decode): vectors along d_k
     qk_keys = _qk_keys(sch, spec, target, k["qk_keys"])
     amx = amx_tiles(spec, target, q_tile)
+    parts = fp16_parts(spec, target)  # (then amx: `_dot_tile` keeps whole blocks of 32)
     qk_pairs, pv_pairs = (True, True) if amx else bf16_dots(spec, target, q_tile, _int(sch, qk_keys))
     if by_head_dim:
         scores_rf = _split_head_dim(sch, _lanes_for(spec.d_k, lanes))
@@ -225,23 +231,28 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
     if amx:
         configure_tiles(sch, task)
     _vectorize(sch, loops["c"], spec.d_v, lanes)
-    for name in PER_TILE:
+    for name in PER_TILE[:1] + (("p_hi", "p_lo") if parts else ()) + PER_TILE[1:]:  # consumers first
         sch.compute_at(sch.get_sblock(name), task, preserve_unit_loops=True)
     if _has_block(sch, "v_rows"):  # keys in whole blocks (`_padding`): P·V's panels are packed from them
         _pad_values(sch, spec, lanes, pv_pairs)
         _padded_keys(sch, spec, lanes, amx)
+    if parts:  # K's and V's parts, once before the tasks, in one pass
+        _before_tasks(sch, ("k_hi", "k_lo", "v_hi", "v_lo"), lanes)
 
     if by_head_dim:
         _scores_along_head_dim(sch, scores_rf)
         _row_reduction(sch, "row_max", s_lanes)
     else:
-        _pack_queries(sch, spec, task, q_tile, lanes, qk_pairs, steps)
+        if parts:
+            _pack_query_parts(sch, task, q_tile, lanes, steps)
+        else:
+            _pack_queries(sch, spec, task, q_tile, lanes, qk_pairs, steps)
         widen = spec.dtype != "float32" and not qk_pairs
         if widen and not spec.projections:
             _widened_before_tasks(sch, "scores", ("k",), spec.d_k, lanes)
         if amx:
-            heads_between = not spec.projections and spec.layout == "BSHD" and not _has_block(sch, "k_rows")
-            tile_keys = _amx_scores(sch, heads_between, steps)
+            in_place = not (parts or spec.projections or _has_block(sch, "k_rows"))  # K read as it is given
+            tile_keys = _amx_scores(sch, in_place and spec.layout == "BSHD", parts, steps)
         else:
             tile_keys = _scores(sch, s_lanes, qk_keys, qk_pairs, steps, widen=widen and spec.projections)
         if spec.attn_mask is not None and {"s", "t"} <= set(spec.attn_mask_dims):
@@ -262,16 +273,18 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
     else:  # one query: the keys are contiguous
         _vectorize(sch, t, spec.n_kv if isinstance(spec.n_kv, int) else None, lanes)
         _row_reduction(sch, "row_sum", s_lanes)
-    panels = _pack_pairs(sch, spec, t, amx) if pv_pairs else None
+    panels = (_pack_parts(sch, t, q_tile) if parts else _pack_pairs(sch, spec, t, amx)) if pv_pairs else None
     if spec.dtype != "float32" and not pv_pairs and s_lanes > 1 and not spec.projections:
         _widened_before_tasks(sch, "pv", ("v_rows", "v"), spec.d_v, lanes)
     if amx:
-        _amx_weights_v(sch, steps)
+        _amx_weights_v(sch, parts, steps)
         _pv_rows(sch, lanes, steps)
     else:  # whole row groups per tile: a partial group's accumulator has a loop-dependent size
         _weights_v(sch, spec, lanes, _divisor_at_most(q_tile, _int(sch, k["pv_rows"])), k["pv_vecs"], pv_pairs,
                    steps)
-    if panels:
+    if panels and parts:
+        steps.append(functools.partial(_tensorize_parts, sch, panels, q_tile))
+    elif panels:
         steps.append(functools.partial(_tensorize_pairs, sch, spec, panels, q_tile, amx))
     return amx
 
@@ -303,6 +316,8 @@ def _padding(spec: AttentionSpec, target: Target) -> int:
     then always takes (static queries in whole dot tiles, d_k in pairs, `_qk_keys` dividing the
     block; TVM 0.27 cannot build the widened key tiles over padded keys)."""
     n_q, n_kv = spec.n_q, spec.n_kv
+    if fp16_parts(spec, target):
+        return BLOCK if any(isinstance(x, str) or x % BLOCK for x in (n_q, n_kv)) else 1
     if not (spec.dtype == "bfloat16" and has_bf16_dot(target) and spec.d_k % PAIR == 0):
         return 1
     # (one query, a decode step, keeps its dot products along d_k: 31 padding rows cost 2.5× there,
@@ -333,13 +348,15 @@ def _dot_tile(spec: AttentionSpec, target: Target, q_tile: int) -> int | None:
     """The query tile for bf16 dot products or AMX tiles at most ``q_tile``: the largest power of two
     from 16 that divides a static n_q (padded, `_padding`), or the block a symbolic one runs in; None:
     no such tile, or no such instruction."""
-    if spec.dtype != "bfloat16" or not has_bf16_dot(target):
+    parts = fp16_parts(spec, target)  # (always on AMX's tiles: whole blocks of 32)
+    if not parts and (spec.dtype != "bfloat16" or not has_bf16_dot(target)):
         return None
     block = _padding(spec, target)
     if not isinstance(spec.n_q, int):
         return block if block > 1 else None
     n_q = _whole(spec.n_q, block)
-    return next((t for t in (64, 32, LANES) if t <= q_tile and n_q % t == 0), None)
+    tiles = (64, BLOCK) if parts else (64, 32, LANES)
+    return next((t for t in tiles if t <= max(q_tile, tiles[-1]) and n_q % t == 0), None)
 
 
 def bf16_dots(spec: AttentionSpec, target: Target, q_tile: int, qk_keys: int) -> tuple[bool, bool]:
@@ -369,10 +386,22 @@ def amx_tiles(spec: AttentionSpec, target: Target, q_tile: int) -> bool:
 
 
 def _amx_widths(spec: AttentionSpec, target: Target) -> bool:
-    """A spec whose widths AMX's tiles take: bf16 on a CPU with AMX-BF16 (and AVX512-BF16, which
-    rounds P into its pairs), d_k and d_v multiples of 32."""
-    return (spec.dtype == "bfloat16" and has_amx(target) and has_bf16_dot(target)
+    """A spec whose widths AMX's tiles take: bf16 (fp16: `fp16_parts`) on a CPU with AMX-BF16 (and
+    AVX512-BF16, which rounds P into its pairs), d_k and d_v multiples of 32."""
+    return ((spec.dtype == "bfloat16" or fp16_parts(spec, target)) and has_amx(target) and has_bf16_dot(target)
             and spec.d_k % STEP == 0 and spec.d_v % BLOCK == 0)
+
+
+def fp16_parts(spec: AttentionSpec, target: Target) -> bool:
+    """Whether an fp16 core kernel runs on AMX's bf16 tiles, each operand the sum of two bf16 parts
+    (`te_attention.bf16_parts`: exact for fp16; three tile products where bf16 takes one, 2^-16 of
+    each product left out): CPUs have no fp16 tile products before AMX-FP16, and fp32 FMAs of
+    widened fp16 run at fp32's speed. Not for one query (a decode step: its dot products along d_k
+    read half fp32's bytes), fewer than `PARTS_MIN_KEYS` static keys, nor in a layer (its
+    projections are widened)."""
+    few_keys = isinstance(spec.n_kv, int) and spec.n_kv < PARTS_MIN_KEYS
+    return (spec.dtype == "float16" and has_amx(target) and has_bf16_dot(target) and not spec.projections
+            and spec.n_q != 1 and not few_keys and spec.d_k % STEP == 0 and spec.d_v % BLOCK == 0)
 
 
 def _few_tasks_of_one_query(spec: AttentionSpec, target: Target, lanes: int) -> bool:
@@ -518,22 +547,24 @@ def _scores(sch: Schedule, lanes: int, keys_factor: KnobValue, pairs: bool, step
     return t_out
 
 
-def _amx_scores(sch: Schedule, heads_between: bool, steps: list):
+def _amx_scores(sch: Schedule, heads_between: bool, parts: bool, steps: list):
     """acc[32 keys][32 queries] += k[t, e:e+32] · panel[e/2, s, e%2] in four AMX tiles (`x86_amx.DOT`:
-    the keys read in place, ``heads_between`` in BSHD, the query panel as its pair operand), 32 steps
-    of e per product. Returns the loop over blocks of keys."""
+    the keys read in place, ``heads_between`` in BSHD, the query panel as its pair operand; with
+    ``parts``, K's and the panel's bf16 parts), 32 steps of e per product. Returns the loop over
+    blocks of keys."""
     scores = sch.get_sblock("scores")
     s, t, e = sch.get_loops(scores)[-3:]
     t_out, t_in = sch.split(t, [None, BLOCK])
     s_out, s_in = sch.split(s, [None, BLOCK])
     e_out, e_in = sch.split(e, [None, STEP])
     sch.reorder(t_out, s_out, e_out, t_in, s_in, e_in)
-    _amx_block(sch, scores, s_out, e_out, False, f"b=v_b_o,s=v_s_o*{BLOCK},t=v_t_o*{BLOCK}", steps, heads_between)
+    _amx_block(sch, scores, s_out, e_out, False, f"b=v_b_o,s=v_s_o*{BLOCK},t=v_t_o*{BLOCK}", steps, heads_between,
+               parts)
     return t_out
 
 
 def _amx_block(sch: Schedule, block, outer, reduction, gemm: bool, key_blocks: str | None, steps: list,
-               heads_between: bool = False) -> None:
+               heads_between: bool = False, parts: bool = False) -> None:
     """The register-tile idiom (`_register_tile`) on AMX's tiles: ``block``'s 32 × 32 accumulator
     under ``outer``, its init, update (from the loop inside ``reduction``) and store as `x86_amx.ZERO`,
     `DOT` (`x86_amx.dot_intrinsic` of ``gemm`` and ``heads_between``) and `STORE`, tensorized by
@@ -545,7 +576,7 @@ def _amx_block(sch: Schedule, block, outer, reduction, gemm: bool, key_blocks: s
                          assume_injective_transform=True)
     sch.reverse_compute_at(acc, outer, preserve_unit_loops=True)
     init = sch.decompose_reduction(block, reduction)
-    dot = dot_intrinsic(heads_between, gemm)
+    dot = dot_intrinsic(heads_between, gemm, parts)
     steps.append(functools.partial(_tensorize, sch, sch.get_loops(block)[-3], dot, key_blocks))
     steps.append(functools.partial(_tensorize, sch, sch.get_loops(init)[-2], ZERO + ("_gemm" if gemm else "")))
     steps.append(functools.partial(_tensorize, sch, sch.get_loops(acc)[-2], STORE))
@@ -611,7 +642,7 @@ def _weights_v(sch: Schedule, spec: AttentionSpec, lanes: int, rows_factor: Knob
                    key_blocks=f"b=v_b_o,s=v_s_o,t=v_t_o*{PAIR}", later=steps)
 
 
-def _amx_weights_v(sch: Schedule, steps: list) -> None:
+def _amx_weights_v(sch: Schedule, parts: bool, steps: list) -> None:
     """pvᵀ: acc[32 of d_v][32 queries] += Vᵀ[c, t:t+32] · P[t/2, s, t%2] in four AMX tiles
     (`x86_amx.DOT` on `_pack_pairs`' panels: Vᵀ, and P's pairs as QKᵀ's query panel), 32 keys per
     product. Stored d_v-major (`_pv_rows` turns it for the epilogue)."""
@@ -621,7 +652,7 @@ def _amx_weights_v(sch: Schedule, steps: list) -> None:
     c_out, c_in = sch.split(c, [None, BLOCK])
     t_out, t_in = sch.split(t, [None, STEP])
     sch.reorder(c_out, s_out, t_out, c_in, s_in, t_in)
-    _amx_block(sch, pv, s_out, t_out, False, f"b=v_b_o,s=v_s_o*{BLOCK},t=v_t_o*{STEP}", steps)
+    _amx_block(sch, pv, s_out, t_out, False, f"b=v_b_o,s=v_s_o*{BLOCK},t=v_t_o*{STEP}", steps, parts=parts)
 
 
 def _pv_rows(sch: Schedule, lanes: int, steps: list) -> None:
@@ -700,6 +731,77 @@ def _padded_keys(sch: Schedule, spec: AttentionSpec, lanes: int, amx: bool) -> N
     *rows, e = sch.get_loops(k_rows)
     sch.parallel(sch.fuse(*rows))
     _vectorize(sch, e, spec.d_k, lanes)
+
+
+def _before_tasks(sch: Schedule, names: tuple[str, ...], lanes: int) -> None:
+    """Stages over every row of K and V (the same rows), computed in one parallel pass before the
+    tasks: their row loops merged (a pass each is a start of the thread pool, or a barrier, each)."""
+    rows = []
+    for name in names:
+        *loops, c = sch.get_loops(sch.get_sblock(name))
+        rows.append(sch.fuse(*loops))
+        _vectorize(sch, c, int(sch.get(c).extent), lanes)
+    sch.parallel(sch.merge(*rows))
+
+
+def _pack_query_parts(sch: Schedule, task, q_tile: int, lanes: int, steps: list) -> None:
+    """fp16 queries on AMX's tiles (`fp16_parts`): each task computes its rows' bf16 parts, q_hi and
+    q_lo, and turns each into QKᵀ's pair panel (d_k/2, q_tile, 2) as `_pack_queries` does a bf16 one."""
+    scores = sch.get_sblock("scores")
+    for name in ("q_hi", "q_lo"):
+        panel = _copy_of(sch, scores, (name,))
+        sch.compute_at(panel, task, preserve_unit_loops=True)
+        rows = sch.get_sblock(name)
+        sch.compute_at(rows, task, preserve_unit_loops=True)
+        _vectorize(sch, sch.get_loops(rows)[-1], None, lanes)
+        sch.transform_layout(panel, ("write", 0),
+                             lambda b, i, s, e: (b, i, s // q_tile, e // PAIR, s % q_tile, e % PAIR),
+                             assume_injective_transform=True)
+        intrinsic = query_panel_intrinsic("bfloat16", lanes, True, argument=False, heads_between=False)
+        steps.append(functools.partial(_tensorize_queries, sch, sch.get(panel).name_hint, intrinsic, lanes,
+                                       lanes * PAIR, False))
+
+
+def _pack_parts(sch: Schedule, pair_loop, q_tile: int) -> tuple[list[str], list[str]]:
+    """fp16's P·V on AMX's tiles (`fp16_parts`): P's bf16 parts, p_hi and p_lo, packed into pairs of
+    keys as probs computes them (`_pack_pairs`' P panel, twice), and Vᵀ panels of V's parts, once
+    before the tasks. Their names, for `_tensorize_parts`."""
+    pv = sch.get_sblock("pv")
+    p_names, v_names = [], []
+    for p_name, v_name in (("p_hi", "v_hi"), ("p_lo", "v_lo")):
+        p_panel = sch.get_sblock(p_name)
+        sch.reverse_compute_at(p_panel, pair_loop, preserve_unit_loops=True)
+        sch.transform_layout(p_panel, ("write", 0),
+                             lambda b, i, t, s: (b, i, s // q_tile, t // PAIR, s % q_tile, t % PAIR),
+                             assume_injective_transform=True)
+        v_panel = _copy_of(sch, pv, (v_name,))
+        sch.transform_layout(v_panel, ("write", 0), lambda b, h, t, c: (b, h, t // STEP, c, t % STEP),
+                             assume_injective_transform=True)
+        p_names.append(p_name)
+        v_names.append(sch.get(v_panel).name_hint)
+    return p_names, v_names
+
+
+def _tensorize_parts(sch: Schedule, panels: tuple[list[str], list[str]], q_tile: int) -> None:
+    """`_pack_parts`' panels as tensor intrinsics (a deferred step): P's parts as `x86_bf16`'s pairs
+    (rounded, and the residual), V's as `x86_amx.transposed_values_intrinsic`."""
+    p_names, v_names = panels
+    for part, p_name in enumerate(p_names):
+        loops = sch.get_loops(sch.get_sblock(p_name))
+        rows, pair = sch.split(loops[-2], [None, PAIR])
+        sch.reorder(rows, loops[-1], pair)
+        _tensorize(sch, sch.split(loops[-1], [None, q_tile])[1], pairs_intrinsic("float32", q_tile, part=part))
+        p_panel = sch.get_sblock(p_name + "_o")
+        b, _, pair_, tile = (iv.var.name for iv in sch.get(p_panel).iter_vars[:4])  # (b, i, t, s): a key-major stage
+        sch.annotate(p_panel, KEY_STAGE, 1)
+        sch.annotate(p_panel, KEY_BLOCKS, f"b={b},s={tile}*{q_tile},t={pair_}*{PAIR}")
+    for v_name in v_names:
+        t, c = sch.get_loops(sch.get_sblock(v_name))[-2:]
+        t_out, t_in = sch.split(t, [None, STEP])
+        c_out, c_in = sch.split(c, [None, LANES])
+        sch.reorder(t_out, c_out, t_in, c_in)
+        _tensorize(sch, t_in, transposed_values_intrinsic())
+    sch.parallel(sch.merge(*(sch.fuse(*sch.get_loops(sch.get_sblock(v + "_o"))) for v in v_names)))  # one pass
 
 
 def _tensorize_pairs(sch: Schedule, spec: AttentionSpec, panels: tuple[str, str], q_tile: int,

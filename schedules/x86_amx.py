@@ -190,11 +190,13 @@ _register()
 _REGISTERED: set[str] = set()
 
 
-def dot_intrinsic(heads_between: bool = False, gemm: bool = False) -> str:
+def dot_intrinsic(heads_between: bool = False, gemm: bool = False, parts: bool = False) -> str:
     """The name of `DOT` for a row operand A of any row stride, registered on first use:
     ``heads_between``, rows of a (t, head, e) tensor (BSHD), one head of it. The attention's stages
     (QKᵀ, P·V) iterate (column, row, k) and multiply B·A; with ``gemm``, a projection's, (row,
-    column, k) and A·B (x·W)."""
+    column, k) and A·B (x·W). ``parts``: fp16 operands as two bf16 parts each (`parts_dot`)."""
+    if parts:
+        return parts_dot()
     name = DOT + ("_bshd" if heads_between else "") + ("_gemm" if gemm else "")
     if name in _REGISTERED:
         return name
@@ -234,6 +236,53 @@ def dot_intrinsic(heads_between: bool = False, gemm: bool = False) -> str:
               for j in range(2)]
     products = [_tile("tdpbf16ps", _id(2 * i + j), _id(4 + i), _id(6 + j)) for i, j in HALVES]
     TensorIntrin.register(name, dot, _block(dot, loads + products))
+    _REGISTERED.add(name)
+    return name
+
+
+def parts_dot() -> str:
+    """`DOT` of operands that are sums of two bf16 parts (`te_attention.bf16_parts`: fp16 as hi + lo):
+    C += B_hi·A_hi + B_hi·A_lo + B_lo·A_hi, three tile products per pair of tiles (10 tile loads and
+    12 products per step of 32, against 4 and 4), each part in a buffer of its own as `DOT`'s."""
+    name = DOT + "_parts"
+    if name in _REGISTERED:
+        return name
+
+    @T.prim_func(s_tir=True)
+    def dot(c: T.handle, b_hi: T.handle, a_hi: T.handle, a_lo: T.handle, b_lo: T.handle) -> None:
+        lda, ldb = T.int32(), T.int32()
+        C = T.match_buffer(c, (BLOCK, BLOCK), "float32", scope="local", offset_factor=1)
+        B0 = T.match_buffer(b_hi, (STEP // PAIR, BLOCK, PAIR), "bfloat16", strides=[ldb, PAIR, 1], offset_factor=1,
+                            align=BF16_BYTES)
+        A0 = T.match_buffer(a_hi, (BLOCK, STEP), "bfloat16", strides=[lda, 1], offset_factor=1, align=BF16_BYTES)
+        A1 = T.match_buffer(a_lo, (BLOCK, STEP), "bfloat16", strides=[lda, 1], offset_factor=1, align=BF16_BYTES)
+        B1 = T.match_buffer(b_lo, (STEP // PAIR, BLOCK, PAIR), "bfloat16", strides=[ldb, PAIR, 1], offset_factor=1,
+                            align=BF16_BYTES)
+        with T.sblock("root"):
+            T.reads(C[0:BLOCK, 0:BLOCK], B0[0:STEP // PAIR, 0:BLOCK, 0:PAIR], A0[0:BLOCK, 0:STEP],
+                    A1[0:BLOCK, 0:STEP], B1[0:STEP // PAIR, 0:BLOCK, 0:PAIR])
+            T.writes(C[0:BLOCK, 0:BLOCK])
+            for m, n, k in T.grid(BLOCK, BLOCK, STEP):
+                with T.sblock("update"):
+                    vn, vm, vk = T.axis.remap("SSR", [n, m, k])
+                    b0 = T.meta_var(T.cast(B0[vk // PAIR, vn, vk % PAIR], "float32"))
+                    b1 = T.meta_var(T.cast(B1[vk // PAIR, vn, vk % PAIR], "float32"))
+                    a0, a1 = T.meta_var(T.cast(A0[vm, vk], "float32")), T.meta_var(T.cast(A1[vm, vk], "float32"))
+                    C[vm, vn] = C[vm, vn] + (b0 * a0 + b0 * a1 + b1 * a0)
+
+    _, B0, A0, A1, B1 = dot.params
+
+    def load_a(a):
+        return [_tile("tileloadd64", _id(4 + i), _address(a, i * ROWS, 0), _bytes(a.strides[0], BF16_BYTES))
+                for i in range(2)]
+
+    def load_b(b):
+        return [_tile("tileloadd64", _id(6 + j), _address(b, 0, j * ROWS, 0), _bytes(b.strides[0], BF16_BYTES))
+                for j in range(2)]
+
+    products = [_tile("tdpbf16ps", _id(2 * i + j), _id(4 + i), _id(6 + j)) for i, j in HALVES]
+    body = load_a(A0) + load_b(B0) + products + load_a(A1) + products + load_a(A0) + load_b(B1) + products
+    TensorIntrin.register(name, dot, _block(dot, body))
     _REGISTERED.add(name)
     return name
 

@@ -30,6 +30,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 
 from tvmattn.compiler.target import has_feature
+from tvmattn.compiler.te_attention import bf16_parts, bf16_rounded
 
 LANES = 16  # fp32 lanes of a zmm register
 PAIR = 2  # bf16 products per lane
@@ -107,14 +108,16 @@ TensorIntrin.register(DOT_16x2, *_dot(pair_first=False))
 TensorIntrin.register(DOT_16x2_PAIR_FIRST, *_dot(pair_first=True))
 
 
-def pairs_intrinsic(source: str, width: int, heads_between: bool = False) -> str:
+def pairs_intrinsic(source: str, width: int, heads_between: bool = False, part: int | None = None) -> str:
     """The name of the tensor intrinsic (registered on first use) that packs rows t and t+1 of
     ``width`` columns (a multiple of 16; ``source`` dtype, any row stride) into the (width, 2) bf16
     panel `DOT_16x2` reads, column i's two values side by side: P (fp32, rounded to nearest even) and
-    V (bf16). ``heads_between``: the rows are of a (t, head, column) tensor (BSHD), one head of it."""
-    name = f"tvmattn_pairs_{width}x2_{source}{'_bshd' if heads_between else ''}"
+    V (bf16). ``heads_between``: the rows are of a (t, head, column) tensor (BSHD), one head of it.
+    ``part`` (fp32): P's hi (0) or lo (1) part instead (`te_attention.bf16_parts`)."""
+    name = (f"tvmattn_pairs_{width}x2_{source}{'_bshd' if heads_between else ''}"
+            f"{'' if part is None else f'_part{part}'}")
     if name not in _REGISTERED:
-        TensorIntrin.register(name, *(_pairs(source, width, heads_between, implementation=x) for x in (False, True)))
+        TensorIntrin.register(name, *(_pairs(source, width, heads_between, x, part) for x in (False, True)))
         _REGISTERED.add(name)
     return name
 
@@ -122,7 +125,7 @@ def pairs_intrinsic(source: str, width: int, heads_between: bool = False) -> str
 _REGISTERED: set[str] = set()
 
 
-def _pairs(source: str, width: int, heads_between: bool, implementation: bool) -> tirx.PrimFunc:
+def _pairs(source: str, width: int, heads_between: bool, implementation: bool, part: int | None) -> tirx.PrimFunc:
     """`pairs_intrinsic`'s description (a copy, element by element) or its implementation."""
     shape = (PAIR, 1, width) if heads_between else (PAIR, width)
     row = (lambda t, c: [t, 0, c]) if heads_between else (lambda t, c: [t, c])  # noqa: E731
@@ -147,6 +150,8 @@ def _pairs(source: str, width: int, heads_between: bool, implementation: bool) -
                             dst[vi, vk] = src[vk, 0, vi]
                         elif source == "bfloat16":
                             dst[vi, vk] = src[vk, vi]
+                        elif part is not None:
+                            dst[vi, vk] = bf16_parts(src[vk, vi])[part]
                         else:
                             dst[vi, vk] = T.cast(src[vk, vi], "bfloat16")
             else:
@@ -160,11 +165,17 @@ def _pairs(source: str, width: int, heads_between: bool, implementation: bool) -
                         words = T.meta_var(pair_words(lo, hi))
                         dst.vstore([c * LANES, 0], T.reinterpret(words, dtype="bfloat16x32"))
                     else:  # fp32 → bf16 rounded to nearest even, on vcvtne2ps2bf16 (`PAIRS_FUNCTION`)
+                        rows = T.meta_var([_left_out(src.vload(row(t, c * LANES), "float32x16"), part == 1)
+                                           for t in range(PAIR)])
                         dst.vstore([c * LANES, 0], T.reinterpret(T.call_pure_extern(
-                            "int32x16", PAIRS_FUNCTION, src.vload(row(0, c * LANES), "float32x16"),
-                            src.vload(row(1, c * LANES), "float32x16")), dtype="bfloat16x32"))
+                            "int32x16", PAIRS_FUNCTION, *rows), dtype="bfloat16x32"))
 
     return func
+
+
+def _left_out(x: PrimExpr, residual: bool) -> PrimExpr:
+    """x, or with ``residual`` what rounding it to bf16 leaves out (x − bf16(x), in fp32)."""
+    return x - bf16_rounded(x) if residual else x
 
 
 def pair_words(lo: PrimExpr, hi: PrimExpr) -> PrimExpr:

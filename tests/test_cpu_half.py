@@ -15,6 +15,7 @@ from strategies import specs
 
 import tvmattn
 from tvmattn import AttentionSpec
+from tvmattn.compiler.verify import check
 from tvmattn.schedules.x86_amx import has_amx
 from tvmattn.schedules.x86_bf16 import has_bf16_dot
 
@@ -194,6 +195,16 @@ def test_an_exported_amx_kernel_asks_for_the_tiles_itself(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("kv_seq_len,tiles", [(256, True), (128, False), ("m", True)])
+def test_fp16_takes_the_tiles_from_256_keys(kv_seq_len, tiles):
+    """fp16 on tile products in bf16 parts where the target has AMX and the rows are long enough to
+    pay for the parts (`cpu.PARTS_MIN_KEYS`), else widened to fp32 FMAs."""
+    spec = AttentionSpec(batch=1, seq_len=64, kv_seq_len=kv_seq_len, num_heads=2, head_dim=64, projections=False,
+                         dtype="float16")
+    kernel = tvmattn.compile(spec, {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2})
+    assert ("tdpbf16ps" in kernel.source()) == tiles and ("AMX tiles" in kernel.schedule) == tiles
+
+
 def test_one_query_keeps_its_dot_products_along_the_head():
     """A decode step is no tile product: padded to 32 queries it would compute 31 rows for nothing."""
     spec = AttentionSpec(batch=2, seq_len=1, kv_seq_len=256, num_heads=8, head_dim=64, projections=False,
@@ -266,6 +277,36 @@ def test_half_width_kv_decode_matches_the_oracle(dtype, kv_heads, key_padding):
     spec = AttentionSpec(batch=2, seq_len=1, kv_seq_len=600, num_heads=8, num_kv_heads=kv_heads, head_dim=64,
                          key_padding=key_padding, projections=False, dtype=dtype)
     assert_matches_oracle(compiled(spec))
+
+
+@needs_amx
+@settings(max_examples=10, deadline=None)
+@given(specs(dtype="float16", symbolic=None, intermediate=False, projections=False, max_len=60), st.data())
+def test_fp16_on_amx_tiles_in_bf16_parts_matches_the_oracle(spec, data):
+    """fp16 cores from 256 keys (or symbolic) on AMX's bf16 tiles, every operand split into two bf16
+    parts, every product three tile products: every spec axis, lengths padded to blocks of 32."""
+    spec = spec.replace(head_dim=data.draw(st.sampled_from((32, 64))), v_head_dim=None,
+                        kv_seq_len=spec.kv_seq_len if spec.symbolic_dims else data.draw(st.sampled_from((256, 300))),
+                        seq_len=spec.seq_len if spec.symbolic_dims else max(spec.n_q, 2))
+    kernel = compiled(spec)
+    assert "AMX tiles" in kernel.schedule, kernel.schedule
+    for seed, n in enumerate((7, 70) if spec.symbolic_dims else (None,)):
+        assert_matches_oracle(kernel, {name: 2 if name == "B" else n for name in spec.symbolic_dims}, seed=seed)
+
+
+@needs_amx
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp16_in_bf16_parts_is_as_accurate_as_widened_fp16(causal):
+    """The parts are exact for fp16 (8 + 3 significant bits) and P keeps about 16 bits, so the tiles'
+    result is as close to the oracle as fp32 FMAs of the widened values are; one part lost (hi alone)
+    would be bf16's error, 5–9e-3 here, which fp16's tolerance of 1e-2 lets through."""
+    spec = AttentionSpec(batch=1, seq_len=256, num_heads=2, head_dim=64, causal=causal, projections=False,
+                         dtype="float16")
+    on_tiles, widened = compiled(spec), compiled(spec, NO_AMX)
+    assert "AMX tiles" in on_tiles.schedule and "AMX" not in widened.schedule
+    for seed in range(3):
+        tiles_error, widened_error = (check(k, None, seed, {}).max_rel for k in (on_tiles, widened))
+        assert tiles_error <= max(1.5 * widened_error, 1e-3), (tiles_error, widened_error)
 
 
 @settings(max_examples=8, deadline=None)
