@@ -17,7 +17,14 @@ task holds a q_tile × n_kv score tile, never the n × n_kv matrix. Tiles are st
 Each stage reads what the one before wrote while it is in L1: the q_tile × n_kv tile streams through
 L2 once per stage (scores, probs, pv), not once per reduction as well. With the bf16 dot products
 (`bf16_dots`), P's pair panel is packed from each pair of keys as probs computes it, and V's once,
-before the tasks.
+before the tasks. On AMX's tiles (`amx_tiles`, `x86_amx`) the same stages keep their layout:
+
+    scores  acc[32 keys][32 queries] += k[t:t+32, e:e+32] · panel[e/2, s:s+32, 2]    (K in place)
+    pv      accᵀ[32 of d_v][32 queries] += vᵀ[c:c+32, t:t+32] · P[t/2, s:s+32, 2]  (Vᵀ before the tasks)
+    attn    pvᵀ turned into rows (`_pv_rows`), then / row_sum
+
+with lengths padded to whole blocks of 32 (`_padding`), fp16 as bf16 parts (`fp16_parts`), and a
+layer's projections as `amx_gemm`.
 
 Decode (one query): the dot products run along d_k instead (``rfactor`` into one partial sum per
 lane, then their sum), and with fewer (batch, head) pairs than twice the cores the keys are split into
