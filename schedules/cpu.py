@@ -241,8 +241,8 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
     for name in PER_TILE[:1] + (("p_hi", "p_lo") if parts else ()) + PER_TILE[1:]:  # consumers first
         sch.compute_at(sch.get_sblock(name), task, preserve_unit_loops=True)
     if _has_block(sch, "v_rows"):  # keys in whole blocks (`_padding`): P·V's panels are packed from them
-        _pad_values(sch, spec, lanes, pv_pairs)
-        _padded_keys(sch, spec, lanes, amx)
+        _in_blocks(sch, "v_rows", lanes, pv_pairs)
+        _in_blocks(sch, "k_rows", lanes, amx)
     if parts:  # K's and V's parts, once before the tasks, in one pass
         _before_tasks(sch, ("k_hi", "k_lo", "v_hi", "v_lo"), lanes)
 
@@ -715,29 +715,14 @@ def _widened_before_tasks(sch: Schedule, reader: str, names: tuple[str, ...], wi
     _vectorize(sch, c, width, lanes)
 
 
-def _pad_values(sch: Schedule, spec: AttentionSpec, lanes: int, pairs: bool) -> None:
-    """v_rows, V with its keys in whole blocks: with ``pairs``, one parallel pass before the tasks
-    that V's pair panel is packed from (`_pack_pairs`: the intrinsic reads plain rows, not clamped
-    ones), else inlined into P·V."""
-    v_rows = sch.get_sblock("v_rows")
-    if not pairs:
-        sch.compute_inline(v_rows)
-        return
-    *rows, c = sch.get_loops(v_rows)
-    sch.parallel(sch.fuse(*rows))
-    _vectorize(sch, c, spec.d_v, lanes)
-
-
-def _padded_keys(sch: Schedule, spec: AttentionSpec, lanes: int, amx: bool) -> None:
-    """k_rows, K with its keys in whole blocks: on AMX's tiles, one parallel pass before the tasks that
-    QKᵀ reads as its row operand (a clamped row is no block of rows), else inlined into QKᵀ."""
-    k_rows = sch.get_sblock("k_rows")
-    if not amx:
-        sch.compute_inline(k_rows)
-        return
-    *rows, e = sch.get_loops(k_rows)
-    sch.parallel(sch.fuse(*rows))
-    _vectorize(sch, e, spec.d_k, lanes)
+def _in_blocks(sch: Schedule, name: str, lanes: int, own_pass: bool) -> None:
+    """k_rows or v_rows, K or V with its keys in whole blocks: with ``own_pass`` (an intrinsic reads
+    its rows: V's pair panels, AMX's K, a clamped row being no block of rows), one parallel pass
+    before the tasks, else inlined into its reader."""
+    if own_pass:
+        _before_tasks(sch, (name,), lanes)
+    else:
+        sch.compute_inline(sch.get_sblock(name))
 
 
 def _before_tasks(sch: Schedule, names: tuple[str, ...], lanes: int) -> None:
@@ -748,7 +733,7 @@ def _before_tasks(sch: Schedule, names: tuple[str, ...], lanes: int) -> None:
         *loops, c = sch.get_loops(sch.get_sblock(name))
         rows.append(sch.fuse(*loops))
         _vectorize(sch, c, int(sch.get(c).extent), lanes)
-    sch.parallel(sch.merge(*rows))
+    sch.parallel(sch.merge(*rows) if len(rows) > 1 else rows[0])
 
 
 def _pack_query_parts(sch: Schedule, task, q_tile: int, lanes: int, steps: list) -> None:
