@@ -118,9 +118,10 @@ class CpuAttention(AttentionRule):
         to its last query, and half its diagonal block is masked away (1.08× fp16 and 1.04× bf16 at
         (1, 8, 128, 64) causal, 1.08× fp16 at (8, 8, 256, 32), the same as 64 from n = 512); 16-query
         tiles, fp32's, for a masked fp16 core, whose K is widened before the tasks (1.03× at (1, 8,
-        128, 64) causal, 1.00–1.01× from n = 256)."""
+        128, 64) causal, 1.00–1.01× from n = 256; on AMX's tiles, `fp16_parts`, 32 as bf16's)."""
         masked = spec.causal or spec.window is not None
-        tile = 64 if not masked else 16 if spec.dtype == "float16" and not spec.projections else 32
+        widened = spec.dtype == "float16" and not spec.projections and not fp16_parts(spec, target)
+        tile = 64 if not masked else 16 if widened else 32
         dots = {"q_tile": tile, "pv_vecs": 4} if spec.dtype != "float32" else {}
         if not spec.projections:
             return dots
@@ -148,7 +149,8 @@ class CpuAttention(AttentionRule):
             qk_keys = _qk_keys(None, spec, target, knobs["qk_keys"])
             if amx_tiles(spec, target, q_tile):
                 used = ["q_tile"]
-                what += ", QKᵀ and P·V on AMX tiles (tdpbf16ps)"
+                parts = ", fp16 as bf16 hi + lo" if fp16_parts(spec, target) else ""
+                what += f", QKᵀ and P·V on AMX tiles (tdpbf16ps{parts})"
             else:
                 dots = [stage for stage, on in zip(("QKᵀ", "P·V"), bf16_dots(spec, target, q_tile, qk_keys)) if on]
         if spec.projections:
