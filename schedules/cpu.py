@@ -223,7 +223,7 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
     by_tile = lambda b, i, s, *rest: (b, i, s // q_tile, *rest, s % q_tile)  # noqa: E731
     for name in ("scores", "probs", "row_max", "row_sum"):
         sch.transform_layout(sch.get_sblock(name), ("write", 0), by_tile, assume_injective_transform=True)
-    # (AMX: pvᵀ, d_v-major, as its tiles compute it: `_amx_weights_v`)
+    # (AMX: pvᵀ, d_v-major, as its tiles compute it: `_amx_stage`)
     pv_at = (lambda b, i, s, c: (b, i, s // q_tile, c, s % q_tile)) if amx else (  # noqa: E731
         lambda b, i, s, c: (b, i, s // q_tile, s % q_tile, c))
     sch.transform_layout(sch.get_sblock("pv"), ("write", 0), pv_at, assume_injective_transform=True)
@@ -261,7 +261,7 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
             _widened_before_tasks(sch, "scores", ("k",), spec.d_k, lanes)
         if amx:
             in_place = not (parts or spec.projections or _has_block(sch, "k_rows"))  # K read as it is given
-            tile_keys = _amx_scores(sch, in_place and spec.layout == "BSHD", parts, steps)
+            tile_keys = _amx_stage(sch, "scores", in_place and spec.layout == "BSHD", parts, steps)
         else:
             tile_keys = _scores(sch, s_lanes, qk_keys, qk_pairs, steps, widen=widen and spec.projections)
         if spec.attn_mask is not None and {"s", "t"} <= set(spec.attn_mask_dims):
@@ -286,7 +286,7 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
     if spec.dtype != "float32" and not pv_pairs and s_lanes > 1 and not spec.projections:
         _widened_before_tasks(sch, "pv", ("v_rows", "v"), spec.d_v, lanes)
     if amx:
-        _amx_weights_v(sch, parts, steps)
+        _amx_stage(sch, "pv", False, parts, steps)
         _pv_rows(sch, lanes, steps)
     else:  # whole row groups per tile: a partial group's accumulator has a loop-dependent size
         _weights_v(sch, spec, lanes, _divisor_at_most(q_tile, _int(sch, k["pv_rows"])), k["pv_vecs"], pv_pairs,
@@ -556,20 +556,26 @@ def _scores(sch: Schedule, lanes: int, keys_factor: KnobValue, pairs: bool, step
     return t_out
 
 
-def _amx_scores(sch: Schedule, heads_between: bool, parts: bool, steps: list):
-    """acc[32 keys][32 queries] += k[t, e:e+32] · panel[e/2, s, e%2] in four AMX tiles (`x86_amx.DOT`:
-    the keys read in place, ``heads_between`` in BSHD, the query panel as its pair operand; with
-    ``parts``, K's and the panel's bf16 parts), 32 steps of e per product. Returns the loop over
-    blocks of keys."""
-    scores = sch.get_sblock("scores")
-    s, t, e = sch.get_loops(scores)[-3:]
-    t_out, t_in = sch.split(t, [None, BLOCK])
-    s_out, s_in = sch.split(s, [None, BLOCK])
-    e_out, e_in = sch.split(e, [None, STEP])
-    sch.reorder(t_out, s_out, e_out, t_in, s_in, e_in)
-    _amx_block(sch, scores, s_out, e_out, False, f"b=v_b_o,s=v_s_o*{BLOCK},t=v_t_o*{BLOCK}", steps, heads_between,
+def _amx_stage(sch: Schedule, name: str, heads_between: bool, parts: bool, steps: list):
+    """QKᵀ or P·V on AMX's tiles (`x86_amx.DOT`), a 32 × 32 accumulator block per (m, n), 32 steps of
+    the reduction per product; both stages' loops run (queries n, m, reduction):
+
+        scores  acc[32 keys][32 queries]     += k[t, e:e+32] · panel[e/2, s, e%2]   (K in place,
+                                                ``heads_between`` in BSHD; the query pair panel)
+        pv      accᵀ[32 of d_v][32 queries]  += Vᵀ[c, t:t+32] · P[t/2, s, t%2]     (`_pack_pairs`' panels;
+                                                stored d_v-major, `_pv_rows` turns it for the epilogue)
+
+    with ``parts``, each operand's bf16 parts (`fp16_parts`). Returns the loop over blocks of m."""
+    blk = sch.get_sblock(name)
+    n, m, k = sch.get_loops(blk)[-3:]
+    n_out, n_in = sch.split(n, [None, BLOCK])
+    m_out, m_in = sch.split(m, [None, BLOCK])
+    k_out, k_in = sch.split(k, [None, STEP])
+    sch.reorder(m_out, n_out, k_out, m_in, n_in, k_in)
+    # (keys come in blocks of 32 either way: QKᵀ's m, P·V's reduction; BLOCK == STEP)
+    _amx_block(sch, blk, n_out, k_out, False, f"b=v_b_o,s=v_s_o*{BLOCK},t=v_t_o*{BLOCK}", steps, heads_between,
                parts)
-    return t_out
+    return m_out
 
 
 def _amx_block(sch: Schedule, block, outer, reduction, gemm: bool, key_blocks: str | None, steps: list,
@@ -649,19 +655,6 @@ def _weights_v(sch: Schedule, spec: AttentionSpec, lanes: int, rows_factor: Knob
     _register_tile(sch, pv, c_out, lambda b, i, st, s, c: (b, i, st, s // rows, s % rows, c),
                    (s_in, c_mid), c_vec, lanes_c, t, intrinsic=DOT_16x2_PAIR_FIRST if pairs else None,
                    key_blocks=f"b=v_b_o,s=v_s_o,t=v_t_o*{PAIR}", later=steps)
-
-
-def _amx_weights_v(sch: Schedule, parts: bool, steps: list) -> None:
-    """pvᵀ: acc[32 of d_v][32 queries] += Vᵀ[c, t:t+32] · P[t/2, s, t%2] in four AMX tiles
-    (`x86_amx.DOT` on `_pack_pairs`' panels: Vᵀ, and P's pairs as QKᵀ's query panel), 32 keys per
-    product. Stored d_v-major (`_pv_rows` turns it for the epilogue)."""
-    pv = sch.get_sblock("pv")
-    s, c, t = sch.get_loops(pv)[-3:]
-    s_out, s_in = sch.split(s, [None, BLOCK])
-    c_out, c_in = sch.split(c, [None, BLOCK])
-    t_out, t_in = sch.split(t, [None, STEP])
-    sch.reorder(c_out, s_out, t_out, c_in, s_in, t_in)
-    _amx_block(sch, pv, s_out, t_out, False, f"b=v_b_o,s=v_s_o*{BLOCK},t=v_t_o*{STEP}", steps, parts=parts)
 
 
 def _pv_rows(sch: Schedule, lanes: int, steps: list) -> None:
