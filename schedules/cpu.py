@@ -58,12 +58,12 @@ from tvmattn.schedules.x86_amx import (
     BLOCK,
     STEP,
     STORE,
-    ZERO,
     configure_tiles,
     dot_intrinsic,
     has_amx,
     import_amx,
     transposed_values_intrinsic,
+    zero_intrinsic,
 )
 from tvmattn.schedules.x86_bf16 import (
     LANES,
@@ -581,7 +581,7 @@ def _amx_stage(sch: Schedule, name: str, heads_between: bool, parts: bool, steps
 def _amx_block(sch: Schedule, block, outer, reduction, gemm: bool, key_blocks: str | None, steps: list,
                heads_between: bool = False, parts: bool = False) -> None:
     """The register-tile idiom (`_register_tile`) on AMX's tiles: ``block``'s 32 × 32 accumulator
-    under ``outer``, its init, update (from the loop inside ``reduction``) and store as `x86_amx.ZERO`,
+    under ``outer``, its init, update (from the loop inside ``reduction``) and store as `x86_amx.zero_intrinsic`,
     `DOT` (`x86_amx.dot_intrinsic` of ``gemm`` and ``heads_between``) and `STORE`, tensorized by
     ``steps``. The block's buffer is (…, row, column) and its loops (…, rows, columns, reduction)
     blocks of 32 inside ``outer``."""
@@ -593,7 +593,7 @@ def _amx_block(sch: Schedule, block, outer, reduction, gemm: bool, key_blocks: s
     init = sch.decompose_reduction(block, reduction)
     dot = dot_intrinsic(heads_between, gemm, parts)
     steps.append(functools.partial(_tensorize, sch, sch.get_loops(block)[-3], dot, key_blocks))
-    steps.append(functools.partial(_tensorize, sch, sch.get_loops(init)[-2], ZERO + ("_gemm" if gemm else "")))
+    steps.append(functools.partial(_tensorize, sch, sch.get_loops(init)[-2], zero_intrinsic(gemm)))
     steps.append(functools.partial(_tensorize, sch, sch.get_loops(acc)[-2], STORE))
 
 
@@ -771,24 +771,14 @@ def _pack_parts(sch: Schedule, pair_loop, q_tile: int) -> tuple[list[str], list[
 
 def _tensorize_parts(sch: Schedule, panels: tuple[list[str], list[str]], q_tile: int) -> None:
     """`_pack_parts`' panels as tensor intrinsics (a deferred step): P's parts as `x86_bf16`'s pairs
-    (rounded, and the residual), V's as `x86_amx.transposed_values_intrinsic`."""
+    (rounded, and the residual), V's as `x86_amx.transposed_values_intrinsic`, in one pass."""
     p_names, v_names = panels
     for part, p_name in enumerate(p_names):
-        loops = sch.get_loops(sch.get_sblock(p_name))
-        rows, pair = sch.split(loops[-2], [None, PAIR])
-        sch.reorder(rows, loops[-1], pair)
-        _tensorize(sch, sch.split(loops[-1], [None, q_tile])[1], pairs_intrinsic("float32", q_tile, part=part))
-        p_panel = sch.get_sblock(p_name + "_o")
-        b, _, pair_, tile = (iv.var.name for iv in sch.get(p_panel).iter_vars[:4])  # (b, i, t, s): a key-major stage
-        sch.annotate(p_panel, KEY_STAGE, 1)
-        sch.annotate(p_panel, KEY_BLOCKS, f"b={b},s={tile}*{q_tile},t={pair_}*{PAIR}")
+        _in_pairs(sch, p_name, -2, q_tile, "float32", part=part)
+        _pairs_of_keys(sch, p_name, q_tile, key_major=True)
     for v_name in v_names:
-        t, c = sch.get_loops(sch.get_sblock(v_name))[-2:]
-        t_out, t_in = sch.split(t, [None, STEP])
-        c_out, c_in = sch.split(c, [None, LANES])
-        sch.reorder(t_out, c_out, t_in, c_in)
-        _tensorize(sch, t_in, transposed_values_intrinsic())
-    sch.parallel(sch.merge(*(sch.fuse(*sch.get_loops(sch.get_sblock(v + "_o"))) for v in v_names)))  # one pass
+        _transposed_values(sch, v_name, False)
+    sch.parallel(sch.merge(*(sch.fuse(*sch.get_loops(sch.get_sblock(v + "_o"))) for v in v_names)))
 
 
 def _tensorize_pairs(sch: Schedule, spec: AttentionSpec, panels: tuple[str, str], q_tile: int,
@@ -800,22 +790,34 @@ def _tensorize_pairs(sch: Schedule, spec: AttentionSpec, panels: tuple[str, str]
     # V's loops (b, t, h, c), else (…, t, c) (v_rows is BHSD)
     bshd = not spec.projections and spec.layout == "BSHD" and not _has_block(sch, "v_rows")
     _in_pairs(sch, p_name, -2, q_tile, "float32")
-    if amx:  # blocks of 32 keys × 16 of d_v (loops …, t, [head,] c)
-        loops = sch.get_loops(sch.get_sblock(v_name))
-        t, heads, c = (loops[-3], loops[-2:-1], loops[-1]) if bshd else (loops[-2], [], loops[-1])
-        t_out, t_in = sch.split(t, [None, STEP])
-        c_out, c_in = sch.split(c, [None, LANES])
-        sch.reorder(t_out, *heads, c_out, t_in, c_in)
-        _tensorize(sch, t_in, transposed_values_intrinsic(bshd))
+    if amx:
+        _transposed_values(sch, v_name, bshd)
     else:
         _in_pairs(sch, v_name, -3 if bshd else -2, spec.d_v, "bfloat16", bshd)  # (a layer's v_proj: a head at a time)
     sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock(v_name + "_o"))))  # V's panel: a pass before the tasks
-    # P's panel is a key stage: it reads the weights of the keys its queries see, in pairs (V's reads
-    # the input, every key)
+    _pairs_of_keys(sch, p_name, q_tile, key_major=False)
+
+
+def _pairs_of_keys(sch: Schedule, p_name: str, q_tile: int, key_major: bool) -> None:
+    """P's tensorized panel ``p_name`` as a key stage: it reads the weights of the keys its queries
+    see, in pairs (V's panels read the input, every key). Its iterators (b, i, query tile, pair of
+    keys), or (b, i, pair, query tile) for a ``key_major`` stage (`te_attention`'s P parts)."""
     p_panel = sch.get_sblock(p_name + "_o")
-    b, _, tile, pair = (iv.var.name for iv in sch.get(p_panel).iter_vars[:4])
+    b, _, x, y = (iv.var.name for iv in sch.get(p_panel).iter_vars[:4])
+    tile, pair = (y, x) if key_major else (x, y)
     sch.annotate(p_panel, KEY_STAGE, 1)
     sch.annotate(p_panel, KEY_BLOCKS, f"b={b},s={tile}*{q_tile},t={pair}*{PAIR}")
+
+
+def _transposed_values(sch: Schedule, v_name: str, heads_between: bool) -> None:
+    """V's copy ``v_name`` as `x86_amx.transposed_values_intrinsic`, blocks of 32 keys × 16 of d_v
+    (its loops …, t, [head,] c)."""
+    loops = sch.get_loops(sch.get_sblock(v_name))
+    t, heads, c = (loops[-3], loops[-2:-1], loops[-1]) if heads_between else (loops[-2], [], loops[-1])
+    t_out, t_in = sch.split(t, [None, STEP])
+    c_out, c_in = sch.split(c, [None, LANES])
+    sch.reorder(t_out, *heads, c_out, t_in, c_in)
+    _tensorize(sch, t_in, transposed_values_intrinsic(heads_between))
 
 
 def _gemm(sch: Schedule, spec: AttentionSpec, target: Target, name: str, lanes: int,
@@ -937,13 +939,15 @@ def _tensorize_weight_pairs(sch: Schedule, panel: str) -> None:
     sch.parallel(_in_pairs(sch, panel, -2, LANES, "bfloat16"))
 
 
-def _in_pairs(sch: Schedule, name: str, row_at: int, width: int, source: str, heads_between: bool = False):
-    """The copy ``name`` as `x86_bf16.pairs_intrinsic`: its row loop (``row_at``) split into pairs, the
-    pair innermost, ``width`` columns per block. Returns the loop over pairs of rows."""
+def _in_pairs(sch: Schedule, name: str, row_at: int, width: int, source: str, heads_between: bool = False,
+              part: int | None = None):
+    """The copy ``name`` as `x86_bf16.pairs_intrinsic` (of P's ``part``, if given): its row loop
+    (``row_at``) split into pairs, the pair innermost, ``width`` columns per block. Returns the loop
+    over pairs of rows."""
     loops = sch.get_loops(sch.get_sblock(name))
     rows, pair = sch.split(loops[row_at], [None, PAIR])
     sch.reorder(rows, *loops[row_at + 1:], pair)  # (rows/2, [head,] column, pair)
-    _tensorize(sch, sch.split(loops[-1], [None, width])[1], pairs_intrinsic(source, width, heads_between))
+    _tensorize(sch, sch.split(loops[-1], [None, width])[1], pairs_intrinsic(source, width, heads_between, part))
     return rows
 
 

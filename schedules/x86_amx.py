@@ -42,7 +42,7 @@ from tvmattn.schedules.x86_panels import transposed
 ROWS = 16  # rows of a tile: of A and C, and B's pairs of the reduction
 STEP = 32  # bf16 of the reduction per tile row (64 bytes)
 BLOCK = 2 * ROWS  # the accumulator block: 2 × 2 tiles of 16 × 16 fp32
-ZERO = "tvmattn_amx_zero_32x32"  # and ZERO + "_gemm", iterating as `dot_intrinsic`'s gemm
+ZERO = "tvmattn_amx_zero_32x32"  # (`zero_intrinsic`)
 DOT = "tvmattn_amx_dot_32x32x32"
 STORE = "tvmattn_amx_store_32x32"
 BEGIN = "tvmattn_amx_begin"
@@ -164,7 +164,7 @@ def _register() -> None:
                             C[vm, vn] = T.float32(0)
 
         zeros = [_tile("tilezero", _id(2 * i + j)) for i, j in HALVES]
-        TensorIntrin.register(ZERO + ("_gemm" if gemm else ""), zero, _block(zero, zeros))
+        TensorIntrin.register(zero_intrinsic(gemm), zero, _block(zero, zeros))
 
     @T.prim_func(s_tir=True)
     def store(c: T.handle, d: T.handle) -> None:
@@ -185,7 +185,25 @@ def _register() -> None:
     TensorIntrin.register(STORE, store, _block(store, stores))
 
 
+def zero_intrinsic(gemm: bool = False) -> str:
+    """The name of `ZERO` for a block iterating as `dot_intrinsic`'s (``gemm``: row, column)."""
+    return ZERO + ("_gemm" if gemm else "")
+
+
+def _load_rows(a: tirx.Buffer, row) -> list:
+    """A's 32 rows (``row(m, k)``: an index of A) into tmm4 and tmm5."""
+    return [_tile("tileloadd64", _id(4 + i), _address(a, *row(i * ROWS, 0)), _bytes(a.strides[0], BF16_BYTES))
+            for i in range(2)]
+
+
+def _load_pairs(b: tirx.Buffer) -> list:
+    """B's 32 columns of pairs into tmm6 and tmm7."""
+    return [_tile("tileloadd64", _id(6 + j), _address(b, 0, j * ROWS, 0), _bytes(b.strides[0], BF16_BYTES))
+            for j in range(2)]
+
+
 HALVES = [(i, j) for i in range(2) for j in range(2)]  # the accumulator's tiles: (row half, column half)
+PRODUCTS = [_tile("tdpbf16ps", _id(2 * i + j), _id(4 + i), _id(6 + j)) for i, j in HALVES]  # tmm(2i+j) += A_i·B_j
 _register()
 _REGISTERED: set[str] = set()
 
@@ -230,12 +248,7 @@ def dot_intrinsic(heads_between: bool = False, gemm: bool = False, parts: bool =
                             A[tuple(row(vm, vk))], "float32")
 
     A, B, _ = dot.params
-    loads = [_tile("tileloadd64", _id(4 + i), _address(A, *row(i * ROWS, 0)), _bytes(A.strides[0], BF16_BYTES))
-             for i in range(2)]
-    loads += [_tile("tileloadd64", _id(6 + j), _address(B, 0, j * ROWS, 0), _bytes(B.strides[0], BF16_BYTES))
-              for j in range(2)]
-    products = [_tile("tdpbf16ps", _id(2 * i + j), _id(4 + i), _id(6 + j)) for i, j in HALVES]
-    TensorIntrin.register(name, dot, _block(dot, loads + products))
+    TensorIntrin.register(name, dot, _block(dot, _load_rows(A, row) + _load_pairs(B) + PRODUCTS))
     _REGISTERED.add(name)
     return name
 
@@ -271,17 +284,9 @@ def parts_dot() -> str:
                     C[vm, vn] = C[vm, vn] + (b0 * a0 + b0 * a1 + b1 * a0)
 
     _, B0, A0, A1, B1 = dot.params
-
-    def load_a(a):
-        return [_tile("tileloadd64", _id(4 + i), _address(a, i * ROWS, 0), _bytes(a.strides[0], BF16_BYTES))
-                for i in range(2)]
-
-    def load_b(b):
-        return [_tile("tileloadd64", _id(6 + j), _address(b, 0, j * ROWS, 0), _bytes(b.strides[0], BF16_BYTES))
-                for j in range(2)]
-
-    products = [_tile("tdpbf16ps", _id(2 * i + j), _id(4 + i), _id(6 + j)) for i, j in HALVES]
-    body = load_a(A0) + load_b(B0) + products + load_a(A1) + products + load_a(A0) + load_b(B1) + products
+    row = lambda m, k: [m, k]  # noqa: E731
+    body = (_load_rows(A0, row) + _load_pairs(B0) + PRODUCTS + _load_rows(A1, row) + PRODUCTS
+            + _load_rows(A0, row) + _load_pairs(B1) + PRODUCTS)  # hi·hi, then lo of A, then lo of B
     TensorIntrin.register(name, dot, _block(dot, body))
     _REGISTERED.add(name)
     return name
