@@ -27,7 +27,7 @@ and the stages that range over keys carry ``tvmattn.key_stage``: the block-skipp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
 
 from tvm import te, tirx
 from tvm.ir.expr import Expr as PrimExpr
@@ -56,10 +56,11 @@ class AttentionTE:
         return te.create_prim_func(self.inputs + [self.output]).with_attr("global_symbol", "main")
 
 
-def attention_te(spec: AttentionSpec, block: int = 1, parts: bool = False) -> AttentionTE:
+def attention_te(spec: AttentionSpec, block: int = 1, parts: Collection[str] = ()) -> AttentionTE:
     """Build the tensor expression of ``spec`` (see the module docstring for the stages); ``block``:
-    the core's symbolic lengths run in whole blocks of it; ``parts``: its fp16 operands as sums of
-    two bf16 parts (`_core`)."""
+    the core's symbolic lengths run in whole blocks of it; ``parts``: the products whose fp16
+    operands are sums of two bf16 parts (`bf16_parts`), "core" (QKᵀ and P·V, `_core`) and any of the
+    projections, q_proj, k_proj, v_proj and out (`linear`)."""
     dims: dict[str, tirx.Var] = {}
 
     def dim(x: Dim):
@@ -67,16 +68,20 @@ def attention_te(spec: AttentionSpec, block: int = 1, parts: bool = False) -> At
 
     stages: dict[str, te.Tensor] = {}
     inputs: list[te.Tensor] = []
-    q_at, k_at, v_at = (_projections if spec.projections else _core_inputs)(spec, dim, inputs, stages)
-    _core(spec, dim, inputs, stages, q_at, k_at, v_at, block, parts)
-    out = _epilogue(spec, dim, stages, {t.op.name: t for t in inputs})
+    if spec.projections:
+        q_at, k_at, v_at = _projections(spec, dim, inputs, stages, parts)
+    else:
+        q_at, k_at, v_at = _core_inputs(spec, dim, inputs, stages)
+    _core(spec, dim, inputs, stages, q_at, k_at, v_at, block, "core" in parts)
+    out = _epilogue(spec, dim, stages, {t.op.name: t for t in inputs}, "out" in parts)
     return AttentionTE(spec, inputs, out, stages, dims)
 
 
 # ---- prologue: q, k, v as (b, head, pos, c) readers ---------------------------------------------
-def _projections(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor],
-                 stages: dict[str, te.Tensor]) -> tuple[Reader, Reader, Reader]:
-    """X → W_Q, W_K, W_V → head split; W_O joins the inputs here for the call order."""
+def _projections(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: dict[str, te.Tensor],
+                 parts: Collection[str] = ()) -> tuple[Reader, Reader, Reader]:
+    """X → W_Q, W_K, W_V → head split; W_O joins the inputs here for the call order. A projection
+    in ``parts`` reads its x's parts, {x}_hi and {x}_lo, stages shared with the others."""
     B, n, n_kv, d, dt = dim(spec.batch), dim(spec.n_q), dim(spec.n_kv), spec.d, spec.dtype
     x = te.placeholder((B, n, d), dt, "x")
     x_kv = te.placeholder((B, n_kv, d), dt, "x_kv") if spec.is_cross else x
@@ -87,7 +92,9 @@ def _projections(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor],
     inputs += [x] + ([x_kv] if spec.is_cross else []) + [w_q, w_k, w_v, w_o]
     for c, src, w, heads, width in (("q", x, w_q, spec.h, spec.d_k), ("k", x_kv, w_k, spec.h_kv, spec.d_k),
                                     ("v", x_kv, w_v, spec.h_kv, spec.d_v)):
-        stages[f"{c}_proj"] = linear(src, w, f"{c}_proj")  # (B, n, heads·width)
+        name = f"{c}_proj"
+        x_parts = _parts_of_input(stages, src) if name in parts else None
+        stages[name] = linear(src, w, name, x_parts)  # (B, n, heads·width)
         stages[f"{c}_heads"] = _split_heads(stages[f"{c}_proj"], heads, width, f"{c}_heads")  # (B, heads, n, width)
     return tuple(_reader(stages[f"{c}_heads"], Operand("BHSD", 0, 0)) for c in "qkv")
 
@@ -220,13 +227,20 @@ def bf16_rounded(x: PrimExpr) -> PrimExpr:
 
 
 def _parts(stages: dict[str, te.Tensor], name: str, shape: tuple, at: Reader) -> tuple[te.Tensor, te.Tensor]:
-    """The stages {name}_hi and {name}_lo of ``at`` (`bf16_parts`), 4-d as every operand."""
+    """The stages {name}_hi and {name}_lo of ``at`` over ``shape`` (`bf16_parts`)."""
     def part(k: int) -> Reader:
-        return lambda b, i, s, c: bf16_parts(at(b, i, s, c))[k]
+        return lambda *i: bf16_parts(at(*i))[k]
 
     for k, suffix in enumerate(("hi", "lo")):
         stages[f"{name}_{suffix}"] = te.compute(shape, part(k), name=f"{name}_{suffix}")
     return stages[f"{name}_hi"], stages[f"{name}_lo"]
+
+
+def _parts_of_input(stages: dict[str, te.Tensor], x: te.Tensor) -> tuple[te.Tensor, te.Tensor]:
+    """x's parts, {x}_hi and {x}_lo: stages made once for every projection that reads x."""
+    if x.op.name + "_hi" not in stages:
+        _parts(stages, x.op.name, x.shape, lambda *i: x[i])
+    return stages[x.op.name + "_hi"], stages[x.op.name + "_lo"]
 
 
 def _sum_of_parts(x: tuple[te.Tensor, te.Tensor], y: tuple[te.Tensor, te.Tensor], at_x: tuple, at_y: tuple):
@@ -245,7 +259,9 @@ def _whole(x: PrimExpr, block: int) -> PrimExpr:
 
 # ---- epilogue: normalise, and the requested output ----------------------------------------------
 def _epilogue(spec: AttentionSpec, dim: Callable, stages: dict[str, te.Tensor],
-              inputs: dict[str, te.Tensor]) -> te.Tensor:
+              inputs: dict[str, te.Tensor], parts: bool = False) -> te.Tensor:
+    """attn from pv and row_sum, or the spec's intermediate output; in a layer, the merged heads and
+    W_O (``parts``: on merged's parts, merged_hi and merged_lo)."""
     B, h, n, n_kv = dim(spec.batch), spec.h, dim(spec.n_q), dim(spec.n_kv)  # the stages may run past n
     scores, probs, row_sum, pv = (stages[name] for name in ("scores", "probs", "row_sum", "pv"))
     dt, d_v = spec.dtype, spec.d_v
@@ -265,7 +281,8 @@ def _epilogue(spec: AttentionSpec, dim: Callable, stages: dict[str, te.Tensor],
     if spec.projections:
         attn = te.compute((B, h, n, d_v), attn_at, name="attn")
         merged = te.compute((B, n, h * d_v), lambda b, s, m: attn[b, m // d_v, s, m % d_v], name="merged")
-        out = linear(merged, inputs["w_o"], "out")
+        merged_parts = _parts(stages, "merged", merged.shape, lambda *i: merged[i]) if parts else None
+        out = linear(merged, inputs["w_o"], "out", merged_parts)
         stages.update(attn=attn, merged=merged, out=out)
         return out
     # The iterators keep the axis names of the contract (see the module docstring) in either layout.
@@ -287,11 +304,17 @@ def _attn_mask(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor]) -> R
 
 
 
-def linear(x: te.Tensor, w: te.Tensor, name: str) -> te.Tensor:
-    """y[b, s, m] = Σ_c x[b, s, c]·w[c, m], accumulated in fp32, stored in x's dtype."""
+def linear(x: te.Tensor, w: te.Tensor, name: str, x_parts: tuple[te.Tensor, te.Tensor] | None = None) -> te.Tensor:
+    """y[b, s, m] = Σ_c x[b, s, c]·w[c, m], accumulated in fp32, stored in x's dtype. Given
+    ``x_parts`` (fp16 x as two bf16 stages), the product is of x's and w's parts (w's, stages
+    {w}_hi and {w}_lo of its own: `_sum_of_parts`)."""
     c = te.reduce_axis((0, w.shape[0]), "c")
-    acc = te.compute((x.shape[0], x.shape[1], w.shape[1]),
-                     lambda b, s, m: te.sum(x[b, s, c].astype(ACC) * w[c, m].astype(ACC), axis=c),
+    if x_parts is None:
+        product = lambda b, s, m: x[b, s, c].astype(ACC) * w[c, m].astype(ACC)  # noqa: E731
+    else:
+        w_parts = _parts({}, w.op.name, w.shape, lambda *i: w[i])
+        product = lambda b, s, m: _sum_of_parts(x_parts, w_parts, (b, s, c), (c, m))  # noqa: E731
+    acc = te.compute((x.shape[0], x.shape[1], w.shape[1]), lambda b, s, m: te.sum(product(b, s, m), axis=c),
                      name=name if x.dtype == ACC else name + "_acc")
     if x.dtype == ACC:
         return acc

@@ -24,7 +24,7 @@ before the tasks. On AMX's tiles (`amx_tiles`, `x86_amx`) the same stages keep t
     attn    pvᵀ turned into rows (`_pv_rows`), then / row_sum
 
 with lengths padded to whole blocks of 32 (`_padding`), fp16 as bf16 parts (`fp16_parts`), and a
-layer's projections as `amx_gemm`.
+layer's projections as `amx_gemm` (fp16's in bf16 parts too: `parts_of`).
 
 Decode (one query): the dot products run along d_k instead (``rfactor`` into one partial sum per
 lane, then their sum), and with fewer (batch, head) pairs than twice the cores the keys are split into
@@ -131,7 +131,7 @@ class CpuAttention(AttentionRule):
     def workload(self, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> PrimFunc:
         """The tensor expression's function; on the bf16 instructions, symbolic lengths run in whole
         blocks (`_padding`, `te_attention._core`), the tiles the instructions need."""
-        return attention_te(spec, _padding(spec, target), fp16_parts(spec, target)).prim_func()
+        return attention_te(spec, _padding(spec, target), parts_of(spec, target)).prim_func()
 
     def describe(self, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> str:
         """Which variant ``apply`` builds for ``spec``, with the knobs it reads."""
@@ -159,7 +159,8 @@ class CpuAttention(AttentionRule):
             dots += [weight.upper() for name, weight in PROJECTIONS.items()
                      if weight_pairs(spec, target, name) and not weight_tiles(spec, target, name)]
             if tiles:
-                what += f", {_listed(tiles)} on AMX tiles"
+                parts = " (fp16 as bf16 hi + lo)" if spec.dtype == "float16" else ""
+                what += f", {_listed(tiles)} on AMX tiles{parts}"
         if dots:
             what += f", {_listed(dots)} on bf16 dot products (vdpbf16ps)"
         return f"{what}: " + " ".join(f"{name}={knobs[name]}" for name in used)
@@ -172,7 +173,10 @@ class CpuAttention(AttentionRule):
         lanes = vector_lanes(target)
         for name in INLINED:
             # (W_O's x, merged, a stage of its own where `_pad_rows` pads it: an einsum's operand)
-            if _has_block(sch, name) and not (name == "merged" and _padded_rows(spec, target, "out")):
+            # (fp16's merged_hi and merged_lo read it instead: `parts_of`)
+            if not _has_block(sch, name):
+                continue
+            if name != "merged" or _has_block(sch, "merged_hi") or not _padded_rows(spec, target, "out"):
                 sch.compute_inline(sch.get_sblock(name))
         # Every tensorize runs last, in order (`_register_tile`'s ``later``): a tensorized stage can
         # leave the root scope no "stage pipeline" for the other stages' primitives.
@@ -180,6 +184,9 @@ class CpuAttention(AttentionRule):
         for name in PROJECTIONS:
             if _has_block(sch, name):
                 _gemm(sch, spec, target, name, lanes, knobs, steps)
+        for x in ("x", "x_kv", "merged"):  # fp16 projections' operand parts (`parts_of`): a pass each
+            if _has_block(sch, x + "_hi"):
+                _before_tasks(sch, (x + "_hi", x + "_lo"), lanes)
         chunks = _divisor_at_most(spec.n_kv, _int(sch, knobs["key_chunks"]))  # rfactor drops tail predicates
         amx = spec.projections and any(weight_tiles(spec, target, name) for name in PROJECTIONS)
         if _few_tasks_of_one_query(spec, target, lanes) and chunks > 1:
@@ -189,7 +196,7 @@ class CpuAttention(AttentionRule):
         for step in steps:
             step()
         if amx or (steps and spec.dtype == "bfloat16" and has_bf16_dot(target)):  # the instructions' LLVM IR
-            first = sch.get_loops(sch.get_sblock("out" if spec.projections else spec.output))[0]
+            first = sch.get_loops(sch.get_sblock("attn" if spec.projections else spec.output))[0]
             (import_amx if amx else import_dot)(sch, first)
         return sch
 
@@ -401,15 +408,24 @@ def _amx_widths(spec: AttentionSpec, target: Target) -> bool:
             and spec.d_k % STEP == 0 and spec.d_v % BLOCK == 0)
 
 
+def parts_of(spec: AttentionSpec, target: Target) -> frozenset[str]:
+    """The products of ``spec``'s kernel whose fp16 operands run on AMX's bf16 tiles as two bf16
+    parts each (`te_attention.attention_te`'s ``parts``): "core" (`fp16_parts`) and the projections
+    on the tiles (`weight_tiles`)."""
+    projections = [name for name in PROJECTIONS if spec.projections and weight_tiles(spec, target, name)]
+    core = ["core"] if fp16_parts(spec, target) else []
+    return frozenset(core + projections) if spec.dtype == "float16" else frozenset()
+
+
 def fp16_parts(spec: AttentionSpec, target: Target) -> bool:
     """Whether an fp16 core kernel runs on AMX's bf16 tiles, each operand the sum of two bf16 parts
     (`te_attention.bf16_parts`: exact for fp16; three tile products where bf16 takes one, 2^-16 of
     each product left out): CPUs have no fp16 tile products before AMX-FP16, and fp32 FMAs of
     widened fp16 run at fp32's speed. Not for one query (a decode step: its dot products along d_k
-    read half fp32's bytes), fewer than `PARTS_MIN_KEYS` static keys, nor in a layer (its
-    projections are widened)."""
+    read half fp32's bytes) nor fewer than `PARTS_MIN_KEYS` static keys (in a layer too: 1.21× the
+    widened core at a causal (1, 1024, 768) GPT-2 layer, within 3 % of it at 256 keys)."""
     few_keys = isinstance(spec.n_kv, int) and spec.n_kv < PARTS_MIN_KEYS
-    return (spec.dtype == "float16" and has_amx(target) and has_bf16_dot(target) and not spec.projections
+    return (spec.dtype == "float16" and has_amx(target) and has_bf16_dot(target)
             and spec.n_q != 1 and not few_keys and spec.d_k % STEP == 0 and spec.d_v % BLOCK == 0)
 
 
@@ -822,28 +838,38 @@ def _transposed_values(sch: Schedule, v_name: str, heads_between: bool) -> None:
 
 def _gemm(sch: Schedule, spec: AttentionSpec, target: Target, name: str, lanes: int,
           k: Mapping[str, KnobValue], steps: list) -> None:
-    """A projection of the layer: `gemm` (`amx_gemm` on AMX's tiles, `weight_tiles`) on its block, then
-    its cast to the storage dtype, if any. On the bf16 dot products (`weight_pairs`) and AMX's tiles W
-    is packed into pairs first, once, before the tasks; the tensorize steps of the register tile and of
-    that copy go to ``steps``."""
+    """A projection of the layer: `gemm` (`amx_gemm` on AMX's tiles, `weight_tiles`) on its block, and
+    its cast to the storage dtype, if any: in `gemm`'s register-tile store (a one-token bf16 layer
+    1.2× faster than with a pass of its own), after AMX's tile stores. On the bf16 dot products
+    (`weight_pairs`) and AMX's tiles W is packed into pairs first, once, before the tasks (fp16: its
+    two parts' panels); the tensorize steps of the register tile and of that copy go to ``steps``."""
     acc_name = name + "_acc" if _has_block(sch, name + "_acc") else name
     blk = sch.get_sblock(acc_name)
     tiles = weight_tiles(spec, target, name)
     pairs = tiles or weight_pairs(spec, target, name)
-    if _padded_rows(spec, target, name):
+    parts = tiles and spec.dtype == "float16"  # (`parts_of`: x's parts and W's are stages of their own)
+    padded = _padded_rows(spec, target, name)
+    if padded:
         _pad_rows(sch, blk, lanes, cast=acc_name != name, block=BLOCK if tiles else LANES)
     if pairs:  # AMX: blocks of 32 columns, (m/32, c/2, 32, 2), each B operand's rows 128 bytes apart
         at = (lambda c, m: (m // BLOCK, c // PAIR, m % BLOCK, c % PAIR)) if tiles else (  # noqa: E731
             lambda c, m: (c // PAIR, m, c % PAIR))
-        panel = _copy_of(sch, blk, (PROJECTIONS[name],))
-        sch.transform_layout(panel, ("write", 0), at, assume_injective_transform=True)
+        w = PROJECTIONS[name]
+        panels = [sch.get_sblock(w + "_hi"), sch.get_sblock(w + "_lo")] if parts else [_copy_of(sch, blk, (w,))]
+        for panel in panels:
+            sch.transform_layout(panel, ("write", 0), at, assume_injective_transform=True)
+    # the cast to the storage dtype as each register tile is stored, but after AMX's tile stores (of
+    # fp32 rows) and padded rows' tiles (which run past the rows it stores)
+    fused = acc_name != name and not tiles and not padded
+    left = []
     if tiles:
-        amx_gemm(sch, blk, k, steps)
+        amx_gemm(sch, blk, k, steps, parts)
     else:
-        gemm(sch, blk, lanes, k, pairs=steps if pairs else None)
+        left = gemm(sch, blk, lanes, k, (sch.get_sblock(name),) if fused else (), pairs=steps if pairs else None)
     if pairs:
-        steps.append(functools.partial(_tensorize_weight_pairs, sch, sch.get(panel).name_hint))
-    if acc_name != name:  # the cast to the storage dtype, per output element
+        names = [sch.get(panel).name_hint for panel in panels]
+        steps.append(functools.partial(_tensorize_weight_pairs, sch, names, spec.dtype if parts else "bfloat16"))
+    if acc_name != name and (not fused or left):  # the cast in a pass of its own, per output element
         cast = sch.get_sblock(name)
         loops = sch.get_loops(cast)
         sch.parallel(sch.fuse(*loops[:2]))
@@ -856,10 +882,10 @@ def _pad_rows(sch: Schedule, blk, lanes: int, cast: bool, block: int) -> None:
     of `LANES`, and on AMX's tiles any in blocks of 32, so that `gemm`'s tiles divide them: no tail
     predicate in the micro-kernel (where the bf16 instructions cannot take one at all)."""
     sch.pad_einsum(blk, [1, block, 1, 1])
-    x_pad = next(b for b in sch.get_producers(blk) if sch.get(b).name_hint.endswith("_pad"))
-    for stage in sch.get_producers(x_pad):  # merged (W_O's x): read where it is padded
-        sch.compute_inline(stage)
-    copies = [x_pad]
+    copies = [b for b in sch.get_producers(blk) if sch.get(b).name_hint.endswith("_pad")]  # x's (fp16: its parts')
+    for stage in sch.get_producers(copies[0]):  # merged (W_O's x): read where it is padded
+        if sch.get(stage).name_hint == "merged":
+            sch.compute_inline(stage)
     back = sch.get_consumers(blk)[0]  # the copy of the real rows: into the cast to 16 bits, if any
     if cast:
         sch.compute_inline(back)
@@ -894,25 +920,25 @@ def _padded_rows(spec: AttentionSpec, target: Target, projection: str) -> bool:
 
 
 def weight_tiles(spec: AttentionSpec, target: Target, projection: str) -> bool:
-    """Whether a projection runs on AMX's tiles (`amx_gemm`): bf16 on a CPU with AMX-BF16 (and
-    AVX512-BF16), at least `MIN_PAIR_ROWS` rows if they are static (any rows run in whole blocks of 32,
-    `_pad_rows`), the reduction and the columns in whole blocks of 32 (W_O's blocks of merged columns
-    within one head: d_v a multiple of 32)."""
+    """Whether a projection runs on AMX's tiles (`amx_gemm`): bf16 (fp16 as two bf16 parts, `parts_of`)
+    on a CPU with AMX-BF16 (and AVX512-BF16), at least `MIN_PAIR_ROWS` rows if they are static (any
+    rows run in whole blocks of 32, `_pad_rows`), the reduction and the columns in whole blocks of
+    32 (W_O's blocks of merged columns within one head: d_v a multiple of 32)."""
     depth, columns = spec.input_shapes()[PROJECTIONS[projection]]
     rows = spec.n_kv if projection in ("k_proj", "v_proj") else spec.n_q
     rows *= spec.batch if isinstance(spec.batch, int) else 1
-    return (spec.dtype == "bfloat16" and has_amx(target) and has_bf16_dot(target)
+    return (spec.dtype in ("bfloat16", "float16") and has_amx(target) and has_bf16_dot(target)
             and not (isinstance(rows, int) and rows < MIN_PAIR_ROWS) and depth % STEP == 0 and columns % BLOCK == 0
             and (projection != "out" or spec.d_v % STEP == 0))
 
 
-def amx_gemm(sch: Schedule, blk, k: Mapping[str, KnobValue], steps: list) -> None:
+def amx_gemm(sch: Schedule, blk, k: Mapping[str, KnobValue], steps: list, parts: bool = False) -> None:
     """y[…, s, m] = Σ_c x[…, s, c]·w[c, m] on AMX's tiles (loops: batch…, s, m, c; rows and columns
     in whole blocks of 32, w a (m/32, c/2, 32, 2) pair panel): parallel over (batch, row block,
     column block) tasks of ``gemm_rows × gemm_block_rows`` rows (one block of 32 where they are
     symbolic) × ``gemm_vecs × 16 × gemm_block_cols`` columns, the x and W panels a task streams, as
     `gemm`'s; per 32 × 32 accumulator block, 32 steps of c per product (`x86_amx.DOT`, x's rows read
-    in place)."""
+    in place; with ``parts``, x's and w's bf16 parts, `parts_of`)."""
     *batch, s, m, c = sch.get_loops(blk)
     extent = sch.get(s).extent
     row_blocks = extent.value // BLOCK if isinstance(extent, tvm.tirx.IntImm) else 1
@@ -927,16 +953,19 @@ def amx_gemm(sch: Schedule, blk, k: Mapping[str, KnobValue], steps: list) -> Non
     task = sch.fuse(*batch, r_task, m_task)
     sch.parallel(task)
     configure_tiles(sch, task)
-    _amx_block(sch, blk, m_out, c_out, True, None, steps)
+    _amx_block(sch, blk, m_out, c_out, True, None, steps, parts=parts)
 
 
 def _listed(names: list[str]) -> str:
     return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
 
 
-def _tensorize_weight_pairs(sch: Schedule, panel: str) -> None:
-    """W's pair panel (d/2, width, 2), packed 16 columns at a time, in parallel over pairs of rows."""
-    sch.parallel(_in_pairs(sch, panel, -2, LANES, "bfloat16"))
+def _tensorize_weight_pairs(sch: Schedule, panels: list[str], source: str) -> None:
+    """W's pair panels (d/2, width, 2), packed 16 columns at a time in one parallel pass over pairs
+    of rows: bf16 W's, or the two bf16 parts of an fp16 W (``source``)."""
+    rows = [_in_pairs(sch, panel, -2, LANES, source, part=part if len(panels) > 1 else None)
+            for part, panel in enumerate(panels)]
+    sch.parallel(sch.merge(*rows) if len(rows) > 1 else rows[0])
 
 
 def _in_pairs(sch: Schedule, name: str, row_at: int, width: int, source: str, heads_between: bool = False,

@@ -214,7 +214,7 @@ def dot_intrinsic(heads_between: bool = False, gemm: bool = False, parts: bool =
     (QKᵀ, P·V) iterate (column, row, k) and multiply B·A; with ``gemm``, a projection's, (row,
     column, k) and A·B (x·W). ``parts``: fp16 operands as two bf16 parts each (`parts_dot`)."""
     if parts:
-        return parts_dot()
+        return parts_dot(gemm)
     name = DOT + ("_bshd" if heads_between else "") + ("_gemm" if gemm else "")
     if name in _REGISTERED:
         return name
@@ -253,37 +253,47 @@ def dot_intrinsic(heads_between: bool = False, gemm: bool = False, parts: bool =
     return name
 
 
-def parts_dot() -> str:
+def parts_dot(gemm: bool = False) -> str:
     """`DOT` of operands that are sums of two bf16 parts (`te_attention.bf16_parts`: fp16 as hi + lo):
-    C += B_hi·A_hi + B_hi·A_lo + B_lo·A_hi, three tile products per pair of tiles (10 tile loads and
-    12 products per step of 32, against 4 and 4), each part in a buffer of its own as `DOT`'s."""
-    name = DOT + "_parts"
+    C += B_hi·A_hi + B_hi·A_lo + B_lo·A_hi (``gemm``: A_hi·B_hi + A_hi·B_lo + A_lo·B_hi, iterating as
+    `dot_intrinsic`'s), three tile products per pair of tiles (10 tile loads and 12 products per step
+    of 32, against 4 and 4), each part in a buffer of its own as `DOT`'s."""
+    name = DOT + "_parts" + ("_gemm" if gemm else "")
     if name in _REGISTERED:
         return name
 
     @T.prim_func(s_tir=True)
-    def dot(c: T.handle, b_hi: T.handle, a_hi: T.handle, a_lo: T.handle, b_lo: T.handle) -> None:
+    def dot(c: T.handle, a_hi: T.handle, a_lo: T.handle, b_hi: T.handle, b_lo: T.handle) -> None:
         lda, ldb = T.int32(), T.int32()
         C = T.match_buffer(c, (BLOCK, BLOCK), "float32", scope="local", offset_factor=1)
-        B0 = T.match_buffer(b_hi, (STEP // PAIR, BLOCK, PAIR), "bfloat16", strides=[ldb, PAIR, 1], offset_factor=1,
-                            align=BF16_BYTES)
         A0 = T.match_buffer(a_hi, (BLOCK, STEP), "bfloat16", strides=[lda, 1], offset_factor=1, align=BF16_BYTES)
         A1 = T.match_buffer(a_lo, (BLOCK, STEP), "bfloat16", strides=[lda, 1], offset_factor=1, align=BF16_BYTES)
+        B0 = T.match_buffer(b_hi, (STEP // PAIR, BLOCK, PAIR), "bfloat16", strides=[ldb, PAIR, 1], offset_factor=1,
+                            align=BF16_BYTES)
         B1 = T.match_buffer(b_lo, (STEP // PAIR, BLOCK, PAIR), "bfloat16", strides=[ldb, PAIR, 1], offset_factor=1,
                             align=BF16_BYTES)
         with T.sblock("root"):
-            T.reads(C[0:BLOCK, 0:BLOCK], B0[0:STEP // PAIR, 0:BLOCK, 0:PAIR], A0[0:BLOCK, 0:STEP],
-                    A1[0:BLOCK, 0:STEP], B1[0:STEP // PAIR, 0:BLOCK, 0:PAIR])
+            rows = T.meta_var([A0[0:BLOCK, 0:STEP], A1[0:BLOCK, 0:STEP]])
+            pairs = T.meta_var([B0[0:STEP // PAIR, 0:BLOCK, 0:PAIR], B1[0:STEP // PAIR, 0:BLOCK, 0:PAIR]])
+            if gemm:  # (the reads in the order the product reads them: tensorize matches that order)
+                T.reads(C[0:BLOCK, 0:BLOCK], rows[0], pairs[0], pairs[1], rows[1])
+            else:
+                T.reads(C[0:BLOCK, 0:BLOCK], pairs[0], rows[0], rows[1], pairs[1])
             T.writes(C[0:BLOCK, 0:BLOCK])
             for m, n, k in T.grid(BLOCK, BLOCK, STEP):
                 with T.sblock("update"):
-                    vn, vm, vk = T.axis.remap("SSR", [n, m, k])
-                    b0 = T.meta_var(T.cast(B0[vk // PAIR, vn, vk % PAIR], "float32"))
-                    b1 = T.meta_var(T.cast(B1[vk // PAIR, vn, vk % PAIR], "float32"))
-                    a0, a1 = T.meta_var(T.cast(A0[vm, vk], "float32")), T.meta_var(T.cast(A1[vm, vk], "float32"))
-                    C[vm, vn] = C[vm, vn] + (b0 * a0 + b0 * a1 + b1 * a0)
+                    if gemm:
+                        vm, vn, vk = T.axis.remap("SSR", [m, n, k])
+                    else:
+                        vn, vm, vk = T.axis.remap("SSR", [n, m, k])
+                    a0, a1 = T.meta_var([T.cast(A[vm, vk], "float32") for A in (A0, A1)])
+                    b0, b1 = T.meta_var([T.cast(B[vk // PAIR, vn, vk % PAIR], "float32") for B in (B0, B1)])
+                    if gemm:
+                        C[vm, vn] = C[vm, vn] + (a0 * b0 + a0 * b1 + a1 * b0)
+                    else:
+                        C[vm, vn] = C[vm, vn] + (b0 * a0 + b0 * a1 + b1 * a0)
 
-    _, B0, A0, A1, B1 = dot.params
+    _, A0, A1, B0, B1 = dot.params
     row = lambda m, k: [m, k]  # noqa: E731
     body = (_load_rows(A0, row) + _load_pairs(B0) + PRODUCTS + _load_rows(A1, row) + PRODUCTS
             + _load_rows(A0, row) + _load_pairs(B1) + PRODUCTS)  # hi·hi, then lo of A, then lo of B

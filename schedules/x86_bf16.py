@@ -113,7 +113,8 @@ def pairs_intrinsic(source: str, width: int, heads_between: bool = False, part: 
     ``width`` columns (a multiple of 16; ``source`` dtype, any row stride) into the (width, 2) bf16
     panel `DOT_16x2` reads, column i's two values side by side: P (fp32, rounded to nearest even) and
     V (bf16). ``heads_between``: the rows are of a (t, head, column) tensor (BSHD), one head of it.
-    ``part`` (fp32): P's hi (0) or lo (1) part instead (`te_attention.bf16_parts`)."""
+    ``part`` (fp32 or fp16): the values' hi (0) or lo (1) part instead (`te_attention.bf16_parts`):
+    P's, or an fp16 W's."""
     name = (f"tvmattn_pairs_{width}x2_{source}{'_bshd' if heads_between else ''}"
             f"{'' if part is None else f'_part{part}'}")
     if name not in _REGISTERED:
@@ -164,13 +165,18 @@ def _pairs(source: str, width: int, heads_between: bool, implementation: bool, p
                         hi = T.meta_var(T.cast(src.vload(row(1, c * LANES), "bfloat16x16"), "float32x16"))
                         words = T.meta_var(pair_words(lo, hi))
                         dst.vstore([c * LANES, 0], T.reinterpret(words, dtype="bfloat16x32"))
-                    else:  # fp32 → bf16 rounded to nearest even, on vcvtne2ps2bf16 (`PAIRS_FUNCTION`)
-                        rows = T.meta_var([_left_out(src.vload(row(t, c * LANES), "float32x16"), part == 1)
-                                           for t in range(PAIR)])
+                    else:  # fp32 (fp16 widened) → bf16 rounded to nearest even, on vcvtne2ps2bf16
+                        rows = T.meta_var([_left_out(_wide(src.vload(row(t, c * LANES), f"{source}x{LANES}")),
+                                                     part == 1) for t in range(PAIR)])
                         dst.vstore([c * LANES, 0], T.reinterpret(T.call_pure_extern(
                             "int32x16", PAIRS_FUNCTION, *rows), dtype="bfloat16x32"))
 
     return func
+
+
+def _wide(x: PrimExpr) -> PrimExpr:
+    """A vector of fp16 or fp32 values in fp32."""
+    return x if x.ty.dtype.bits == 32 else tirx.Cast(f"float32x{x.ty.dtype.lanes}", x)
 
 
 def _left_out(x: PrimExpr, residual: bool) -> PrimExpr:

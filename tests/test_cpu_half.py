@@ -129,16 +129,20 @@ def test_symbolic_lengths_run_on_amx_tiles(spec, data):
 
 
 @needs_amx
-@settings(max_examples=10, deadline=None)
-@given(specs(dtype="bfloat16", projections=True, max_len=80), st.data())
+@settings(max_examples=14, deadline=None)
+@given(specs(dtype=("bfloat16", "float16"), projections=True, max_len=80), st.data())
 def test_layers_on_amx_tiles_match_the_oracle(spec, data):
     """Full layers, static, padded or symbolic, with their projections (model widths in whole blocks
-    of 32) and their core on AMX's tiles."""
+    of 32) and their core on AMX's tiles; fp16's in bf16 parts (its core from 256 keys)."""
     d = data.draw(st.sampled_from((32, 64)))
     spec = spec.replace(head_dim=d, v_head_dim=data.draw(st.sampled_from((None, 32))), d_model=32 * spec.h,
                         seq_len=max(spec.n_q, 16) if isinstance(spec.n_q, int) else spec.n_q)
+    if spec.dtype == "float16" and not spec.symbolic_dims and data.draw(st.booleans()):
+        spec = spec.replace(kv_seq_len=data.draw(st.sampled_from((256, 300))))  # its core on the tiles too
     kernel = compiled(spec)
-    assert "QKᵀ and P·V on AMX tiles" in kernel.schedule and "W_O on AMX tiles" in kernel.schedule, kernel.schedule
+    core_on_tiles = spec.dtype == "bfloat16" or spec.symbolic_dims or spec.n_kv >= 256
+    assert ("QKᵀ and P·V on AMX tiles" in kernel.schedule) == bool(core_on_tiles), kernel.schedule
+    assert "W_O on AMX tiles" in kernel.schedule, kernel.schedule
     for seed, n in enumerate((16, 45) if spec.symbolic_dims else (None,)):
         assert_matches_oracle(kernel, {name: 2 if name == "B" else n for name in spec.symbolic_dims}, seed=seed)
 
@@ -224,12 +228,14 @@ def test_amx_needs_whole_blocks_of_32():
 LAYER = AttentionSpec(batch=1, seq_len=32, num_heads=16, head_dim=3, d_model=48, causal=True, dtype="bfloat16")
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("seq_len", [32, 100, 1, "n"])
-def test_layer_projections_on_amx_tiles(seq_len):
-    """W_Q, W_K, W_V and W_O on tile products where the target has AMX, from 16 rows (static ones padded
-    to whole blocks of 32, as symbolic ones); a one-token step keeps its projections widened."""
+def test_layer_projections_on_amx_tiles(seq_len, dtype):
+    """W_Q, W_K, W_V and W_O on tile products where the target has AMX (fp16 in bf16 parts), from 16
+    rows (static ones padded to whole blocks of 32, as symbolic ones); a one-token step keeps its
+    projections widened."""
     # d_k = 16: the core cannot take the tiles, so any tdpbf16ps is the projections'
-    spec = LAYER.replace(seq_len=seq_len, num_heads=2, head_dim=16, v_head_dim=32, d_model=64)
+    spec = LAYER.replace(seq_len=seq_len, num_heads=2, head_dim=16, v_head_dim=32, d_model=64, dtype=dtype)
     kernel = tvmattn.compile(spec, {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2}, knobs={})
     assert ("tdpbf16ps" in kernel.source()) == (seq_len != 1)
     assert ("W_Q, W_K, W_V and W_O on AMX tiles" in kernel.schedule) == (seq_len != 1)
@@ -304,6 +310,21 @@ def test_fp16_in_bf16_parts_is_as_accurate_as_widened_fp16(causal):
                          dtype="float16")
     on_tiles, widened = compiled(spec), compiled(spec, NO_AMX)
     assert "AMX tiles" in on_tiles.schedule and "AMX" not in widened.schedule
+    for seed in range(3):
+        tiles_error, widened_error = (check(k, None, seed, {}).max_rel for k in (on_tiles, widened))
+        assert tiles_error <= max(1.5 * widened_error, 1e-3), (tiles_error, widened_error)
+
+
+@needs_amx
+@pytest.mark.parametrize("seq_len,kv_seq_len", [(64, None), (48, 256)])
+def test_fp16_layers_in_bf16_parts_are_as_accurate_as_widened_fp16(seq_len, kv_seq_len):
+    """The projections' parts, x's and W's, are exact, so a layer on the tiles (its core too from 256
+    keys) is as close to the oracle as one of widened fp32 FMAs; x's or W's lo part lost would be
+    bf16's error."""
+    spec = AttentionSpec(batch=2, seq_len=seq_len, kv_seq_len=kv_seq_len, num_heads=4, head_dim=32, d_model=128,
+                         causal=kv_seq_len is None, dtype="float16")
+    on_tiles, widened = compiled(spec), compiled(spec, NO_AMX)
+    assert "W_O on AMX tiles (fp16 as bf16 hi + lo)" in on_tiles.schedule and "AMX" not in widened.schedule
     for seed in range(3):
         tiles_error, widened_error = (check(k, None, seed, {}).max_rel for k in (on_tiles, widened))
         assert tiles_error <= max(1.5 * widened_error, 1e-3), (tiles_error, widened_error)
