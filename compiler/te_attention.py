@@ -205,13 +205,23 @@ def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: d
 
 
 def bf16_parts(x: PrimExpr) -> tuple[PrimExpr, PrimExpr]:
-    """x (fp16 or fp32) as hi + lo, two bf16 values: hi = x rounded to bf16, lo = what it left out,
-    rounded. An fp16 value's 11 significant bits are exactly hi's 8 and lo's 3 (+ a sign), within
-    bf16's exponent range; an fp32 value is kept to about 16 bits (P's weights)."""
+    """x (fp16 or fp32) as hi + lo, two bf16 values: hi = x truncated to bf16 (its top 16 bits: one
+    AND, where rounding takes five integer operations), lo = what it left out, rounded. An fp16
+    value's 11 significant bits are exactly hi's 8 and lo's 3 (+ a sign), within bf16's exponent
+    range; an fp32 value is kept to about 16 bits (P's weights)."""
     wide = x.astype(ACC)
-    hi = bf16_rounded(wide)
-    # (each part rounded before its cast: a buffer that TVM widens to fp32 stores the value as it is)
+    hi = bf16_truncated(wide)
+    # (each part exact in bf16 before its cast: a buffer that TVM widens to fp32 stores the value as it is)
     return hi.astype("bfloat16"), bf16_rounded(wide - hi).astype("bfloat16")
+
+
+def bf16_truncated(x: PrimExpr) -> PrimExpr:
+    """fp32 ``x`` (any lanes) truncated to bf16's precision (its low 16 bits cleared), kept in fp32."""
+    lanes = x.ty.dtype.lanes
+    typed = lambda t: t if lanes == 1 else f"{t}x{lanes}"  # noqa: E731
+    mask = tirx.const(0xFFFF0000, "uint32")
+    bits = tirx.reinterpret(typed("uint32"), x) & (mask if lanes == 1 else tirx.Broadcast(mask, lanes))
+    return tirx.reinterpret(typed("float32"), bits)
 
 
 def bf16_rounded(x: PrimExpr) -> PrimExpr:

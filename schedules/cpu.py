@@ -94,11 +94,11 @@ KNOBS = (
 # widened projections there; 0.9–1.3× from 16 rows, 1.6–1.9× from 64, (1, n, 768) layers).
 MIN_PAIR_ROWS = 16
 PANEL_BYTES = 384 * 1024  # a projection task's panel of W (d_in × its columns), to stay in L2
-# Static keys from which an fp16 core's bf16 parts on AMX's tiles (`fp16_parts`) beat its widened fp32
-# FMAs: the parts' passes cost a task what three times the tile products save it on short rows
-# (fp32 time ÷ fp16: 1.06 and 0.96 at a causal (1, 16, 256, 64), 1.29 and 0.99 at (1, 8, 512, 64);
-# 0.77 and 0.93 at a causal (1, 8, 128, 64))
-PARTS_MIN_KEYS = 256
+# Keys a query sees (about half of them where causal) from which an fp16 core's bf16 parts on AMX's
+# tiles (`fp16_parts`) beat its widened fp32 FMAs: the parts' passes cost a task what three times the
+# tile products save it on short rows (widened ÷ parts: 1.09 at (1, 8, 128, 64), 0.88 at it causal,
+# 1.03 and 1.16 at (8, 8, 256, 32) causal and (1, 16, 256, 64) causal)
+PARTS_MIN_KEYS = 128
 
 PROJECTIONS = {"q_proj": "w_q", "k_proj": "w_k", "v_proj": "w_v", "out": "w_o"}  # the layer's GEMMs: block → W
 INLINED = ("q_heads", "k_heads", "v_heads", "logits", "merged")
@@ -433,9 +433,11 @@ def fp16_parts(spec: AttentionSpec, target: Target) -> bool:
     (`te_attention.bf16_parts`: exact for fp16; three tile products where bf16 takes one, 2^-16 of
     each product left out): CPUs have no fp16 tile products before AMX-FP16, and fp32 FMAs of
     widened fp16 run at fp32's speed. Not for one query (a decode step: its dot products along d_k
-    read half fp32's bytes) nor fewer than `PARTS_MIN_KEYS` static keys (in a layer too: 1.21× the
-    widened core at a causal (1, 1024, 768) GPT-2 layer, within 3 % of it at 256 keys)."""
-    few_keys = isinstance(spec.n_kv, int) and spec.n_kv < PARTS_MIN_KEYS
+    read half fp32's bytes) nor where a query sees fewer than `PARTS_MIN_KEYS` static keys (in a
+    layer too: 1.21× the widened core at a causal (1, 1024, 768) GPT-2 layer)."""
+    seen = spec.n_kv // 2 if spec.causal and isinstance(spec.n_kv, int) else spec.n_kv
+    seen = min(seen, spec.window) if spec.window is not None and isinstance(seen, int) else seen
+    few_keys = isinstance(seen, int) and seen < PARTS_MIN_KEYS
     return (spec.dtype == "float16" and has_amx(target) and has_bf16_dot(target)
             and spec.n_q != 1 and not few_keys and spec.d_k % STEP == 0 and spec.d_v % BLOCK == 0)
 

@@ -30,7 +30,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 
 from tvmattn.compiler.target import has_feature
-from tvmattn.compiler.te_attention import bf16_parts, bf16_rounded
+from tvmattn.compiler.te_attention import bf16_parts, bf16_truncated
 
 LANES = 16  # fp32 lanes of a zmm register
 PAIR = 2  # bf16 products per lane
@@ -165,7 +165,12 @@ def _pairs(source: str, width: int, heads_between: bool, implementation: bool, p
                         hi = T.meta_var(T.cast(src.vload(row(1, c * LANES), "bfloat16x16"), "float32x16"))
                         words = T.meta_var(pair_words(lo, hi))
                         dst.vstore([c * LANES, 0], T.reinterpret(words, dtype="bfloat16x32"))
-                    else:  # fp32 (fp16 widened) → bf16 rounded to nearest even, on vcvtne2ps2bf16
+                    elif part == 0:  # the hi part: each value's top 16 bits (`pair_words` keeps just those)
+                        rows = T.meta_var([_wide(src.vload(row(t, c * LANES), f"{source}x{LANES}"))
+                                           for t in range(PAIR)])
+                        dst.vstore([c * LANES, 0], T.reinterpret(pair_words(*rows), dtype="bfloat16x32"))
+                    else:  # fp32 (fp16 widened; the lo part: what hi leaves out) → bf16 rounded to nearest
+                        # even, on vcvtne2ps2bf16
                         rows = T.meta_var([_left_out(_wide(src.vload(row(t, c * LANES), f"{source}x{LANES}")),
                                                      part == 1) for t in range(PAIR)])
                         dst.vstore([c * LANES, 0], T.reinterpret(T.call_pure_extern(
@@ -180,8 +185,8 @@ def _wide(x: PrimExpr) -> PrimExpr:
 
 
 def _left_out(x: PrimExpr, residual: bool) -> PrimExpr:
-    """x, or with ``residual`` what rounding it to bf16 leaves out (x − bf16(x), in fp32)."""
-    return x - bf16_rounded(x) if residual else x
+    """x, or with ``residual`` what its hi part leaves out (x − hi, in fp32: `te_attention.bf16_parts`)."""
+    return x - bf16_truncated(x) if residual else x
 
 
 def pair_words(lo: PrimExpr, hi: PrimExpr) -> PrimExpr:

@@ -133,15 +133,16 @@ def test_symbolic_lengths_run_on_amx_tiles(spec, data):
 @given(specs(dtype=("bfloat16", "float16"), projections=True, max_len=80), st.data())
 def test_layers_on_amx_tiles_match_the_oracle(spec, data):
     """Full layers, static, padded or symbolic, with their projections (model widths in whole blocks
-    of 32) and their core on AMX's tiles; fp16's in bf16 parts (its core from 256 keys)."""
+    of 32) and their core on AMX's tiles; fp16's in bf16 parts (its core where its queries see 128 keys
+    or more: any that has 256 keys and no window)."""
     d = data.draw(st.sampled_from((32, 64)))
     spec = spec.replace(head_dim=d, v_head_dim=data.draw(st.sampled_from((None, 32))), d_model=32 * spec.h,
                         seq_len=max(spec.n_q, 16) if isinstance(spec.n_q, int) else spec.n_q)
-    if spec.dtype == "float16" and not spec.symbolic_dims and data.draw(st.booleans()):
-        spec = spec.replace(kv_seq_len=data.draw(st.sampled_from((256, 300))))  # its core on the tiles too
+    if spec.dtype == "float16" and not spec.symbolic_dims and data.draw(st.booleans()):  # its core on the tiles too
+        spec = spec.replace(kv_seq_len=data.draw(st.sampled_from((256, 300))), window=None)
     kernel = compiled(spec)
-    core_on_tiles = spec.dtype == "bfloat16" or spec.symbolic_dims or spec.n_kv >= 256
-    assert ("QKᵀ and P·V on AMX tiles" in kernel.schedule) == bool(core_on_tiles), kernel.schedule
+    if spec.dtype == "bfloat16" or spec.symbolic_dims or (spec.n_kv >= 256 and spec.window is None):
+        assert "QKᵀ and P·V on AMX tiles" in kernel.schedule, kernel.schedule
     assert "W_O on AMX tiles" in kernel.schedule, kernel.schedule
     for seed, n in enumerate((16, 45) if spec.symbolic_dims else (None,)):
         assert_matches_oracle(kernel, {name: 2 if name == "B" else n for name in spec.symbolic_dims}, seed=seed)
@@ -199,12 +200,14 @@ def test_an_exported_amx_kernel_asks_for_the_tiles_itself(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("kv_seq_len,tiles", [(256, True), (128, False), ("m", True)])
-def test_fp16_takes_the_tiles_from_256_keys(kv_seq_len, tiles):
-    """fp16 on tile products in bf16 parts where the target has AMX and the rows are long enough to
-    pay for the parts (`cpu.PARTS_MIN_KEYS`), else widened to fp32 FMAs."""
-    spec = AttentionSpec(batch=1, seq_len=64, kv_seq_len=kv_seq_len, num_heads=2, head_dim=64, projections=False,
-                         dtype="float16")
+@pytest.mark.parametrize("kv_seq_len,causal,tiles", [(128, False, True), (64, False, False), (256, True, True),
+                                                    (128, True, False), ("m", True, True)])
+def test_fp16_takes_the_tiles_from_128_keys_a_query_sees(kv_seq_len, causal, tiles):
+    """fp16 on tile products in bf16 parts where the target has AMX and a query sees enough keys to
+    pay for the parts (`cpu.PARTS_MIN_KEYS`: about half of them where causal), else widened to fp32
+    FMAs."""
+    spec = AttentionSpec(batch=1, seq_len=kv_seq_len if causal and kv_seq_len != "m" else 64, kv_seq_len=kv_seq_len,
+                         num_heads=2, head_dim=64, causal=causal, projections=False, dtype="float16")
     kernel = tvmattn.compile(spec, {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2})
     assert ("tdpbf16ps" in kernel.source()) == tiles and ("AMX tiles" in kernel.schedule) == tiles
 
@@ -289,9 +292,10 @@ def test_half_width_kv_decode_matches_the_oracle(dtype, kv_heads, key_padding):
 @settings(max_examples=10, deadline=None)
 @given(specs(dtype="float16", symbolic=None, intermediate=False, projections=False, max_len=60), st.data())
 def test_fp16_on_amx_tiles_in_bf16_parts_matches_the_oracle(spec, data):
-    """fp16 cores from 256 keys (or symbolic) on AMX's bf16 tiles, every operand split into two bf16
-    parts, every product three tile products: every spec axis, lengths padded to blocks of 32."""
-    spec = spec.replace(head_dim=data.draw(st.sampled_from((32, 64))), v_head_dim=None,
+    """fp16 cores of 256 keys or more (or symbolic) on AMX's bf16 tiles, every operand split into two
+    bf16 parts, every product three tile products: every spec axis but a window (of a few keys: the
+    widened path), lengths padded to blocks of 32."""
+    spec = spec.replace(head_dim=data.draw(st.sampled_from((32, 64))), v_head_dim=None, window=None,
                         kv_seq_len=spec.kv_seq_len if spec.symbolic_dims else data.draw(st.sampled_from((256, 300))),
                         seq_len=spec.seq_len if spec.symbolic_dims else max(spec.n_q, 2))
     kernel = compiled(spec)
@@ -318,7 +322,7 @@ def test_fp16_in_bf16_parts_is_as_accurate_as_widened_fp16(causal):
 @needs_amx
 @pytest.mark.parametrize("seq_len,kv_seq_len", [(64, None), (48, 256)])
 def test_fp16_layers_in_bf16_parts_are_as_accurate_as_widened_fp16(seq_len, kv_seq_len):
-    """The projections' parts, x's and W's, are exact, so a layer on the tiles (its core too from 256
+    """The projections' parts, x's and W's, are exact, so a layer on the tiles (its core too, at 256
     keys) is as close to the oracle as one of widened fp32 FMAs; x's or W's lo part lost would be
     bf16's error."""
     spec = AttentionSpec(batch=2, seq_len=seq_len, kv_seq_len=kv_seq_len, num_heads=4, head_dim=32, d_model=128,
