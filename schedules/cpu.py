@@ -120,8 +120,8 @@ class CpuAttention(AttentionRule):
         tiles, fp32's, for a masked fp16 core, whose K is widened before the tasks (1.03× at (1, 8,
         128, 64) causal, 1.00–1.01× from n = 256; on AMX's tiles, `fp16_parts`, 32 as bf16's). A
         one-token layer (fewer than `MIN_PAIR_ROWS` rows: GEMVs, each W element read once, so no
-        panel to keep in L2) takes column blocks of at most a third of its narrowest W per core (1.4×
-        in bf16 and fp16, 1.02× in fp32 at (1, 1, 768): 6 tasks on 2 cores instead of 3)."""
+        panel to keep in L2) takes column blocks small enough to give each core three tasks of its
+        narrowest W (1.4× in bf16 and fp16, 1.02× in fp32 at (1, 1, 768): 6 tasks on 2 cores, not 3)."""
         masked = spec.causal or spec.window is not None
         widened = spec.dtype == "float16" and not spec.projections and not fp16_parts(spec, target)
         tile = 64 if not masked else 16 if widened else 32
@@ -860,7 +860,7 @@ def _gemm(sch: Schedule, spec: AttentionSpec, target: Target, name: str, lanes: 
     blk = sch.get_sblock(acc_name)
     tiles = weight_tiles(spec, target, name)
     pairs = tiles or weight_pairs(spec, target, name)
-    parts = tiles and spec.dtype == "float16"  # (`parts_of`: x's parts and W's are stages of their own)
+    parts = name in parts_of(spec, target)  # (x's parts and W's are stages of their own)
     padded = _padded_rows(spec, target, name)
     if padded:
         _pad_rows(sch, blk, lanes, cast=acc_name != name, block=BLOCK if tiles else LANES)
