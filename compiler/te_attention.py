@@ -217,23 +217,23 @@ def bf16_parts(x: PrimExpr) -> tuple[PrimExpr, PrimExpr]:
 
 def bf16_truncated(x: PrimExpr) -> PrimExpr:
     """fp32 ``x`` (any lanes) truncated to bf16's precision (its low 16 bits cleared), kept in fp32."""
-    lanes = x.ty.dtype.lanes
-    typed = lambda t: t if lanes == 1 else f"{t}x{lanes}"  # noqa: E731
-    mask = tirx.const(0xFFFF0000, "uint32")
-    bits = tirx.reinterpret(typed("uint32"), x) & (mask if lanes == 1 else tirx.Broadcast(mask, lanes))
-    return tirx.reinterpret(typed("float32"), bits)
+    return _on_bits(x, lambda bits, word: bits & word(0xFFFF0000))
 
 
 def bf16_rounded(x: PrimExpr) -> PrimExpr:
     """fp32 ``x`` (any lanes) rounded to bf16's precision, to nearest even, kept in fp32; spelt in
     integer operations, as the rounding of a cast to bf16 is: TVM's bf16 legaliser folds
     ``fp32(bf16(x))`` into ``x``, which would make every lo part 0."""
+    return _on_bits(x, lambda bits, word: (bits + word(0x7FFF) + ((bits >> word(16)) & word(1))) & word(0xFFFF0000))
+
+
+def _on_bits(x: PrimExpr, f: Callable) -> PrimExpr:
+    """fp32 ``x`` (any lanes) with ``f(bits, word)`` applied to its uint32 bits (``word(c)``: a
+    constant of x's lanes)."""
     lanes = x.ty.dtype.lanes
     typed = lambda t: t if lanes == 1 else f"{t}x{lanes}"  # noqa: E731
     word = lambda c: tirx.const(c, "uint32") if lanes == 1 else tirx.Broadcast(tirx.const(c, "uint32"), lanes)  # noqa: E731
-    bits = tirx.reinterpret(typed("uint32"), x)
-    bits = (bits + word(0x7FFF) + ((bits >> word(16)) & word(1))) & word(0xFFFF0000)
-    return tirx.reinterpret(typed("float32"), bits)
+    return tirx.reinterpret(typed("float32"), f(tirx.reinterpret(typed("uint32"), x), word))
 
 
 def _parts(stages: dict[str, te.Tensor], name: str, shape: tuple, at: Reader) -> tuple[te.Tensor, te.Tensor]:
