@@ -121,15 +121,19 @@ class CpuAttention(AttentionRule):
         128, 64) causal, 1.00–1.01× from n = 256; on AMX's tiles, `fp16_parts`, 32 as bf16's). A
         one-token layer (fewer than `MIN_PAIR_ROWS` rows: GEMVs, each W element read once, so no
         panel to keep in L2) takes column blocks small enough to give each core three tasks of its
-        narrowest W (1.4× in bf16 and fp16, 1.02× in fp32 at (1, 1, 768): 6 tasks on 2 cores, not 3)."""
+        narrowest W (1.4× in bf16 and fp16, 1.02× in fp32 at (1, 1, 768): 6 tasks on 2 cores, not 3).
+
+        The 16-bit tiles need AVX-512's 32 vector registers: with AVX2's 16 (8 lanes) a 64-query
+        tile's 8 × 4 accumulators spill (0.32× fp32 at (1, 8, 512, 64) on Zen3), so there 16-bit
+        inputs, widened to fp32 FMAs, take fp32's tiles (1.01×)."""
+        lanes = vector_lanes(target)
         masked = spec.causal or spec.window is not None
         widened = spec.dtype == "float16" and not spec.projections and not fp16_parts(spec, target)
         tile = 64 if not masked else 16 if widened else 32
-        dots = {"q_tile": tile, "pv_vecs": 4} if spec.dtype != "float32" else {}
+        dots = {"q_tile": tile, "pv_vecs": 4} if spec.dtype != "float32" and lanes >= LANES else {}
         if not spec.projections:
             return dots
         d_in = max(spec.d_model, spec.h * spec.d_v)  # W_O's rows are the merged heads
-        lanes = vector_lanes(target)
         gemms = gemm_defaults(d_in, lanes, tvm.DataType(spec.dtype).bits)
         rows = spec.batch * spec.n_q if isinstance(spec.batch, int) and isinstance(spec.n_q, int) else None
         if rows is not None and rows < MIN_PAIR_ROWS:

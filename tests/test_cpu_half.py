@@ -3,6 +3,7 @@ AMX tiles (tdpbf16ps) and on AVX512-BF16 dot products (vdpbf16ps) over every spe
 take, and the instructions in the generated code exactly when the target has the feature. The
 vdpbf16ps kernels are built for this CPU with AMX off (`helpers.NO_AMX`: what a Zen 4 runs)."""
 
+import re
 import subprocess
 import sys
 
@@ -277,6 +278,24 @@ def test_bf16_without_the_instruction_matches_the_oracle():
     kernel = tvmattn.compile(SPEC.replace(causal=True), {"kind": "llvm", "mcpu": "haswell", "num-cores": 2})
     assert "vdpbf16ps" not in kernel.source()
     assert_matches_oracle(kernel)
+
+
+def _stack_vector_operands(asm: str) -> int:
+    """Vector instructions that read or write the stack: register tiles that did not fit, spilled."""
+    return sum(1 for line in asm.splitlines() if "(%rsp)" in line and re.search(r"%[xyz]mm\d", line))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal,projections", [(False, False), (True, False), (True, True)])
+def test_16bit_kernels_without_the_instructions_keep_their_tiles_in_avx2_registers(dtype, causal, projections):
+    """With AVX2's 16 vector registers, a 16-bit kernel widened to fp32 FMAs spills no more than the
+    fp32 kernel of the same spec (16-bit tiles sized for AVX-512's 32 registers spilled: 400 stack
+    operands against fp32's 23, 0.32× its speed)."""
+    target = {"kind": "llvm", "mcpu": "znver3", "num-cores": 2}
+    spec = AttentionSpec(batch=1, seq_len=256, num_heads=8, head_dim=64, d_model=512, causal=causal,
+                         projections=projections)
+    fp32 = _stack_vector_operands(tvmattn.compile(spec, target, tuned=False).source())
+    assert _stack_vector_operands(tvmattn.compile(spec.replace(dtype=dtype), target, tuned=False).source()) <= fp32
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
