@@ -196,6 +196,7 @@ class CpuAttention(AttentionRule):
         # Every tensorize runs last, in order (`_register_tile`'s ``later``): a tensorized stage can
         # leave the root scope no "stage pipeline" for the other stages' primitives.
         steps: list = []
+        _widen_projection_inputs(sch, spec, target, lanes)
         for name in PROJECTIONS:
             if _has_block(sch, name):
                 _gemm(sch, spec, target, name, lanes, knobs, steps)
@@ -730,17 +731,39 @@ def _pack_pairs(sch: Schedule, spec: AttentionSpec, pair_loop, amx: bool = False
     return p_name, sch.get(v_panel).name_hint
 
 
-def _widened_before_tasks(sch: Schedule, reader: str, names: tuple[str, ...], width: int, lanes: int) -> None:
-    """A 16-bit operand of ``reader`` (K for QKᵀ, V for P·V) widened to fp32 once, in a parallel pass
-    before the tasks (a workspace twice its size): the micro-kernel then loads plain fp32, not a
-    conversion per vector of V in every query tile, nor K's register tile widened in every task
-    (1.03–1.07× fp16 at 16-query tiles, (1, 8, 128, 64) and (8, 8, 256, 32) causal; within 1 % from
-    64-query tiles)."""
-    copy = _copy_of(sch, sch.get_sblock(reader), names)
+def _widened_before_tasks(sch: Schedule, reader: str, names: tuple[str, ...], width: int, lanes: int,
+                          consumers: list | None = None) -> None:
+    """A 16-bit operand of ``reader`` (K for QKᵀ, V for P·V, x for projections) widened to fp32 once,
+    for ``consumers`` (default: every reader), in a parallel pass before the tasks (a workspace twice
+    its size): the micro-kernel then loads plain fp32, not a conversion per vector of V in every
+    query tile, nor K's register tile widened in every task (1.03–1.07× fp16 at 16-query tiles, (1,
+    8, 128, 64) and (8, 8, 256, 32) causal; within 1 % from 64-query tiles)."""
+    copy = _copy_of(sch, sch.get_sblock(reader), names, consumers)
     sch.unsafe_set_dtype(copy, 0, "float32")
     *rows, c = sch.get_loops(copy)
     sch.parallel(sch.fuse(*rows))
     _vectorize(sch, c, width, lanes)
+
+
+def _widen_projection_inputs(sch: Schedule, spec: AttentionSpec, target: Target, lanes: int) -> None:
+    """The 16-bit x of the projections that widen to fp32 FMAs (no pairs, no tiles: `weight_pairs`,
+    `weight_tiles`), x_kv's and W_O's merged heads too, each widened once before the tasks
+    (`_widened_before_tasks`): a register tile's row then broadcasts plain fp32, where it took a
+    broadcast and a conversion per element, a row of the tile each (fp16 GPT-2 layers on Zen 3:
+    0.85–0.98× fp32 before, 1.10–1.29× after, W's half bytes read). Padded rows are widened in their
+    pass that pads them (`_pad_rows`)."""
+    widened = [sch.get_sblock(name + "_acc") for name in PROJECTIONS if _widened_projection(spec, target, name)
+               and not _padded_rows(spec, target, name)]
+    for x, width in (("x", spec.d), ("x_kv", spec.d), ("attn", spec.d_v)):  # (W_O reads attn)
+        readers = [blk for blk in widened if x in (r.source.name for r in sch.get(blk).reads)]
+        if readers:
+            _widened_before_tasks(sch, sch.get(readers[0]).name_hint, (x,), width, lanes, readers)
+
+
+def _widened_projection(spec: AttentionSpec, target: Target, projection: str) -> bool:
+    """Whether a projection (a `PROJECTIONS` block) of 16-bit inputs runs on fp32 FMAs."""
+    return (spec.projections and spec.dtype != "float32" and not weight_pairs(spec, target, projection)
+            and not weight_tiles(spec, target, projection))
 
 
 def _in_blocks(sch: Schedule, name: str, lanes: int, own_pass: bool) -> None:
@@ -867,7 +890,8 @@ def _gemm(sch: Schedule, spec: AttentionSpec, target: Target, name: str, lanes: 
     parts = name in parts_of(spec, target)  # (x's parts and W's are stages of their own)
     padded = _padded_rows(spec, target, name)
     if padded:
-        _pad_rows(sch, blk, lanes, cast=acc_name != name, block=BLOCK if tiles else LANES)
+        _pad_rows(sch, blk, lanes, cast=acc_name != name, block=BLOCK if tiles else LANES,
+                  widen=_widened_projection(spec, target, name))
     if pairs:  # AMX: blocks of 32 columns, (m/32, c/2, 32, 2), each B operand's rows 128 bytes apart
         at = (lambda c, m: (m // BLOCK, c // PAIR, m % BLOCK, c % PAIR)) if tiles else (  # noqa: E731
             lambda c, m: (c // PAIR, m, c % PAIR))
@@ -893,13 +917,16 @@ def _gemm(sch: Schedule, spec: AttentionSpec, target: Target, name: str, lanes: 
         _vectorize(sch, loops[-1], int(sch.get(loops[-1]).extent), lanes)
 
 
-def _pad_rows(sch: Schedule, blk, lanes: int, cast: bool, block: int) -> None:
+def _pad_rows(sch: Schedule, blk, lanes: int, cast: bool, block: int, widen: bool = False) -> None:
     """A projection's rows computed in whole blocks (``pad_einsum``: x copied with zero rows past its
-    end, in a parallel pass; the accumulator's extra rows are never stored): symbolic ones in blocks
-    of `LANES`, and on AMX's tiles any in blocks of 32, so that `gemm`'s tiles divide them: no tail
-    predicate in the micro-kernel (where the bf16 instructions cannot take one at all)."""
+    end, in a parallel pass, widened to fp32 with ``widen``, `_widen_projection_inputs`; the
+    accumulator's extra rows are never stored): symbolic ones in blocks of `LANES`, and on AMX's
+    tiles any in blocks of 32, so that `gemm`'s tiles divide them: no tail predicate in the
+    micro-kernel (where the bf16 instructions cannot take one at all)."""
     sch.pad_einsum(blk, [1, block, 1, 1])
     copies = [b for b in sch.get_producers(blk) if sch.get(b).name_hint.endswith("_pad")]  # x's (fp16: its parts')
+    for copy in copies if widen else ():
+        sch.unsafe_set_dtype(copy, 0, "float32")
     for stage in sch.get_producers(copies[0]):  # merged (W_O's x): read where it is padded
         if sch.get(stage).name_hint == "merged":
             sch.compute_inline(stage)

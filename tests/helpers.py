@@ -13,7 +13,7 @@ from tvmattn.compiler.build import build_serial
 from tvmattn.compiler.flash import FlashTiles
 from tvmattn.compiler.kernel import CompiledAttention
 from tvmattn.compiler.spec import AttentionSpec
-from tvmattn.compiler.target import AMX_FEATURES, host_target
+from tvmattn.compiler.target import AMX_FEATURES, CPUINFO_FEATURES, has_feature, host_target
 from tvmattn.compiler.verify import check
 
 HOST = host_target()
@@ -21,6 +21,11 @@ HOST = host_target()
 NO_AMX = Target({"kind": "llvm", "mcpu": str(HOST.attrs["mcpu"]), "num-cores": int(HOST.attrs["num-cores"]),
                  "mattr": [str(f) for f in HOST.attrs.get("mattr", ()) if str(f)[1:] not in AMX_FEATURES]
                  + [f"-{f}" for f in AMX_FEATURES]})
+
+
+def runs_here(target: Target) -> bool:
+    """Whether this CPU has every feature ``target``'s code may use (an AVX-512 kernel on Zen 3 faults)."""
+    return all(has_feature(HOST, f) for f in CPUINFO_FEATURES.values() if has_feature(target, f))
 
 
 @functools.lru_cache(maxsize=64)
