@@ -125,14 +125,20 @@ class CpuAttention(AttentionRule):
 
         The 16-bit tiles need AVX-512's 32 vector registers: with AVX2's 16 (8 lanes) a 64-query
         tile's 8 × 4 accumulators spill (0.32× fp32 at (1, 8, 512, 64) on Zen3), so there 16-bit
-        inputs, widened to fp32 FMAs, take fp32's tiles (1.01×)."""
+        inputs, widened to fp32 FMAs, take fp32's tiles (1.01×).
+
+        One query (decode) takes P·V tiles of 4 vectors too, in any dtype: each tile streams V's
+        rows once, so 2 vectors read V in 4 passes of half a cache line of fp16 per row (1.16× fp32,
+        1.2× fp16 and bf16 at (1, 32, 4096, 128) on Zen 3)."""
         lanes = vector_lanes(target)
         masked = spec.causal or spec.window is not None
         widened = spec.dtype == "float16" and not spec.projections and not fp16_parts(spec, target)
         tile = 64 if not masked else 16 if widened else 32
-        dots = {"q_tile": tile, "pv_vecs": 4} if spec.dtype != "float32" and lanes >= LANES else {}
+        core = {"q_tile": tile, "pv_vecs": 4} if spec.dtype != "float32" and lanes >= LANES else {}
+        if spec.n_q == 1:
+            core["pv_vecs"] = 4
         if not spec.projections:
-            return dots
+            return core
         d_in = max(spec.d_model, spec.h * spec.d_v)  # W_O's rows are the merged heads
         gemms = gemm_defaults(d_in, lanes, tvm.DataType(spec.dtype).bits)
         rows = spec.batch * spec.n_q if isinstance(spec.batch, int) and isinstance(spec.n_q, int) else None
@@ -141,7 +147,7 @@ class CpuAttention(AttentionRule):
             tasks = 3 * int(target.attrs.get("num-cores", 1))
             gemms["gemm_block_cols"] = next((c for c in (8, 4, 2) if c <= gemms["gemm_block_cols"]
                                              and tiles // c >= tasks), 1)
-        return dots | gemms
+        return core | gemms
 
     def workload(self, spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue]) -> PrimFunc:
         """The tensor expression's function; on the bf16 instructions, symbolic lengths run in whole
@@ -306,7 +312,11 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
         _vectorize(sch, t, spec.n_kv if isinstance(spec.n_kv, int) else None, lanes)
         _row_reduction(sch, "row_sum", s_lanes)
     panels = (_pack_parts(sch, t, q_tile) if parts else _pack_pairs(sch, spec, t, amx)) if pv_pairs else None
-    if spec.dtype != "float32" and not pv_pairs and s_lanes > 1 and not spec.projections:
+    # V widened before the tasks, but for fp16 with AVX2 (Zen 3): there P·V's vcvtph2ps per vector of
+    # V, shared by the tile's rows, costs less than the pass (1.05–1.11×; bf16's widening, a shift of
+    # each word, costs more: 0.97× in the tiles)
+    if (spec.dtype != "float32" and not pv_pairs and s_lanes > 1 and not spec.projections
+            and (lanes >= LANES or spec.dtype == "bfloat16")):
         _widened_before_tasks(sch, "pv", ("v_rows", "v"), spec.d_v, lanes)
     if amx:
         _amx_stage(sch, "pv", False, parts, steps)
