@@ -94,6 +94,9 @@ KNOBS = (
 # widened projections there; 0.9–1.3× from 16 rows, 1.6–1.9× from 64, (1, n, 768) layers).
 MIN_PAIR_ROWS = 16
 PANEL_BYTES = 384 * 1024  # a projection task's panel of W (d_in × its columns), to stay in L2
+# Rows (B·n) from which an fp32 or fp16 projection's W copied into register-tile panels (`weight_panels`)
+# pays for the copy: 0.88× at 64 rows, 1.06–1.13× at 128, 1.19× from 1024 (fp32 GPT-2 layers, Zen 3)
+MIN_PANEL_ROWS = 128
 # Keys a query sees (about half of them where causal) from which an fp16 core's bf16 parts on AMX's
 # tiles (`fp16_parts`) beat its widened fp32 FMAs: the parts' passes cost a task what three times the
 # tile products save it on short rows (widened ÷ parts: 1.09 at (1, 8, 128, 64), 0.88 at it causal,
@@ -140,7 +143,8 @@ class CpuAttention(AttentionRule):
         if not spec.projections:
             return core
         d_in = max(spec.d_model, spec.h * spec.d_v)  # W_O's rows are the merged heads
-        gemms = gemm_defaults(d_in, lanes, tvm.DataType(spec.dtype).bits)
+        widths = (spec.h * spec.d_k, spec.h_kv * spec.d_k, spec.h_kv * spec.d_v, spec.d_model)
+        gemms = gemm_defaults(d_in, lanes, tvm.DataType(spec.dtype).bits, widths)
         rows = spec.batch * spec.n_q if isinstance(spec.batch, int) and isinstance(spec.n_q, int) else None
         if rows is not None and rows < MIN_PAIR_ROWS:
             tiles = min(spec.d_model, spec.h_kv * spec.d_k) // (gemms["gemm_vecs"] * lanes)  # per W's columns
@@ -223,11 +227,14 @@ class CpuAttention(AttentionRule):
         return sch
 
 
-def gemm_defaults(d_in: int, lanes: int, bits: int) -> dict[str, int]:
-    """GEMM register tiles: 4 rows × 4 vectors of accumulators with AVX-512's 32 registers (4 × 2 with
-    AVX2's 16), and as many column tiles per task as keep the task's W panel (``d_in`` rows) within
-    `PANEL_BYTES` (wide models: fewer columns, or W streams from memory)."""
-    vecs = 4 if lanes >= 16 else 2
+def gemm_defaults(d_in: int, lanes: int, bits: int, widths: tuple[int, ...] = ()) -> dict[str, int]:
+    """GEMM register tiles: 4 rows × 4 vectors of accumulators with AVX-512's 32 registers; with
+    AVX2's 16, 4 × 3 where every output width (``widths``) is whole tiles of them: 12 accumulators,
+    3 W vectors and the broadcast x fill all 16 (1.12–1.14× the 4 × 2 tiles in fp32, 1.2–1.3× in
+    fp16 and bf16, GPT-2 layers on Zen 3), else 4 × 2 (a tail tile is predicated lane by lane). As
+    many column tiles per task as keep the task's W panel (``d_in`` rows) within `PANEL_BYTES`
+    (wide models: fewer columns, or W streams from memory)."""
+    vecs = 4 if lanes >= 16 else 3 if widths and all(w % (3 * lanes) == 0 for w in widths) else 2
     tile_bytes = d_in * vecs * lanes * bits // 8
     cols = next((c for c in (8, 4, 2) if c * tile_bytes <= PANEL_BYTES), 1)
     return {"gemm_vecs": vecs, "gemm_block_cols": cols}
@@ -909,6 +916,8 @@ def _gemm(sch: Schedule, spec: AttentionSpec, target: Target, name: str, lanes: 
         panels = [sch.get_sblock(w + "_hi"), sch.get_sblock(w + "_lo")] if parts else [_copy_of(sch, blk, (w,))]
         for panel in panels:
             sch.transform_layout(panel, ("write", 0), at, assume_injective_transform=True)
+    elif weight_panels(spec, target, name):
+        _pack_panels(sch, blk, PROJECTIONS[name], _int(sch, k["gemm_vecs"]) * lanes, lanes)
     # the cast to the storage dtype as each register tile is stored, but after AMX's tile stores (of
     # fp32 rows) and padded rows' tiles (which run past the rows it stores)
     fused = acc_name != name and not tiles and not padded
@@ -964,6 +973,34 @@ def weight_pairs(spec: AttentionSpec, target: Target, projection: str) -> bool:
     whole_pairs = depth % PAIR == 0 and (projection != "out" or spec.d_v % PAIR == 0)
     return (spec.dtype == "bfloat16" and has_bf16_dot(target) and not (isinstance(rows, int) and rows < MIN_PAIR_ROWS)
             and whole_pairs and columns % LANES == 0)
+
+
+def weight_panels(spec: AttentionSpec, target: Target, projection: str) -> bool:
+    """Whether a projection on FMAs reads W from a copy in panels of its register tile's columns
+    (`_pack_panels`): fp32 and fp16 with AVX2, at least `MIN_PANEL_ROWS` rows if they are static.
+    Read in place, each step of the reduction loads the tile's 3 vectors from a row of W d_model
+    elements after the last: a task's W panel streams from L2 in pieces of 96 bytes, 3 KB apart.
+    bf16 widens its copy's words by shifts, which cost more than the copy saves (0.97×); AVX-512's
+    tiles (4 vectors, 256 bytes a row) are not measured with it."""
+    rows = spec.n_kv if projection in ("k_proj", "v_proj") else spec.n_q
+    rows *= spec.batch if isinstance(spec.batch, int) else 1
+    return (spec.dtype in ("float32", "float16") and vector_lanes(target) < LANES
+            and not (isinstance(rows, int) and rows < MIN_PANEL_ROWS))
+
+
+def _pack_panels(sch: Schedule, blk, weight: str, width: int, lanes: int) -> None:
+    """W (c, m) copied as (m / ``width``, c, ``width``): a register tile's columns are one run of
+    memory along the reduction. One parallel pass over W before the tasks (a workspace its size)."""
+    if int(sch.get(sch.get_loops(blk)[-2]).extent) % width:  # columns: a tail tile would read past a panel
+        return
+    panel = _copy_of(sch, blk, (weight,))
+    sch.transform_layout(panel, ("write", 0), lambda c, m: (m // width, c, m % width),
+                         assume_injective_transform=True)
+    c, m = sch.get_loops(panel)
+    m_out, m_in = sch.split(m, [None, width])
+    sch.reorder(m_out, c, m_in)
+    sch.parallel(sch.fuse(m_out, c))
+    _vectorize(sch, m_in, width, lanes)
 
 
 def _padded_rows(spec: AttentionSpec, target: Target, projection: str) -> bool:

@@ -101,7 +101,7 @@ class Matmul(ScheduleRule):
         """The projections' tiles; for a wide output (an LM head) with AVX-512, 8 rows × 2 vectors: the
         same 16 accumulators read half as much of the weight panel from L2 per FMA (50257 columns:
         46.7 ms against 49.9 for 4 × 4; on 768–3072 columns the two are within 2 %)."""
-        knobs = cpu.gemm_defaults(d_in, lanes, bits)
+        knobs = cpu.gemm_defaults(d_in, lanes, bits, (width,))
         if width >= WIDE and lanes >= 16:
             knobs.update(gemm_rows=8, gemm_vecs=2)
         return knobs
