@@ -66,6 +66,7 @@ from tvmattn.schedules.x86_amx import (
     zero_intrinsic,
 )
 from tvmattn.schedules.x86_bf16 import (
+    KEEP_16BIT,
     LANES,
     PAIR,
     DOT_16x2,
@@ -94,8 +95,8 @@ KNOBS = (
 # widened projections there; 0.9–1.3× from 16 rows, 1.6–1.9× from 64, (1, n, 768) layers).
 MIN_PAIR_ROWS = 16
 PANEL_BYTES = 384 * 1024  # a projection task's panel of W (d_in × its columns), to stay in L2
-# Rows (B·n) from which an fp32 or fp16 projection's W copied into register-tile panels (`weight_panels`)
-# pays for the copy: 0.88× at 64 rows, 1.06–1.13× at 128, 1.19× from 1024 (fp32 GPT-2 layers, Zen 3)
+# Rows (B·n) from which a projection's W copied into register-tile panels (`weight_panels`) pays for
+# the copy: 0.88× at 64 rows, 1.06–1.13× at 128, 1.19× from 1024 (fp32 GPT-2 layers, Zen 3)
 MIN_PANEL_ROWS = 128
 # Keys a query sees (about half of them where causal) from which an fp16 core's bf16 parts on AMX's
 # tiles (`fp16_parts`) beat its widened fp32 FMAs: the parts' passes cost a task what three times the
@@ -977,14 +978,13 @@ def weight_pairs(spec: AttentionSpec, target: Target, projection: str) -> bool:
 
 def weight_panels(spec: AttentionSpec, target: Target, projection: str) -> bool:
     """Whether a projection on FMAs reads W from a copy in panels of its register tile's columns
-    (`_pack_panels`): fp32 and fp16 with AVX2, at least `MIN_PANEL_ROWS` rows if they are static.
-    Read in place, each step of the reduction loads the tile's 3 vectors from a row of W d_model
-    elements after the last: a task's W panel streams from L2 in pieces of 96 bytes, 3 KB apart.
-    bf16 widens its copy's words by shifts, which cost more than the copy saves (0.97×); AVX-512's
+    (`_pack_panels`): with AVX2, at least `MIN_PANEL_ROWS` rows if they are static. Read in place,
+    each step of the reduction loads the tile's 3 vectors from a row of W d_model elements after
+    the last: a task's W panel streams from L2 in pieces of 96 bytes (fp32), 3 KB apart. AVX-512's
     tiles (4 vectors, 256 bytes a row) are not measured with it."""
     rows = spec.n_kv if projection in ("k_proj", "v_proj") else spec.n_q
     rows *= spec.batch if isinstance(spec.batch, int) else 1
-    return (spec.dtype in ("float32", "float16") and vector_lanes(target) < LANES
+    return (vector_lanes(target) < LANES
             and not (isinstance(rows, int) and rows < MIN_PANEL_ROWS))
 
 
@@ -1001,6 +1001,7 @@ def _pack_panels(sch: Schedule, blk, weight: str, width: int, lanes: int) -> Non
     sch.reorder(m_out, c, m_in)
     sch.parallel(sch.fuse(m_out, c))
     _vectorize(sch, m_in, width, lanes)
+    sch.annotate(panel, KEEP_16BIT, 1)  # (bf16: TVM would store its own bf16 buffer widened to fp32)
 
 
 def _padded_rows(spec: AttentionSpec, target: Target, projection: str) -> bool:

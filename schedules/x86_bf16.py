@@ -40,6 +40,7 @@ DOT_16x2_PAIR_FIRST = "tvmattn_dot_16x2_bf16_pair_first"  # C + A·B (P·V: a pa
 DOT_FUNCTION = "tvmattn_dpbf16ps"
 # what reads a packed operand as the bits it holds: the dot product, and AMX's tile loads (`x86_amx`)
 OPERAND_READERS = (DOT_FUNCTION, "llvm.x86.tileloadd64")
+KEEP_16BIT = "tvmattn.keep_16bit"  # a block annotation: its bf16 output keeps 16 bits (a copy FMAs widen as they load)
 PAIRS_FUNCTION = "tvmattn_cvtne2ps2bf16_pairs"  # two fp32 rows → their bf16 pairs, rounded to nearest even
 # vcvtne2ps2bf16 puts its second operand's 16 values below its first's; the panel wants them interleaved
 _INTERLEAVE = ", ".join(f"i32 {i // 2 + (i % 2) * 16}" for i in range(32))
@@ -278,8 +279,8 @@ def _bits_of(value: PrimExpr) -> PrimExpr:
 
 
 def _own_bf16_buffers(func: tirx.PrimFunc) -> list[tirx.Buffer]:
-    """The bf16 buffers ``func`` allocates that one of `OPERAND_READERS` reads, and every view (match
-    buffer) of them."""
+    """The bf16 buffers ``func`` allocates that one of `OPERAND_READERS` reads or a block annotated
+    `KEEP_16BIT` writes, and every view (match buffer) of them."""
     allocated: list[tirx.Buffer] = []
     operands: list[tirx.Buffer] = []
 
@@ -287,6 +288,8 @@ def _own_bf16_buffers(func: tirx.PrimFunc) -> list[tirx.Buffer]:
         allocated.extend(b for b in block.alloc_buffers if str(b.dtype) == "bfloat16")
         if block.match_buffers and any(reader in block.body.script() for reader in OPERAND_READERS):
             operands.extend(m.source.source for m in block.match_buffers)
+        if KEEP_16BIT in block.annotations:
+            operands.extend(w.source for w in block.writes)
         visitor.default_visit(block)
 
     tvm_ffi.structural_visit(func.body, [(SBlock, on_block)])

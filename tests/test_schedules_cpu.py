@@ -163,21 +163,24 @@ def test_qk_register_tile_is_stored_from_registers(spec):
     assert indices and all(index.isdigit() for index in indices), sorted(set(indices))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("seq_len,kv_seq_len,kv_heads,panels", [
     (128, None, 2, {"w_q", "w_k", "w_v", "w_o"}), ("n", None, 1, {"w_q", "w_k", "w_v", "w_o"}),
     (40, 136, 2, {"w_k", "w_v"}), (64, None, 2, set())])
 def test_avx2_projections_read_w_in_register_tile_panels(seq_len, kv_seq_len, kv_heads, panels, dtype):
     """With AVX2, a projection of 128 rows or more (or symbolic) copies its W into panels of the
     register tile's 3 vectors of columns, one run of memory along the reduction; fewer rows read W in
-    place (the copy would cost more than it saves). Either way, the oracle's result."""
+    place (the copy would cost more than it saves). A bf16 panel keeps W's 16 bits (TVM widens a
+    function's own bf16 buffers to fp32). Either way, the oracle's result."""
     spec = AttentionSpec(batch=1, seq_len=seq_len, kv_seq_len=kv_seq_len, num_heads=2, num_kv_heads=kv_heads,
                          head_dim=24, d_model=48, causal=kv_seq_len is None, dtype=dtype)
     target = resolve_target(AVX2)
-    script = schedule_attention(spec, target, tuned=False)[0].script()
+    mod = schedule_attention(spec, target, tuned=False)[0]
     copied = {w for w in ("w_q", "w_k", "w_v", "w_o")
-              if re.search(rf"{w}_global = T.sblock_alloc_buffer\(\(\d+, 48, 24\)", script)}
+              if re.search(rf"{w}_global = T.sblock_alloc_buffer\(\(\d+, 48, 24\)", mod.script())}
     assert copied == panels
+    widened = re.search(r'w_\w_global = T.alloc_buffer\(\(\d+,\), "float32', lower(mod, target).script())
+    assert dtype != "bfloat16" or not widened
     kernel = tvmattn.compile(spec, target, tuned=False)
     for n in (1, 17, 130) if seq_len == "n" else (None,):
         assert_matches_oracle(kernel, {"n": n} if n else None)
