@@ -321,8 +321,8 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
         _row_reduction(sch, "row_sum", s_lanes)
     panels = (_pack_parts(sch, t, q_tile) if parts else _pack_pairs(sch, spec, t, amx)) if pv_pairs else None
     # V widened before the tasks, but for fp16 with AVX2 (Zen 3): there P·V's vcvtph2ps per vector of
-    # V, shared by the tile's rows, costs less than the pass (1.05–1.11×; bf16's widening, a shift of
-    # each word, costs more: 0.97× in the tiles)
+    # V, shared by the tile's rows, costs less than the pass (1.05–1.11×; bf16's widening in the tile,
+    # a zero-extension and a shift per vector, measured 0.97×)
     if (spec.dtype != "float32" and not pv_pairs and s_lanes > 1 and not spec.projections
             and (lanes >= LANES or spec.dtype == "bfloat16")):
         _widened_before_tasks(sch, "pv", ("v_rows", "v"), spec.d_v, lanes)
