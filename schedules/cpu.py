@@ -968,8 +968,7 @@ def weight_pairs(spec: AttentionSpec, target: Target, projection: str) -> bool:
     then takes whole tiles: a tail's predicate cannot sit inside the instruction). Elsewhere it
     widens to fp32 FMAs."""
     depth, columns = spec.input_shapes()[PROJECTIONS[projection]]
-    rows = spec.n_kv if projection in ("k_proj", "v_proj") else spec.n_q
-    rows *= spec.batch if isinstance(spec.batch, int) else 1
+    rows = _rows(spec, projection)
     # W_O's pairs of merged columns must not straddle two heads: its x pairs are read from attn
     whole_pairs = depth % PAIR == 0 and (projection != "out" or spec.d_v % PAIR == 0)
     return (spec.dtype == "bfloat16" and has_bf16_dot(target) and not (isinstance(rows, int) and rows < MIN_PAIR_ROWS)
@@ -982,8 +981,7 @@ def weight_panels(spec: AttentionSpec, target: Target, projection: str) -> bool:
     each step of the reduction loads the tile's 3 vectors from a row of W d_model elements after
     the last: a task's W panel streams from L2 in pieces of 96 bytes (fp32), 3 KB apart. AVX-512's
     tiles (4 vectors, 256 bytes a row) are not measured with it."""
-    rows = spec.n_kv if projection in ("k_proj", "v_proj") else spec.n_q
-    rows *= spec.batch if isinstance(spec.batch, int) else 1
+    rows = _rows(spec, projection)
     return (vector_lanes(target) < LANES
             and not (isinstance(rows, int) and rows < MIN_PANEL_ROWS))
 
@@ -1004,6 +1002,12 @@ def _pack_panels(sch: Schedule, blk, weight: str, width: int, lanes: int) -> Non
     sch.annotate(panel, KEEP_16BIT, 1)  # (bf16: TVM would store its own bf16 buffer widened to fp32)
 
 
+def _rows(spec: AttentionSpec, projection: str):
+    """A projection's rows, B·n (symbolic: n, or n_kv for K's and V's)."""
+    rows = spec.n_kv if projection in ("k_proj", "v_proj") else spec.n_q
+    return rows * spec.batch if isinstance(spec.batch, int) and isinstance(rows, int) else rows
+
+
 def _padded_rows(spec: AttentionSpec, target: Target, projection: str) -> bool:
     """Whether a projection's rows are padded to whole blocks (`_pad_rows`): symbolic ones, and on
     AMX's tiles static ones that are no multiple of 32."""
@@ -1017,8 +1021,7 @@ def weight_tiles(spec: AttentionSpec, target: Target, projection: str) -> bool:
     rows run in whole blocks of 32, `_pad_rows`), the reduction and the columns in whole blocks of
     32 (W_O's blocks of merged columns within one head: d_v a multiple of 32)."""
     depth, columns = spec.input_shapes()[PROJECTIONS[projection]]
-    rows = spec.n_kv if projection in ("k_proj", "v_proj") else spec.n_q
-    rows *= spec.batch if isinstance(spec.batch, int) else 1
+    rows = _rows(spec, projection)
     return (spec.dtype in ("bfloat16", "float16") and has_amx(target) and has_bf16_dot(target)
             and not (isinstance(rows, int) and rows < MIN_PAIR_ROWS) and depth % STEP == 0 and columns % BLOCK == 0
             and (projection != "out" or spec.d_v % STEP == 0))
