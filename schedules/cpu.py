@@ -2,9 +2,12 @@
 
 Query tiles (prefill, and any spec with more tasks than cores): one parallel task per (batch, head,
 query tile of ``q_tile`` rows); the query heads of a GQA group take consecutive tasks on the same tile,
-so the K/V rows they share are still in cache. Every attention stage is computed inside the task, so a
-task holds a q_tile × n_kv score tile, never the n × n_kv matrix. Tiles are stored key-major,
-(tile, t, s), so that every stage vectorises over queries:
+so the K/V rows they share are still in cache. A 16-bit K or V widened to fp32 for the FMAs
+(`widened_kv`) is widened once: in a task per (batch, KV head) that runs its query tiles in turn,
+where those pairs split evenly over the cores (`head_tasks`), else in a pass before the tasks.
+Every attention stage is computed inside the query tile, so a task holds a q_tile × n_kv score
+tile, never the n × n_kv matrix. Tiles are stored key-major, (tile, t, s), so that every stage
+vectorises over queries:
 
     pack    q tile → (d_k, q_tile)                           once per task, lanes × lanes blocks
                                                              transposed in registers (`x86_panels`)
@@ -179,6 +182,9 @@ class CpuAttention(AttentionRule):
                 what += f", QKᵀ and P·V on AMX tiles (tdpbf16ps{parts})"
             else:
                 dots = [stage for stage, on in zip(("QKᵀ", "P·V"), bf16_dots(spec, target, q_tile, qk_keys)) if on]
+                widened = [x for x, on in zip("KV", widened_kv(spec, target, q_tile, qk_keys)) if on]
+                if widened and head_tasks(spec, target):
+                    what += f", a task per (batch, KV head) widening its {_listed(widened)} once"
         if spec.projections:
             used += ["gemm_rows", "gemm_vecs", "gemm_block_rows", "gemm_block_cols"]
             tiles = [weight.upper() for name, weight in PROJECTIONS.items() if weight_tiles(spec, target, name)]
@@ -253,6 +259,8 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
     amx = amx_tiles(spec, target, q_tile)
     parts = fp16_parts(spec, target)  # (then amx: `_dot_tile` keeps whole blocks of 32)
     qk_pairs, pv_pairs = (True, True) if amx else bf16_dots(spec, target, q_tile, _int(sch, qk_keys))
+    widen_k, widen_v = widened_kv(spec, target, q_tile, _int(sch, qk_keys))
+    per_head = (widen_k or widen_v) and head_tasks(spec, target)
     if by_head_dim:
         scores_rf = _split_head_dim(sch, _lanes_for(spec.d_k, lanes))
     # Tile-local buffers are laid out (query tile, key, query in tile): vectors run along queries, and
@@ -272,8 +280,14 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
     # value rows one task streams are still in cache for the next
     head_kv, head_in_group = sch.split(loops["i"], [None, spec.group])
     sch.reorder(loops["b"], head_kv, s_tile, head_in_group, s_in, loops["c"])
-    task = sch.fuse(loops["b"], head_kv, s_tile, head_in_group)
-    sch.parallel(task)
+    if per_head:  # the per-tile stages live in ``task``, the loop over a head task's tiles
+        head = sch.fuse(loops["b"], head_kv)
+        task = sch.fuse(s_tile, head_in_group)
+        sch.parallel(head)
+    else:
+        head = None  # (16-bit K and V widened in a pass before the tasks)
+        task = sch.fuse(loops["b"], head_kv, s_tile, head_in_group)
+        sch.parallel(task)
     if amx:
         configure_tiles(sch, task)
     _vectorize(sch, loops["c"], spec.d_v, lanes)
@@ -293,14 +307,14 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
             _pack_query_parts(sch, task, q_tile, lanes, steps)
         else:
             _pack_queries(sch, spec, task, q_tile, lanes, qk_pairs, steps)
-        widen = spec.dtype != "float32" and not qk_pairs
-        if widen and not spec.projections:
-            _widened_before_tasks(sch, "scores", ("k",), spec.d_k, lanes)
+        if widen_k:
+            _widened_once(sch, "scores", ("k", "k_proj"), spec.d_k, lanes, at=head)
         if amx:
             in_place = not (parts or spec.projections or _has_block(sch, "k_rows"))  # K read as it is given
             tile_keys = _amx_stage(sch, "scores", in_place and spec.layout == "BSHD", parts, steps)
         else:
-            tile_keys = _scores(sch, s_lanes, qk_keys, qk_pairs, steps, widen=widen and spec.projections)
+            widen = spec.dtype != "float32" and not qk_pairs and not widen_k  # (a layer's k_proj outside head tasks)
+            tile_keys = _scores(sch, s_lanes, qk_keys, qk_pairs, steps, widen=widen)
         if spec.attn_mask is not None and {"s", "t"} <= set(spec.attn_mask_dims):
             _pack_mask(sch, task, q_tile)  # (row_max then reads the mask's tile: a pass of its own)
             _row_reduction(sch, "row_max", s_lanes)
@@ -320,12 +334,8 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
         _vectorize(sch, t, spec.n_kv if isinstance(spec.n_kv, int) else None, lanes)
         _row_reduction(sch, "row_sum", s_lanes)
     panels = (_pack_parts(sch, t, q_tile) if parts else _pack_pairs(sch, spec, t, amx)) if pv_pairs else None
-    # V widened before the tasks, but for fp16 with AVX2 (Zen 3): there P·V's vcvtph2ps per vector of
-    # V, shared by the tile's rows, costs less than the pass (1.05–1.11×; bf16's widening in the tile,
-    # a zero-extension and a shift per vector, measured 0.97×)
-    if (spec.dtype != "float32" and not pv_pairs and s_lanes > 1 and not spec.projections
-            and (lanes >= LANES or spec.dtype == "bfloat16")):
-        _widened_before_tasks(sch, "pv", ("v_rows", "v"), spec.d_v, lanes)
+    if widen_v:
+        _widened_once(sch, "pv", ("v_rows", "v", "v_proj"), spec.d_v, lanes, at=head)
     if amx:
         _amx_stage(sch, "pv", False, parts, steps)
         _pv_rows(sch, lanes, steps)
@@ -465,6 +475,34 @@ def fp16_parts(spec: AttentionSpec, target: Target) -> bool:
             and spec.n_q != 1 and not few_keys and spec.d_k % STEP == 0 and spec.d_v % BLOCK == 0)
 
 
+def widened_kv(spec: AttentionSpec, target: Target, q_tile: int, qk_keys: int) -> tuple[bool, bool]:
+    """Whether the query-tile kernel widens 16-bit K and V to fp32 once (`_widened_once`), for fp32
+    FMAs (no AMX tiles, no `bf16_dots`) that then load plain fp32 in every tile. Not fp16's V with
+    AVX2 (Zen 3): there P·V's vcvtph2ps per vector of V, shared by the tile's rows, costs less than
+    the widened copy (1.05–1.11× the pass; 0.99–1.01× a copy per head task; bf16's widening in the
+    tile, a zero-extension and a shift per vector, measured 0.97×). Not decode's K, read along d_k.
+    A layer's k_proj and v_proj only in head tasks (`head_tasks`; bf16 GPT-2-small layers 1.05–1.16×
+    on Zen 3): elsewhere its register tiles widen k_proj (`_widen_keys`) and P·V converts V."""
+    lanes = vector_lanes(target)
+    s_lanes = _lanes_for(q_tile, lanes)
+    by_head_dim = s_lanes == 1 and _lanes_for(spec.d_k, lanes) > 1
+    qk_pairs, pv_pairs = (True, True) if amx_tiles(spec, target, q_tile) else bf16_dots(spec, target, q_tile, qk_keys)
+    widened = spec.dtype != "float32" and not by_head_dim and (not spec.projections or head_tasks(spec, target))
+    return (widened and not qk_pairs,
+            widened and not pv_pairs and s_lanes > 1 and (lanes >= LANES or spec.dtype == "bfloat16"))
+
+
+def head_tasks(spec: AttentionSpec, target: Target) -> bool:
+    """Whether the core's parallel tasks are whole (batch, KV head) pairs, each running its query
+    tiles in turn, where they split evenly over the cores (as many tiles of work each: a head's
+    tiles, causal or not, sum to the same). A task then widens its head's 16-bit K and V once, kept
+    in its cache for the next tile, where query-tile tasks need a parallel pass before them (a
+    thread-pool start, and the fp32 copy written to memory and read back): 1.03–1.09× fp16 and bf16
+    at (1, 8, 128, 64) dense and causal, (8, 8, 256, 32) causal, Zen 3."""
+    pairs = spec.batch * spec.h_kv if isinstance(spec.batch, int) else None
+    return pairs is not None and pairs % int(target.attrs.get("num-cores", 1)) == 0
+
+
 def _few_tasks_of_one_query(spec: AttentionSpec, target: Target, lanes: int) -> bool:
     """Decode with fewer (batch, head) pairs than twice the cores: only the keys can keep them busy."""
     sizes = (spec.batch, spec.n_q, spec.n_kv)
@@ -588,7 +626,7 @@ def _scores(sch: Schedule, lanes: int, keys_factor: KnobValue, pairs: bool, step
     """acc[qk_keys keys][q_tile queries] += k[t, e] · q[e, s], over e, in registers (``lanes``
     queries per vector); with ``pairs``, two steps of e per instruction (`x86_bf16.DOT_16x2`: the
     pair k[t, e:e+2] broadcast, the panel's q[e:e+2, s:s+16]); ``widen``: 16-bit keys widened to fp32
-    a key tile at a time (`_widen_keys`: a layer's k_proj; the core's K is widened before the tasks).
+    a key tile at a time (`_widen_keys`: a layer's k_proj where no head task widens it, `widened_kv`).
     Returns the loop over register tiles of keys."""
     scores = sch.get_sblock("scores")
     s, t, e = sch.get_loops(scores)[-3:]
@@ -749,24 +787,27 @@ def _pack_pairs(sch: Schedule, spec: AttentionSpec, pair_loop, amx: bool = False
     return p_name, sch.get(v_panel).name_hint
 
 
-def _widened_before_tasks(sch: Schedule, reader: str, names: tuple[str, ...], width: int, lanes: int,
-                          consumers: list | None = None) -> None:
+def _widened_once(sch: Schedule, reader: str, names: tuple[str, ...], width: int, lanes: int,
+                  consumers: list | None = None, at=None) -> None:
     """A 16-bit operand of ``reader`` (K for QKᵀ, V for P·V, x for projections) widened to fp32 once,
-    for ``consumers`` (default: every reader), in a parallel pass before the tasks (a workspace twice
-    its size): the micro-kernel then loads plain fp32, not a conversion per vector of V in every
-    query tile, nor K's register tile widened in every task (1.03–1.07× fp16 at 16-query tiles, (1,
-    8, 128, 64) and (8, 8, 256, 32) causal; within 1 % from 64-query tiles)."""
+    for ``consumers`` (default: every reader): the micro-kernel then loads plain fp32, not a
+    conversion per vector of V in every query tile, nor K's register tile widened in every task
+    (1.03–1.07× fp16 at 16-query tiles, (1, 8, 128, 64) and (8, 8, 256, 32) causal; within 1 % from
+    64-query tiles). ``at`` a head task's loop (`head_tasks`), its head's rows in each task, else in
+    a parallel pass before the tasks (a workspace twice the operand's size)."""
     copy = _copy_of(sch, sch.get_sblock(reader), names, consumers)
     sch.unsafe_set_dtype(copy, 0, "float32")
-    *rows, c = sch.get_loops(copy)
-    sch.parallel(sch.fuse(*rows))
-    _vectorize(sch, c, width, lanes)
+    if at is not None:
+        sch.compute_at(copy, at, preserve_unit_loops=True)
+    else:
+        sch.parallel(sch.fuse(*sch.get_loops(copy)[:-1]))
+    _vectorize(sch, sch.get_loops(copy)[-1], width, lanes)
 
 
 def _widen_projection_inputs(sch: Schedule, spec: AttentionSpec, target: Target, lanes: int) -> None:
     """The 16-bit x of the projections that widen to fp32 FMAs (no pairs, no tiles: `weight_pairs`,
     `weight_tiles`), x_kv's and W_O's merged heads too, each widened once before the tasks
-    (`_widened_before_tasks`): a register tile's row then broadcasts plain fp32, where it took a
+    (`_widened_once`): a register tile's row then broadcasts plain fp32, where it took a
     broadcast and a conversion per element, a row of the tile each (fp16 GPT-2 layers on Zen 3:
     0.85–0.98× fp32 before, 1.10–1.29× after, W's half bytes read). Padded rows are widened in their
     pass that pads them (`_pad_rows`)."""
@@ -775,7 +816,7 @@ def _widen_projection_inputs(sch: Schedule, spec: AttentionSpec, target: Target,
     for x, width in (("x", spec.d), ("x_kv", spec.d), ("attn", spec.d_v)):  # (W_O reads attn)
         readers = [blk for blk in widened if x in (r.source.name for r in sch.get(blk).reads)]
         if readers:
-            _widened_before_tasks(sch, sch.get(readers[0]).name_hint, (x,), width, lanes, readers)
+            _widened_once(sch, sch.get(readers[0]).name_hint, (x,), width, lanes, readers)
 
 
 def _widened_projection(spec: AttentionSpec, target: Target, projection: str) -> bool:
