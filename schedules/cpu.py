@@ -498,9 +498,10 @@ def head_tasks(spec: AttentionSpec, target: Target) -> bool:
     tiles, causal or not, sum to the same). A task then widens its head's 16-bit K and V once, kept
     in its cache for the next tile, where query-tile tasks need a parallel pass before them (a
     thread-pool start, and the fp32 copy written to memory and read back): 1.03–1.09× fp16 and bf16
-    at (1, 8, 128, 64) dense and causal, (8, 8, 256, 32) causal, Zen 3."""
-    pairs = spec.batch * spec.h_kv if isinstance(spec.batch, int) else None
-    return pairs is not None and pairs % int(target.attrs.get("num-cores", 1)) == 0
+    at (1, 8, 128, 64) dense and causal, (8, 8, 256, 32) causal, Zen 3. A symbolic batch (the
+    PyTorch drop-in's kernels) splits evenly at any size where its KV heads do."""
+    per_batch = spec.batch if isinstance(spec.batch, int) else 1
+    return per_batch * spec.h_kv % int(target.attrs.get("num-cores", 1)) == 0
 
 
 def _few_tasks_of_one_query(spec: AttentionSpec, target: Target, lanes: int) -> bool:
