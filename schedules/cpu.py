@@ -124,7 +124,7 @@ class CpuAttention(AttentionRule):
         tiles where a mask bounds each tile's keys (causal, a window): a tile computes every key up
         to its last query, and half its diagonal block is masked away (1.08× fp16 and 1.04× bf16 at
         (1, 8, 128, 64) causal, 1.08× fp16 at (8, 8, 256, 32), the same as 64 from n = 512); 16-query
-        tiles, fp32's, for a masked fp16 core, whose K is widened before the tasks (1.03× at (1, 8,
+        tiles, fp32's, for a masked fp16 core, whose K is widened once (`widened_kv`; 1.03× at (1, 8,
         128, 64) causal, 1.00–1.01× from n = 256; on AMX's tiles, `fp16_parts`, 32 as bf16's). A
         one-token layer (fewer than `MIN_PAIR_ROWS` rows: GEMVs, each W element read once, so no
         panel to keep in L2) takes column blocks small enough to give each core three tasks of its
@@ -497,9 +497,10 @@ def head_tasks(spec: AttentionSpec, target: Target) -> bool:
     tiles in turn, where they split evenly over the cores (as many tiles of work each: a head's
     tiles, causal or not, sum to the same). A task then widens its head's 16-bit K and V once, kept
     in its cache for the next tile, where query-tile tasks need a parallel pass before them (a
-    thread-pool start, and the fp32 copy written to memory and read back): 1.03–1.09× fp16 and bf16
-    at (1, 8, 128, 64) dense and causal, (8, 8, 256, 32) causal, Zen 3. A symbolic batch (the
-    PyTorch drop-in's kernels) splits evenly at any size where its KV heads do."""
+    thread-pool start, and the fp32 copy written to memory and read back): 1.08–1.12× fp16 and bf16
+    at (1, 8, 128, 64) dense and causal, 1.09× bf16 at (8, 8, 256, 32) causal, within noise from n =
+    512 (Zen 3). A symbolic batch (the PyTorch drop-in's kernels) splits evenly at any size where its
+    KV heads do."""
     per_batch = spec.batch if isinstance(spec.batch, int) else 1
     return per_batch * spec.h_kv % int(target.attrs.get("num-cores", 1)) == 0
 

@@ -143,7 +143,7 @@ def test_16bit_cores_widen_k_and_v_once_in_a_task_per_head(spec, tasks, per_head
     """A 16-bit core on fp32 FMAs (AVX2 here) widens K (bf16: V too) once: where its (batch, KV head)
     pairs split evenly over the cores, inside a task per pair that runs its query tiles in turn (no
     parallel pass before the tasks: a thread-pool start, and the fp32 copy written and read back;
-    1.03–1.09× at (1, 8, 128, 64), Zen 3), else in a pass of its own before query-tile tasks."""
+    1.08–1.12× at (1, 8, 128, 64), Zen 3), else in a pass of its own before query-tile tasks."""
     kernel = tvmattn.compile(spec, AVX2, tuned=False)
     loops = parallel_loops(kernel)
     extent, inside = next((e, names) for e, names in loops if "scores_update" in names)
