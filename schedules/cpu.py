@@ -84,7 +84,7 @@ KNOBS = (
     Knob("q_tile", (8, 16, 24, 32, 48, 64), 16, "queries per parallel task (a multiple of the vector width)"),
     Knob("qk_keys", (1, 2, 3, 4, 6, 8), 4, "keys per QKᵀ register tile"),
     Knob("pv_rows", (1, 2, 3, 4, 6), 4, "queries per P·V register tile (at most: a divisor of q_tile)"),
-    Knob("pv_vecs", (1, 2, 3, 4), 2, "vectors of d_v per P·V register tile"),
+    Knob("pv_vecs", (1, 2, 3, 4, 8, 16), 2, "vectors of d_v per P·V register tile"),
     Knob("key_chunks", (2, 4, 8, 16, 32), 8,
          "key chunks run in parallel when (batch, head) pairs are few (at most: a divisor of n_kv)"),
     Knob("gemm_rows", (1, 2, 3, 4, 6, 8), 4, "rows per projection register tile"),
@@ -134,16 +134,17 @@ class CpuAttention(AttentionRule):
         tile's 8 × 4 accumulators spill (0.32× fp32 at (1, 8, 512, 64) on Zen3), so there 16-bit
         inputs, widened to fp32 FMAs, take fp32's tiles (1.01×).
 
-        One query (decode) takes P·V tiles of 4 vectors too, in any dtype: each tile streams V's
-        rows once, so 2 vectors read V in 4 passes of half a cache line of fp16 per row (1.16× fp32,
-        1.2× fp16 and bf16 at (1, 32, 4096, 128) on Zen 3)."""
+        One query (decode) takes P·V tiles of 4 vectors too in fp32: each tile streams V's rows
+        once, so 2 vectors read V in 8 passes (4 take 1.16× their time at (1, 32, 4096, 128) on Zen
+        3, 8 0.89×). A 16-bit V, half the bytes, is read in one pass where its rows fit 16 vectors
+        (`_one_pass_vecs`)."""
         lanes = vector_lanes(target)
         masked = spec.causal or spec.window is not None
         widened = spec.dtype == "float16" and not spec.projections and not fp16_parts(spec, target)
         tile = 64 if not masked else 16 if widened else 32
         core = {"q_tile": tile, "pv_vecs": 4} if spec.dtype != "float32" and lanes >= LANES else {}
         if spec.n_q == 1:
-            core["pv_vecs"] = 4
+            core["pv_vecs"] = _one_pass_vecs(spec, lanes) if spec.dtype != "float32" else 4
         if not spec.projections:
             return core
         d_in = max(spec.d_model, spec.h * spec.d_v)  # W_O's rows are the merged heads
@@ -503,6 +504,17 @@ def head_tasks(spec: AttentionSpec, target: Target) -> bool:
     KV heads do."""
     per_batch = spec.batch if isinstance(spec.batch, int) else 1
     return per_batch * spec.h_kv % int(target.attrs.get("num-cores", 1)) == 0
+
+
+def _one_pass_vecs(spec: AttentionSpec, lanes: int) -> int:
+    """P·V vectors per register tile for one query of a 16-bit V: its whole row, up to 16 vectors
+    (then a pass reads every cache line of a row once, where 4 vectors read a 256-byte fp16 row in
+    4 passes of one line each). At (1, 32, 4096, 128) on Zen 3, whose 16 registers spill 3 of the 16
+    accumulators: fp16 1.06–1.07× the 4-vector tile, bf16 0.99–1.03×; at L = 1024 1.20× and 1.04×.
+    Unmeasured on AVX-512, whose 32 registers hold them. A row of no power-of-two count of vectors
+    keeps 4 (a predicated tail)."""
+    row = max(spec.d_v // lanes, 1)
+    return max((c for c in (2, 4, 8, 16) if row % c == 0), default=4)
 
 
 def _few_tasks_of_one_query(spec: AttentionSpec, target: Target, lanes: int) -> bool:

@@ -323,10 +323,11 @@ def test_widened_projections_broadcast_x_in_fp32(seq_len, kv_seq_len, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("kv_heads,key_padding", [(8, False), (2, True)])
-def test_half_width_kv_decode_matches_the_oracle(dtype, kv_heads, key_padding):
-    """One query against a long 16-bit cache (the memory-bound case: half the bytes of fp32)."""
-    spec = AttentionSpec(batch=2, seq_len=1, kv_seq_len=600, num_heads=8, num_kv_heads=kv_heads, head_dim=64,
+@pytest.mark.parametrize("kv_heads,key_padding,head_dim", [(8, False, 64), (2, True, 128), (8, True, 40)])
+def test_half_width_kv_decode_matches_the_oracle(dtype, kv_heads, key_padding, head_dim):
+    """One query against a long 16-bit cache (the memory-bound case: half the bytes of fp32); P·V
+    tiles of a whole V row (`cpu._one_pass_vecs`): 8 vectors, 16 (spilling AVX2's registers), 4 and a tail of 1."""
+    spec = AttentionSpec(batch=2, seq_len=1, kv_seq_len=600, num_heads=8, num_kv_heads=kv_heads, head_dim=head_dim,
                          key_padding=key_padding, projections=False, dtype=dtype)
     assert_matches_oracle(compiled(spec))
 

@@ -18,7 +18,7 @@ from tvmattn.schedules import cpu, default_knobs
 
 EXTREMES = [
     dict(q_tile=8, qk_keys=1, pv_rows=1, pv_vecs=1),
-    dict(q_tile=64, qk_keys=8, pv_rows=6, pv_vecs=4),
+    dict(q_tile=64, qk_keys=8, pv_rows=6, pv_vecs=16),
     dict(q_tile=24, qk_keys=3, pv_rows=3, pv_vecs=3),
 ]
 SHAPES = [
