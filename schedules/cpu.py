@@ -177,6 +177,9 @@ class CpuAttention(AttentionRule):
             q_tile = min(knobs["q_tile"], n_q) if isinstance(n_q, int) else knobs["q_tile"]
             q_tile = _dot_tile(spec, target, q_tile) or q_tile
             qk_keys = _qk_keys(None, spec, target, knobs["qk_keys"])
+            if _along_head_dim(spec, q_tile, lanes):  # (qk_keys, and q_tile = n_q, unread)
+                used = ["pv_rows", "pv_vecs"] if q_tile > 1 else ["pv_vecs"]
+                what = f"{q_tile} {'query' if q_tile == 1 else 'queries'} per task × {lanes}-lane dot products along d_k"
             if amx_tiles(spec, target, q_tile):
                 used = ["q_tile"]
                 parts = ", fp16 as bf16 hi + lo" if fp16_parts(spec, target) else ""
@@ -186,6 +189,8 @@ class CpuAttention(AttentionRule):
                 widened = [x for x, on in zip("KV", widened_kv(spec, target, q_tile, qk_keys)) if on]
                 if widened and head_tasks(spec, target):
                     what += f", a task per (batch, KV head) widening its {_listed(widened)} once"
+        if "pv_vecs" in used and _lanes_for(spec.d_v, lanes) < lanes:  # d_v in narrower vectors: one per tile
+            used.remove("pv_vecs")
         if spec.projections:
             used += ["gemm_rows", "gemm_vecs", "gemm_block_rows", "gemm_block_cols"]
             tiles = [weight.upper() for name, weight in PROJECTIONS.items() if weight_tiles(spec, target, name)]
@@ -255,7 +260,7 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
     tile_factor = _dot_tile(spec, target, _int(sch, tile_factor)) or tile_factor  # dot products: whole tiles
     q_tile = _int(sch, tile_factor)
     s_lanes = _lanes_for(q_tile, lanes)  # queries per vector
-    by_head_dim = s_lanes == 1 and _lanes_for(spec.d_k, lanes) > 1  # one query (decode): vectors along d_k
+    by_head_dim = _along_head_dim(spec, q_tile, lanes)
     qk_keys = _qk_keys(sch, spec, target, k["qk_keys"])
     amx = amx_tiles(spec, target, q_tile)
     parts = fp16_parts(spec, target)  # (then amx: `_dot_tile` keeps whole blocks of 32)
@@ -515,6 +520,12 @@ def _one_pass_vecs(spec: AttentionSpec, lanes: int) -> int:
     keeps 4 (a predicated tail)."""
     row = max(spec.d_v // lanes, 1)
     return max((c for c in (2, 4, 8, 16) if row % c == 0), default=4)
+
+
+def _along_head_dim(spec: AttentionSpec, q_tile: int, lanes: int) -> bool:
+    """Query tiles no vector of queries fits (one query, a decode step; an odd tile): the vectors run
+    along d_k instead."""
+    return _lanes_for(q_tile, lanes) == 1 and _lanes_for(spec.d_k, lanes) > 1
 
 
 def _few_tasks_of_one_query(spec: AttentionSpec, target: Target, lanes: int) -> bool:

@@ -236,3 +236,30 @@ def test_avx2_projections_read_w_in_register_tile_panels(seq_len, kv_seq_len, kv
     kernel = tvmattn.compile(spec, target, tuned=False)
     for n in (1, 17, 130) if seq_len == "n" else (None,):
         assert_matches_oracle(kernel, {"n": n} if n else None)
+
+
+
+def on(mcpu: str) -> dict:
+    return {"kind": "llvm", "mcpu": mcpu, "num-cores": 2}
+
+
+NAMED = [(spec, "cpu") for spec in DECODE + SHAPES] + [
+    (SHAPES[0].replace(dtype="bfloat16"), on("znver4")),  # bf16 dot products (vdpbf16ps)
+    (SHAPES[0].replace(dtype="bfloat16"), on("sapphirerapids")),  # AMX tiles
+    (DECODE[0].replace(dtype="float16", head_dim=128), "cpu"),  # a 16-bit V row in one pass
+]
+
+
+@pytest.mark.parametrize("spec,target", NAMED, ids=["many-heads", "split-k-gqa-padding", "split-k-window",
+                                                    "three-queries", "gqa-causal-tail", "cross-window-padding-bshd",
+                                                    "layer-symbolic", "bf16-dots", "bf16-amx", "fp16-decode"])
+def test_schedule_names_the_knobs_its_kernel_reads(spec, target):
+    """`kernel.schedule` lists a knob only if another of its choices builds another kernel (the
+    scheduled TIR's hash), so a user reading it knows what a tuning record changes."""
+    target = resolve_target(target)
+    base = default_knobs(spec, target)
+    named = set(re.findall(r"(\w+)=", schedule_attention(spec, target, base)[1]))
+    for knob in cpu.KNOBS:
+        hashes = {tvm_ffi.structural_hash(schedule_attention(spec, target, {**base, knob.name: c})[0])
+                  for c in knob.choices}
+        assert (len(hashes) > 1) == (knob.name in named), knob.name
