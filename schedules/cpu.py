@@ -179,7 +179,8 @@ class CpuAttention(AttentionRule):
             qk_keys = _qk_keys(None, spec, target, knobs["qk_keys"])
             if _along_head_dim(spec, q_tile, lanes):  # (qk_keys, and q_tile = n_q, unread)
                 used = ["pv_rows", "pv_vecs"] if q_tile > 1 else ["pv_vecs"]
-                what = f"{q_tile} {'query' if q_tile == 1 else 'queries'} per task × {lanes}-lane dot products along d_k"
+                queries = "1 query" if q_tile == 1 else f"{q_tile} queries"
+                what = f"{queries} per task × {lanes}-lane dot products along d_k"
             if amx_tiles(spec, target, q_tile):
                 used = ["q_tile"]
                 parts = ", fp16 as bf16 hi + lo" if fp16_parts(spec, target) else ""
