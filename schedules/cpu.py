@@ -79,6 +79,7 @@ from tvmattn.schedules.x86_bf16 import (
     pairs_intrinsic,
 )
 from tvmattn.schedules.x86_panels import query_panel_intrinsic
+from tvmattn.schedules.x86_sums import lane_sum_intrinsic
 
 KNOBS = (
     Knob("q_tile", (8, 16, 24, 32, 48, 64), 16, "queries per parallel task (a multiple of the vector width)"),
@@ -148,7 +149,7 @@ class CpuAttention(AttentionRule):
         if not spec.projections:
             return core
         d_in = max(spec.d_model, spec.h * spec.d_v)  # W_O's rows are the merged heads
-        widths = (spec.h * spec.d_k, spec.h_kv * spec.d_k, spec.h_kv * spec.d_v, spec.d_model)
+        widths = _gemm_widths(spec)
         gemms = gemm_defaults(d_in, lanes, tvm.DataType(spec.dtype).bits, widths)
         rows = spec.batch * spec.n_q if isinstance(spec.batch, int) and isinstance(spec.n_q, int) else None
         if rows is not None and rows < MIN_PAIR_ROWS:
@@ -195,6 +196,9 @@ class CpuAttention(AttentionRule):
         if spec.projections:
             used += ["gemm_rows", "gemm_vecs", "gemm_block_rows", "gemm_block_cols"]
             tiles = [weight.upper() for name, weight in PROJECTIONS.items() if weight_tiles(spec, target, name)]
+            widths = _gemm_widths(spec)
+            if not tiles and all(_lanes_for(w, lanes) < lanes for w in widths):  # `gemm`: one narrower vector
+                used.remove("gemm_vecs")
             dots += [weight.upper() for name, weight in PROJECTIONS.items()
                      if weight_pairs(spec, target, name) and not weight_tiles(spec, target, name)]
             if tiles:
@@ -230,7 +234,7 @@ class CpuAttention(AttentionRule):
         chunks = _divisor_at_most(spec.n_kv, _int(sch, knobs["key_chunks"]))  # rfactor drops tail predicates
         amx = spec.projections and any(weight_tiles(spec, target, name) for name in PROJECTIONS)
         if _few_tasks_of_one_query(spec, target, lanes) and chunks > 1:
-            _split_keys(sch, spec, lanes, chunks)
+            _split_keys(sch, spec, lanes, chunks, steps)
         else:
             amx |= _attention_core(sch, spec, target, lanes, knobs, steps)
         for step in steps:
@@ -239,6 +243,11 @@ class CpuAttention(AttentionRule):
             first = sch.get_loops(sch.get_sblock("attn" if spec.projections else spec.output))[0]
             (import_amx if amx else import_dot)(sch, first)
         return sch
+
+
+def _gemm_widths(spec: AttentionSpec) -> tuple[int, int, int, int]:
+    """The output widths of a layer's projections: W_Q, W_K, W_V, W_O."""
+    return spec.h * spec.d_k, spec.h_kv * spec.d_k, spec.h_kv * spec.d_v, spec.d_model
 
 
 def gemm_defaults(d_in: int, lanes: int, bits: int, widths: tuple[int, ...] = ()) -> dict[str, int]:
@@ -307,7 +316,7 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
         _before_tasks(sch, ("k_hi", "k_lo", "v_hi", "v_lo"), lanes)
 
     if by_head_dim:
-        _scores_along_head_dim(sch, scores_rf)
+        _scores_along_head_dim(sch, scores_rf, steps)
         _row_reduction(sch, "row_max", s_lanes)
     else:
         if parts:
@@ -545,7 +554,7 @@ def _divisor_at_most(n, limit: int) -> int:
     return max(d for d in range(1, limit + 1) if n % d == 0)
 
 
-def _split_keys(sch: Schedule, spec: AttentionSpec, lanes: int, chunks: int) -> None:
+def _split_keys(sch: Schedule, spec: AttentionSpec, lanes: int, chunks: int, steps: list) -> None:
     """Split-K decode: every key reduction becomes per-chunk partials computed in parallel (rfactor)
     and a small combine; scores and probs run in parallel over key chunks directly. ``chunks``
     divides n_kv.
@@ -570,7 +579,7 @@ def _split_keys(sch: Schedule, spec: AttentionSpec, lanes: int, chunks: int) -> 
                 sch.get_sblock("probs"), sch.get_sblock("row_max"), partial["row_max"], sch.get_sblock("scores")):
         sch.compute_at(blk, task, preserve_unit_loops=True)
 
-    _scores_along_head_dim(sch, scores_rf, chunks)
+    _scores_along_head_dim(sch, scores_rf, steps, chunks)
     for name in ("row_max", "row_sum"):
         chunk = sch.get_loops(partial[name])[-5]  # (chunk, b, i, s, t_in)
         sch.parallel(chunk)
@@ -724,16 +733,19 @@ def _widen_keys(sch: Schedule, scores, t_out, lanes: int) -> None:
 
 
 def _split_head_dim(sch: Schedule, lanes: int):
-    """Before anything moves: scores = Σ_lane Σ_e_out q·k, each inner sum one vector lane."""
+    """Before anything moves: scores = Σ_lane Σ_e_out q·k, each inner sum one vector lane (a key's
+    lanes side by side, the operand of `x86_sums.lane_sum_intrinsic`)."""
     scores = sch.get_sblock("scores")
     *_, e = sch.get_loops(scores)
     _, e_lane = sch.split(e, [None, lanes])
-    return sch.rfactor(e_lane, 0)
+    scores_rf = sch.rfactor(e_lane, 0)
+    sch.transform_layout(scores_rf, ("write", 0), lambda lane, b, i, s, t: (b, i, s, t, lane))
+    return scores_rf
 
 
-def _scores_along_head_dim(sch: Schedule, scores_rf, chunks: KnobValue | None = None) -> None:
-    """Per key: lanes partial dot products over d_k (one vector FMA per step), then their sum;
-    with ``chunks``, the keys run in that many parallel chunks.
+def _scores_along_head_dim(sch: Schedule, scores_rf, steps: list, chunks: KnobValue | None = None) -> None:
+    """Per key: lanes partial dot products over d_k (one vector FMA per step), then their sum in a
+    tree (`x86_sums`, a step for ``steps``); with ``chunks``, the keys run in that many parallel chunks.
 
     The blocks' loops follow their iterators: scores (e_lane, b, i, s, t) and, inside one key,
     scores_rf (e_lane, b, i, s, t, e_out).
@@ -749,6 +761,10 @@ def _scores_along_head_dim(sch: Schedule, scores_rf, chunks: KnobValue | None = 
     sch.reorder(e_out, e_lane)
     sch.vectorize(e_lane)
     sch.decompose_reduction(scores_rf, e_out)
+    *_, t, unit, _, _, lane = sch.get_loops(scores)  # (t, b, i, s units, lane)
+    sch.decompose_reduction(scores, unit)
+    lanes = _int(sch, sch.get(lane).extent)
+    steps.append(functools.partial(_tensorize, sch, lane, lane_sum_intrinsic(lanes)))
 
 
 def _weights_v(sch: Schedule, spec: AttentionSpec, lanes: int, rows_factor: KnobValue, vecs: KnobValue,

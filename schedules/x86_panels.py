@@ -108,7 +108,7 @@ def _pair_words(src, at: list, lanes: int, argument: bool) -> PrimExpr:
         return tirx.reinterpret(f"uint32x{lanes}", src.vload(at, f"bfloat16x{PAIR * lanes}"))
     halves = [tirx.Cast(f"float32x{lanes}", src.vload([*at[:-1], h * lanes], f"bfloat16x{lanes}"))
               for h in range(PAIR)]
-    return pair_words(*(_shuffle(halves, [PAIR * i + k for i in range(lanes)]) for k in range(PAIR)))  # even, odd e
+    return pair_words(*(shuffle(halves, [PAIR * i + k for i in range(lanes)]) for k in range(PAIR)))  # even, odd e
 
 
 def transposed(rows: list[PrimExpr]) -> list[PrimExpr]:
@@ -122,11 +122,11 @@ def transposed(rows: list[PrimExpr]) -> list[PrimExpr]:
             pair = [rows[i], rows[i + b]]  # shuffle lanes 0 … n-1: row i, n … 2n-1: row i + b
             upper = [n + c - b if c & b else c for c in range(n)]  # row i keeps its lanes without bit b
             lower = [n + c if c & b else c + b for c in range(n)]  # row i + b keeps its lanes with bit b
-            rows[i], rows[i + b] = (_shuffle(pair, lanes) for lanes in (upper, lower))
+            rows[i], rows[i + b] = (shuffle(pair, lanes) for lanes in (upper, lower))
         b *= 2
     return rows
 
 
-def _shuffle(vectors: list[PrimExpr], lanes: list[int]) -> PrimExpr:
+def shuffle(vectors: list[PrimExpr], lanes: list[int]) -> PrimExpr:
     """The ``lanes`` of ``vectors`` laid end to end (LLVM's shufflevector)."""
     return tirx.Shuffle(vectors, [tirx.const(c, "int32") for c in lanes])

@@ -263,3 +263,23 @@ def test_schedule_names_the_knobs_its_kernel_reads(spec, target):
         hashes = {tvm_ffi.structural_hash(schedule_attention(spec, target, {**base, knob.name: c})[0])
                   for c in knob.choices}
         assert (len(hashes) > 1) == (knob.name in named), knob.name
+
+
+@pytest.mark.parametrize("spec,target,lanes", [
+    (DECODE[0], "cpu", None),  # a task per head
+    (DECODE[1], "cpu", None),  # split-K, key padding
+    (DECODE[2].replace(dtype="bfloat16"), "cpu", None),  # d_k = 48: 16 lanes (AVX-512) or 8
+    (DECODE[0].replace(dtype="float16", head_dim=40), "cpu", None),  # d_k = 40: 8 lanes
+    (DECODE[0].replace(kv_seq_len="L"), AVX2, 8),  # a symbolic KV cache
+])
+def test_decode_scores_sum_their_lanes_in_a_tree(spec, target, lanes):
+    """A decode key's partial sums along d_k are added by halves (`x86_sums`): log2(lanes) rounds
+    of shuffles in the scheduled TIR, no serial reduction over the lanes; and the oracle's result."""
+    target = resolve_target(target)
+    lanes = lanes or min(vector_lanes(target), max(w for w in (16, 8, 4, 2) if spec.d_k % w == 0))
+    script = schedule_attention(spec, target, tuned=False)[0].script()
+    halves = [len(m.split(",")) for m in re.findall(r"\], \[([0-9, ]+)\]\)", script)]
+    assert sorted(set(halves)) == [lanes >> r for r in range(lanes.bit_length() - 1, 0, -1)]
+    assert not re.search(r"scores\[[^]]*\] \+ scores_rf\[", script)  # (the serial sum's update)
+    kernel = tvmattn.compile(spec, target, tuned=False)
+    assert_matches_oracle(kernel, {"L": 77} if spec.n_kv == "L" else None)
