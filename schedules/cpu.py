@@ -446,7 +446,8 @@ def bf16_dots(spec: AttentionSpec, target: Target, q_tile: int, qk_keys: int) ->
     if spec.dtype != "bfloat16" or not has_bf16_dot(target) or q_tile < LANES or q_tile & (q_tile - 1) \
             or not isinstance(n_q, int) or n_q % q_tile or not isinstance(n_kv, int):
         return False, False
-    qk = spec.d_k % PAIR == 0 and n_kv % qk_keys == 0
+    # (K's clamped rows of a symbolic n_kv, d_k not whole vectors of 16: TVM cannot bind the instruction's pair views)
+    qk = spec.d_k % PAIR == 0 and n_kv % qk_keys == 0 and (isinstance(spec.n_kv, int) or spec.d_k % LANES == 0)
     return qk, n_kv % PAIR == 0 and spec.d_v % LANES == 0
 
 
