@@ -12,9 +12,11 @@ before each turn lets them go idle.
 `Attention`: skipped), OpenVINO fp32 tensors holding the same rounded values with a bf16/f16 inference
 precision, NumPy float32 on the same rounded values.
 
-GFLOP/s = FLOPs of a dense implementation / time: 4·B·h·n·n_kv·d_k for the core (QKᵀ and P·V),
-causal too (skipping masked work shows as a higher figure), plus the four projections for a full
-layer (`flops`, the shape trace's matmul rows).
+GFLOP/s = useful FLOPs / time, FlashAttention's count (`flops`): 4·d_k per (query, key) pair a query
+may see for the core (QKᵀ and P·V; a causal core is about half a dense one), plus the four projections
+for a full layer. %peak is against the fastest GEMM this machine runs on values of the spec's precision,
+measured here (`peak_gflops`): NumPy's sgemm, or for bf16 PyTorch's bf16 matmul where that is faster
+(oneDNN on the CPU's bf16 dot products).
 """
 
 from __future__ import annotations
@@ -69,9 +71,16 @@ def suite(name: str, dtype: str = "float32") -> list[AttentionSpec]:
             for b, h, n, d in DEFAULT_SUITE for c in (False, True)]
 
 
+PER_PAIR = ("scores = q·kᵀ", "weights·v")  # the trace's matmuls with a term per (query, key) pair
+
+
 def flops(spec: AttentionSpec) -> int:
-    """The work a dense implementation does: matmuls of the trace (the shape trace's own count)."""
-    return sum(r.flops for r in trace(spec) if "·" in r.name)
+    """The useful work: the trace's matmuls, QKᵀ and P·V only over the (query, key) pairs the position
+    rules let a query see, as FlashAttention counts it (a masked pair is work a good kernel skips, so a
+    dense count would flatter a causal kernel's GFLOP/s past any GEMM's). Key padding counts every key:
+    its lengths are inputs, not part of the spec."""
+    seen = allowed_keys(spec, 1, spec.n_q, spec.n_kv, None).mean() if variant.has_position_rules(spec) else 1.0
+    return round(sum(r.flops * (seen if r.name in PER_PAIR else 1.0) for r in trace(spec) if "·" in r.name))
 
 
 def measure(fn: Callable[[], object], budget_s: float = 1.0, warmup: int = 2) -> float:
@@ -387,14 +396,26 @@ def _to_numpy(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def fp32_peak_gflops() -> float:
-    """This machine's FP32 peak as we measure it: NumPy's sgemm (its BLAS, all cores), 1024³."""
-    a = np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)
-    return 2 * 1024**3 / measure(lambda: a @ a, 0.5) / 1e9
+PEAK_N = 1024  # the square GEMM the peak is measured on: large enough for a BLAS to reach its rate
+
+
+def peak_gflops(dtype: str = "float32") -> tuple[float, str]:
+    """The fastest GEMM rate (GFLOP/s, all cores) this machine reaches on ``dtype`` values, and what
+    reached it: NumPy's sgemm; for bfloat16 also PyTorch's bf16 matmul where installed (oneDNN takes the
+    bf16 dot products, twice the fp32 rate, where the CPU has them). float16 is fp32 arithmetic on every
+    CPU we target (F16C conversions, fp32 FMAs), so its ceiling is the sgemm's."""
+    a = np.random.default_rng(0).standard_normal((PEAK_N, PEAK_N)).astype(np.float32)
+    best = (2 * PEAK_N**3 / measure(lambda: a @ a, 0.5) / 1e9, "NumPy sgemm")
+    if dtype == "bfloat16" and find_spec("torch") is not None:
+        import torch
+
+        b = torch.from_numpy(a).to(torch.bfloat16)
+        best = max(best, (2 * PEAK_N**3 / measure(lambda: b @ b, 0.5) / 1e9, "torch bf16 matmul"))
+    return best
 
 
 def table(results: list[Result], peak: float) -> str:
-    """One block per spec: ms, GFLOP/s, % of peak, how much faster tvmattn is, error, memory."""
+    """One block per spec: ms, GFLOP/s, % of ``peak`` (GFLOP/s), how much faster tvmattn is, error, memory."""
     lines = []
     for label in dict.fromkeys(r.spec for r in results):
         rows = [r for r in results if r.spec == label]
@@ -414,10 +435,10 @@ def table(results: list[Result], peak: float) -> str:
     return "\n".join(lines)
 
 
-def write_json(results: list[Result], peak: float, path: str) -> None:
+def write_json(results: list[Result], peak: tuple[float, str], path: str) -> None:
     with open(path, "w") as f:
-        json.dump({"fp32_peak_gflops": peak, "threads": cpu_cores(), "results": [asdict(r) for r in results]},
-                  f, indent=1)
+        json.dump({"peak_gflops": peak[0], "peak_measured_with": peak[1], "threads": cpu_cores(),
+                   "results": [asdict(r) for r in results]}, f, indent=1)
 
 
 def plot(results: list[Result], path: str) -> None:
@@ -433,7 +454,7 @@ def plot(results: list[Result], path: str) -> None:
             ax.plot(*zip(*pts), marker="o", label=impl)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequence length n")
-    ax.set_ylabel("GFLOP/s (4·B·h·n·n_kv·d_k / time)")
+    ax.set_ylabel("GFLOP/s (4·d_k per visible (query, key) pair / time)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -46,24 +46,53 @@ def test_every_implementation_agrees_with_the_oracle(spec):
         assert row.gflops == pytest.approx(bench.flops(spec) / row.ms / 1e6)
 
 
+def _pairs(n: int, n_kv: int, sees) -> int:
+    """(query, key) pairs ``sees(i, j)`` lets through, counted one by one."""
+    return sum(sees(i, j) for i in range(n) for j in range(n_kv))
+
+
+@pytest.mark.parametrize("spec, pairs", [
+    (AttentionSpec(batch=2, seq_len=24, num_heads=3, head_dim=8, projections=False), 24 * 24),
+    (AttentionSpec(batch=2, seq_len=24, num_heads=3, head_dim=8, causal=True, projections=False),
+     24 * 25 // 2),
+    (AttentionSpec(batch=1, seq_len=30, num_heads=2, head_dim=8, window=5, projections=False),
+     _pairs(30, 30, lambda i, j: abs(i - j) < 5)),
+    (AttentionSpec(batch=1, seq_len=30, num_heads=2, head_dim=8, window=5, causal=True, projections=False),
+     _pairs(30, 30, lambda i, j: 0 <= i - j < 5)),
+    (AttentionSpec(batch=1, seq_len=1, kv_seq_len=40, num_heads=4, head_dim=8, causal=True,
+                   causal_align="bottom_right", projections=False), 40),  # decode: the query sees every key
+    (AttentionSpec(batch=3, seq_len=16, num_heads=2, head_dim=8, key_padding=True, projections=False), 16 * 16),
+], ids=["dense", "causal", "window", "causal-window", "decode", "key-padding"])
+def test_flops_count_the_pairs_a_query_sees(spec, pairs):
+    """GFLOP/s counts useful work, as FlashAttention does: 4·d_k per visible (query, key) pair and head."""
+    assert bench.flops(spec) == 4 * spec.batch * spec.h * spec.d_k * pairs
+
+
 def test_full_layer_rows_and_flops():
     spec = AttentionSpec(batch=1, seq_len=32, d_model=32, num_heads=2, causal=True)
     B, n, d, h, d_k = 1, 32, 32, 2, 16
-    assert bench.flops(spec) == 4 * (2 * B * n * d * d) + 4 * B * h * n * n * d_k  # projections + core
+    assert bench.flops(spec) == 4 * (2 * B * n * d * d) + 4 * B * h * (n * (n + 1) // 2) * d_k  # projections + core
     rows = {r.impl: r for r in bench.bench(spec, peers=("torch", "onnxruntime"), budget_s=0.05)}
     assert rows["tvmattn"].max_rel_error < 1e-4
     assert rows["onnxruntime"].note.startswith("skipped")
 
 
-def test_cli_table_json_and_plot(capsys, tmp_path):
-    pytest.importorskip("matplotlib")
-    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+def test_cli_table_and_json(capsys, tmp_path):
+    out_json = tmp_path / "r.json"
     code = main(["bench", "--seq", "32", "--heads", "2", "--head-dim", "16", "--no-projections", "--peers", "numpy",
-                 "--budget", "0.05", "--json", str(out_json), "--plot", str(out_png)])
+                 "--budget", "0.05", "--json", str(out_json)])
     text = capsys.readouterr().out
     assert code == 0 and "GFLOP/s" in text and "tvmattn ×" in text and "numpy" in text
     data = json.loads(out_json.read_text())
-    assert {r["impl"] for r in data["results"]} == {"tvmattn", "numpy"} and data["fp32_peak_gflops"] > 0
+    assert {r["impl"] for r in data["results"]} == {"tvmattn", "numpy"} and data["peak_gflops"] > 0
+    assert data["peak_measured_with"] == "NumPy sgemm"  # fp32 values
+
+
+def test_cli_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    out_png = tmp_path / "r.png"
+    assert main(["bench", "--seq", "32", "--heads", "2", "--head-dim", "16", "--no-projections", "--peers", "numpy",
+                 "--budget", "0.05", "--plot", str(out_png)]) == 0
     assert out_png.stat().st_size > 0
 
 
