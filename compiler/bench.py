@@ -12,8 +12,8 @@ before each turn lets them go idle.
 `Attention`: skipped), OpenVINO fp32 tensors holding the same rounded values with a bf16/f16 inference
 precision, NumPy float32 on the same rounded values.
 
-GFLOP/s = useful FLOPs / time, FlashAttention's count (`flops`): 4·d_k per (query, key) pair a query
-may see for the core (QKᵀ and P·V; a causal core is about half a dense one), plus the four projections
+GFLOP/s = useful FLOPs / time, FlashAttention's count (`explain.useful_flops`): 4·d_k per (query, key)
+pair a query may see for the core (QKᵀ and P·V; a causal core is about half a dense one), plus the four projections
 for a full layer. %peak is against the fastest GEMM this machine runs on values of the spec's precision,
 measured here (`peak_gflops`): NumPy's sgemm, or for bf16 PyTorch's bf16 matmul where that is faster
 (oneDNN on the CPU's bf16 dot products).
@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 
 from tvmattn.compiler import variant  # noqa: E402
 from tvmattn.compiler.errors import TvmAttnError  # noqa: E402
-from tvmattn.compiler.explain import trace  # noqa: E402
+from tvmattn.compiler.explain import useful_flops  # noqa: E402
 from tvmattn.compiler.kernel import numpy_dtype  # noqa: E402
 from tvmattn.compiler.oracle import allowed_keys, reference  # noqa: E402
 from tvmattn.compiler.spec import AttentionSpec  # noqa: E402
@@ -69,18 +69,6 @@ def suite(name: str, dtype: str = "float32") -> list[AttentionSpec]:
         raise TvmAttnError(f"unknown suite {name!r}: the only suite is 'default'")
     return [AttentionSpec(batch=b, seq_len=n, num_heads=h, head_dim=d, causal=c, projections=False, dtype=dtype)
             for b, h, n, d in DEFAULT_SUITE for c in (False, True)]
-
-
-PER_PAIR = ("scores = q·kᵀ", "weights·v")  # the trace's matmuls with a term per (query, key) pair
-
-
-def flops(spec: AttentionSpec) -> int:
-    """The useful work: the trace's matmuls, QKᵀ and P·V only over the (query, key) pairs the position
-    rules let a query see, as FlashAttention counts it (a masked pair is work a good kernel skips, so a
-    dense count would flatter a causal kernel's GFLOP/s past any GEMM's). Key padding counts every key:
-    its lengths are inputs, not part of the spec."""
-    seen = allowed_keys(spec, 1, spec.n_q, spec.n_kv, None).mean() if variant.has_position_rules(spec) else 1.0
-    return round(sum(r.flops * (seen if r.name in PER_PAIR else 1.0) for r in trace(spec) if "·" in r.name))
 
 
 def measure(fn: Callable[[], object], budget_s: float = 1.0, warmup: int = 2) -> float:
@@ -367,7 +355,8 @@ def bench(spec: AttentionSpec, peers: Sequence[str] | None = None, budget_s: flo
         seconds = statistics.median(times[name])
         out = np.asarray(_to_numpy(run()), dtype=np.float64)
         err = _error(out, ref, seen) if ref is not None else None
-        results[name] = Result(name, label, seconds * 1e3, flops(spec) / seconds / 1e9, err, memory[name], notes[name])
+        gflops = useful_flops(spec) / seconds / 1e9
+        results[name] = Result(name, label, seconds * 1e3, gflops, err, memory[name], notes[name])
     return [results[name] for name, _ in impls]
 
 

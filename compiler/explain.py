@@ -7,9 +7,16 @@ FLOPs count a multiply-add as 2; the softmax as 5 per score (max, subtract, exp,
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+import numpy as np
+
+from tvmattn.compiler import variant
 from tvmattn.compiler.spec import AttentionSpec
+
+PER_PAIR = ("scores = q·kᵀ", "weights·v")  # the trace's matmuls with a term per (query, key) pair
+ROWS_AT_A_TIME = 512  # queries whose visibility is held at once while counting pairs
 
 
 @dataclass
@@ -63,6 +70,30 @@ def trace(spec: AttentionSpec, sizes: dict[str, int] | None = None) -> list[Stag
                   e * (num(B, n, h * d_v) + h * d_v * d + num(B, n, d))),
         ]
     return rows
+
+
+def useful_flops(spec: AttentionSpec, sizes: dict[str, int] | None = None) -> int:
+    """The trace's matmuls, QKᵀ and P·V counted only over the (query, key) pairs the position rules
+    let a query see, as FlashAttention counts: a masked pair is work a good kernel skips, so a dense
+    count would flatter a causal kernel's GFLOP/s past any GEMM's. Key padding counts every key (its
+    lengths are inputs, not part of the spec)."""
+    rows = trace(spec, sizes)
+    scores = next(r for r in rows if r.name in PER_PAIR)
+    n, n_kv = scores.shape[-2:]
+    counted = isinstance(n, int) and isinstance(n_kv, int) and n * n_kv  # symbolic: the trace counts 0
+    share = visible_pairs(spec, n, n_kv) / (n * n_kv) if counted else 1.0
+    return round(sum(r.flops * (share if r.name in PER_PAIR else 1.0) for r in rows if "·" in r.name))
+
+
+def visible_pairs(spec: AttentionSpec, n: int, n_kv: int) -> int:
+    """(query, key) pairs that `variant.visible` lets through, every key valid."""
+    t = np.arange(n_kv)[None, :]
+    total = 0
+    for lo in range(0, n, ROWS_AT_A_TIME):
+        s = np.arange(lo, min(lo + ROWS_AT_A_TIME, n))[:, None]
+        seen = variant.visible(spec, s, t, n_kv, n, lambda rules: functools.reduce(np.logical_and, rules))
+        total += len(s) * n_kv if seen is None else int(np.broadcast_to(seen, (len(s), n_kv)).sum())
+    return total
 
 
 def parameters(spec: AttentionSpec) -> int:

@@ -28,7 +28,7 @@ import tvm
 
 import tvmattn
 from tvmattn import AttentionSpec
-from tvmattn.compiler.bench import flops
+from tvmattn.compiler.explain import useful_flops
 from tvmattn.compiler.verify import TOLERANCE, check, errors
 from tvmattn.models.presets import PRESETS
 
@@ -142,7 +142,7 @@ def time_one(spec: AttentionSpec, target: str, arch: str | None, device: str, de
     theirs = timed(run_torch, sync)
     ref = run_torch().float().cpu().numpy()
     _, err = errors(out.numpy(), ref)
-    work = flops(spec)  # over the keys each query sees, as FlashAttention counts
+    work = useful_flops(spec)
     return {"shape": [spec.batch, spec.h, spec.n_q, spec.d_k], "causal": spec.causal, "dtype": spec.dtype,
             "tvmattn_tflops": work / ours / 1e12, "torch_tflops": work / theirs / 1e12,
             "ratio": theirs / ours, "max_rel_error": err, "schedule": kernel.schedule}

@@ -22,7 +22,7 @@ import time
 from collections import defaultdict
 from functools import wraps
 
-from tvmattn.compiler.explain import trace
+from tvmattn.compiler.explain import useful_flops
 from tvmattn.compiler.tuning import measure, search, tuner
 from tvmattn.compiler.tuning.records import Record
 from tvmattn.models.presets import PRESETS, preset
@@ -78,7 +78,7 @@ def main() -> None:
     spec = preset(args.preset)
     if args.seq:
         spec = spec.replace(seq_len=args.seq)
-    flops = sum(s.flops for s in trace(spec))
+    flops = useful_flops(spec)
     seconds: dict[str, float] = defaultdict(float)
     timed(seconds)
     curve: list[dict] = []

@@ -9,6 +9,7 @@ import pytest
 from tvmattn import AttentionSpec
 from tvmattn.compiler import bench
 from tvmattn.compiler.cli import main
+from tvmattn.compiler.explain import useful_flops
 from tvmattn.compiler.oracle import reference
 from tvmattn.compiler.verify import TOLERANCE, random_inputs
 
@@ -43,7 +44,7 @@ def test_every_implementation_agrees_with_the_oracle(spec):
             assert row.note in ("not installed",) or row.note.startswith("skipped")
             continue
         assert row.max_rel_error < 1e-4, name
-        assert row.gflops == pytest.approx(bench.flops(spec) / row.ms / 1e6)
+        assert row.gflops == pytest.approx(useful_flops(spec) / row.ms / 1e6)
 
 
 def _pairs(n: int, n_kv: int, sees) -> int:
@@ -65,13 +66,13 @@ def _pairs(n: int, n_kv: int, sees) -> int:
 ], ids=["dense", "causal", "window", "causal-window", "decode", "key-padding"])
 def test_flops_count_the_pairs_a_query_sees(spec, pairs):
     """GFLOP/s counts useful work, as FlashAttention does: 4·d_k per visible (query, key) pair and head."""
-    assert bench.flops(spec) == 4 * spec.batch * spec.h * spec.d_k * pairs
+    assert useful_flops(spec) == 4 * spec.batch * spec.h * spec.d_k * pairs
 
 
 def test_full_layer_rows_and_flops():
     spec = AttentionSpec(batch=1, seq_len=32, d_model=32, num_heads=2, causal=True)
     B, n, d, h, d_k = 1, 32, 32, 2, 16
-    assert bench.flops(spec) == 4 * (2 * B * n * d * d) + 4 * B * h * (n * (n + 1) // 2) * d_k  # projections + core
+    assert useful_flops(spec) == 4 * (2 * B * n * d * d) + 4 * B * h * (n * (n + 1) // 2) * d_k  # projections + core
     rows = {r.impl: r for r in bench.bench(spec, peers=("torch", "onnxruntime"), budget_s=0.05)}
     assert rows["tvmattn"].max_rel_error < 1e-4
     assert rows["onnxruntime"].note.startswith("skipped")

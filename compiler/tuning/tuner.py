@@ -35,7 +35,7 @@ from tvm.s_tir.meta_schedule.tune_context import TuneContext, _normalize_mod
 
 from tvmattn import schedules
 from tvmattn.compiler.errors import TvmAttnError
-from tvmattn.compiler.explain import trace
+from tvmattn.compiler.explain import useful_flops
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import cpu_cores, resolve_target, target_key
 from tvmattn.compiler.tuning import measure
@@ -265,7 +265,7 @@ class _Journal:
             self.version = "unknown"
 
     def write(self, task: Task, measurements: list[Measurement]) -> None:
-        flops = sum(stage.flops for stage in trace(task.instance))
+        flops = useful_flops(task.instance)
         now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
         records = []
         for m in measurements:
