@@ -134,6 +134,10 @@ def report(spec: AttentionSpec, sizes: dict[str, int] | None = None) -> str:
                      f"{flops / fused:.1f} FLOP/byte fused")
     elif not flops:
         lines.append("FLOPs and bytes need numbers: give the symbolic sizes (--at n=…)")
+    dense, useful = sum(r.flops for r in rows if "·" in r.name), useful_flops(spec, sizes)
+    if useful < dense:
+        lines.append(f"useful matmul FLOPs (over the (query, key) pairs a query sees; what `bench`'s GFLOP/s "
+                     f"counts): {_fmt(useful)}, {100 * useful / dense:.0f}% of the dense {_fmt(dense)}")
     return "\n".join(lines)
 
 

@@ -127,6 +127,17 @@ def is_cpu(target: Target) -> bool:
     return target.kind.name == "llvm"
 
 
+# CPUs (LLVM's names) whose AVX-512 FMAs are a full 512 bits wide, two per core, where Zen 4 splits each
+# into two 256-bit halves: an fp32 kernel can then feed the larger register tiles the 16-bit ones take.
+# Only those measured: Zen 5 (an Intel server core may belong here too; its tuning records would say).
+FULL_WIDTH_AVX512 = ("znver5",)
+
+
+def full_width_avx512(target: Target) -> bool:
+    """Whether ``target``'s CPU retires a 512-bit FMA in one pass (`FULL_WIDTH_AVX512`)."""
+    return is_cpu(target) and str(target.attrs.get("mcpu", "")) in FULL_WIDTH_AVX512
+
+
 def vector_lanes(target: Target, dtype: str = "float32") -> int:
     """fp32 lanes of one SIMD register the schedule should fill: AVX-512 16, AVX2 8, else 4.
 

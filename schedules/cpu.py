@@ -53,7 +53,7 @@ from tvm.tirx import PrimFunc
 
 from tvmattn.compiler.passes import KEY_BLOCKS
 from tvmattn.compiler.spec import AttentionSpec
-from tvmattn.compiler.target import vector_lanes
+from tvmattn.compiler.target import full_width_avx512, vector_lanes
 from tvmattn.compiler.te_attention import KEY_STAGE, attention_te
 from tvmattn.schedules.knobs import Knob, KnobValue
 from tvmattn.schedules.rule import AttentionRule
@@ -133,7 +133,10 @@ class CpuAttention(AttentionRule):
 
         The 16-bit tiles need AVX-512's 32 vector registers: with AVX2's 16 (8 lanes) a 64-query
         tile's 8 × 4 accumulators spill (0.32× fp32 at (1, 8, 512, 64) on Zen3), so there 16-bit
-        inputs, widened to fp32 FMAs, take fp32's tiles (1.01×).
+        inputs, widened to fp32 FMAs, take fp32's tiles (1.01×). fp32 takes the 16-bit tiles too
+        where the FMA units are 512 bits wide (`full_width_avx512`, Zen 5: 1.03–1.41× fp32's 16-query
+        tiles over 15 cores and layers, 1.33–1.41× dense from n = 128); Zen 4, whose FMAs are two
+        256-bit halves, keeps them (its tuning records' best are 16- and 32-query tiles).
 
         One query (decode) takes P·V tiles of 4 vectors too in fp32: each tile streams V's rows
         once, so 2 vectors read V in 8 passes (4 take 1.16× their time at (1, 32, 4096, 128) on Zen
@@ -143,7 +146,8 @@ class CpuAttention(AttentionRule):
         masked = spec.causal or spec.window is not None
         widened = spec.dtype == "float16" and not spec.projections and not fp16_parts(spec, target)
         tile = 64 if not masked else 16 if widened else 32
-        core = {"q_tile": tile, "pv_vecs": 4} if spec.dtype != "float32" and lanes >= LANES else {}
+        wide = lanes >= LANES and (spec.dtype != "float32" or full_width_avx512(target))
+        core = {"q_tile": tile, "pv_vecs": 4} if wide else {}
         if spec.n_q == 1:
             core["pv_vecs"] = _one_pass_vecs(spec, lanes) if spec.dtype != "float32" else 4
         if not spec.projections:

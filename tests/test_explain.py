@@ -29,6 +29,13 @@ def test_report_totals_and_intensity():
     assert "arithmetic intensity" in text and "causal top-left" in text
 
 
+def test_report_counts_the_useful_flops_of_a_causal_core():
+    causal = AttentionSpec(batch=1, seq_len=128, num_heads=4, head_dim=16, causal=True, projections=False)
+    # 4·h·d_k·(128·129/2 pairs) = 2,113,536 of the dense 4·h·d_k·128² = 4,194,304
+    assert "2.11M, 50% of the dense 4.19M" in report(causal)
+    assert "useful matmul FLOPs" not in report(causal.replace(causal=False))  # dense: nothing hidden
+
+
 def test_symbolic_sizes_need_values():
     spec = AttentionSpec(seq_len="n", d_model=64, num_heads=4, projections=False)
     assert "give the symbolic sizes" in report(spec)

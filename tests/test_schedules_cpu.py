@@ -203,6 +203,19 @@ def test_projection_defaults_fit_registers_and_l2(target, preset):
     assert panel <= cpu.PANEL_BYTES or knobs["gemm_block_cols"] == 1
 
 
+@pytest.mark.parametrize("mcpu, dense_tile, masked_tile, pv_vecs", [("znver5", 64, 32, 4), ("znver4", 16, 16, 2)])
+def test_fp32_takes_the_wide_tiles_where_fmas_are_512_bits_wide(mcpu, dense_tile, masked_tile, pv_vecs):
+    """Zen 5's full-width AVX-512 FMAs take fp32 the 16-bit kernels' 64-query tiles (32 where causal)
+    and 4-vector P·V tiles; Zen 4's FMAs, two 256-bit halves each, keep 16-query tiles. The wide
+    tiles' fp32 kernel is checked against the oracle on this machine."""
+    target = resolve_target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2})
+    dense = AttentionSpec(batch=2, seq_len=150, num_heads=4, num_kv_heads=2, head_dim=32, projections=False)
+    for spec, tile in ((dense, dense_tile), (dense.replace(causal=True, window=40), masked_tile)):
+        knobs = default_knobs(spec, target)
+        assert (knobs["q_tile"], knobs["pv_vecs"]) == (tile, pv_vecs)
+        assert_matches_oracle(tvmattn.compile(spec, "cpu", knobs=knobs))
+
+
 @pytest.mark.parametrize("spec", PANELS[:3] + PANELS[4:6],
                          ids=["fp32", "fp16-bshd", "bf16", "fp32-layer", "bf16-layer"])
 def test_qk_register_tile_is_stored_from_registers(spec):
