@@ -136,7 +136,8 @@ class CpuAttention(AttentionRule):
         inputs, widened to fp32 FMAs, take fp32's tiles (1.01×). fp32 takes the 16-bit tiles too
         where the FMA units are 512 bits wide (`full_width_avx512`, Zen 5: 1.03–1.41× fp32's 16-query
         tiles over 15 cores and layers, 1.33–1.41× dense from n = 128); Zen 4, whose FMAs are two
-        256-bit halves, keeps them (its tuning records' best are 16- and 32-query tiles).
+        256-bit halves, keeps them (its tuning records' best are 16- and 32-query tiles). On full-width
+        FMAs a masked fp16 core takes 32-query tiles, not 16 (1.10–1.22× over the bench suite, Zen 5).
 
         One query (decode) takes P·V tiles of 4 vectors too in fp32: each tile streams V's rows
         once, so 2 vectors read V in 8 passes (4 take 1.16× their time at (1, 32, 4096, 128) on Zen
@@ -144,9 +145,10 @@ class CpuAttention(AttentionRule):
         (`_one_pass_vecs`)."""
         lanes = vector_lanes(target)
         masked = spec.causal or spec.window is not None
+        full_width = full_width_avx512(target)
         widened = spec.dtype == "float16" and not spec.projections and not fp16_parts(spec, target)
-        tile = 64 if not masked else 16 if widened else 32
-        wide = lanes >= LANES and (spec.dtype != "float32" or full_width_avx512(target))
+        tile = 64 if not masked else 16 if widened and not full_width else 32
+        wide = lanes >= LANES and (spec.dtype != "float32" or full_width)
         core = {"q_tile": tile, "pv_vecs": 4} if wide else {}
         if spec.n_q == 1:
             core["pv_vecs"] = _one_pass_vecs(spec, lanes) if spec.dtype != "float32" else 4
