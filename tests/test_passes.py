@@ -135,8 +135,9 @@ def test_symbolic_micro_kernels_have_no_per_lane_predicates():
     mod, _ = schedule_attention(spec, CPU)
     lowered = lower(mod, CPU).script()
     assert "sees_keys" not in lowered
-    lanes = vector_lanes(CPU)  # the QKᵀ register tile (16 queries × 4 keys) stays in registers
-    assert f'alloc_local(({16 // lanes * 4},), "float32x{lanes}")' in lowered
+    lanes, knobs = vector_lanes(CPU), schedules.default_knobs(spec, CPU)  # the QKᵀ register tile stays in registers:
+    vectors = knobs["q_tile"] // lanes * knobs["qk_keys"]  # (q_tile queries in vectors × qk_keys keys)
+    assert f'alloc_local(({vectors},), "float32x{lanes}")' in lowered
     tile_loops = [line for line in lowered.splitlines() if "_s in " in line]  # scalarised vector loops
     assert not tile_loops  # (probs' exp2 too: `passes.vector_exp2` expands it after vectorisation)
 
