@@ -424,9 +424,9 @@ def table(results: list[Result], peak: float) -> str:
     return "\n".join(lines)
 
 
-def write_json(results: list[Result], peak: tuple[float, str], path: str) -> None:
+def write_json(results: list[Result], peak: float, measured_with: str, path: str) -> None:
     with open(path, "w") as f:
-        json.dump({"peak_gflops": peak[0], "peak_measured_with": peak[1], "threads": cpu_cores(),
+        json.dump({"peak_gflops": peak, "peak_measured_with": measured_with, "threads": cpu_cores(),
                    "results": [asdict(r) for r in results]}, f, indent=1)
 
 

@@ -298,17 +298,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     unknown = set(peers) - set(bench.PEERS)
     if unknown:
         raise TvmAttnError(f"unknown peer(s) {sorted(unknown)}: choose from {', '.join(bench.PEERS)}")
-    peak = bench.peak_gflops(specs[0].dtype)
-    print(f"{bench.cpu_cores()} threads; %peak of {peak[0]:.0f} GFLOP/s ({peak[1]}, {bench.PEAK_N}³, "
+    peak, measured_with = bench.peak_gflops(specs[0].dtype)
+    print(f"{bench.cpu_cores()} threads; %peak of {peak:.0f} GFLOP/s ({measured_with}, {bench.PEAK_N}³, "
           f"{specs[0].dtype} values); GFLOP/s counts the (query, key) pairs a query sees; "
           f"tvmattn × = peer time / tvmattn time")
     results = []
     for spec in specs:
         rows = bench.bench(spec, peers, args.budget, args.target, args.log_dir, not args.default_schedule)
-        print(bench.table(rows, peak[0]), flush=True)
+        print(bench.table(rows, peak), flush=True)
         results += rows
     if args.json:
-        bench.write_json(results, peak, args.json)
+        bench.write_json(results, peak, measured_with, args.json)
     if args.plot:
         bench.plot(results, args.plot)
     return 0

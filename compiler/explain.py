@@ -80,8 +80,8 @@ def useful_flops(spec: AttentionSpec, sizes: dict[str, int] | None = None) -> in
     rows = trace(spec, sizes)
     scores = next(r for r in rows if r.name in PER_PAIR)
     n, n_kv = scores.shape[-2:]
-    counted = isinstance(n, int) and isinstance(n_kv, int) and n * n_kv  # symbolic: the trace counts 0
-    share = visible_pairs(spec, n, n_kv) / (n * n_kv) if counted else 1.0
+    numeric = isinstance(n, int) and isinstance(n_kv, int) and n > 0 and n_kv > 0  # symbolic: the trace counts 0
+    share = visible_pairs(spec, n, n_kv) / (n * n_kv) if numeric else 1.0
     return round(sum(r.flops * (share if r.name in PER_PAIR else 1.0) for r in rows if "·" in r.name))
 
 
