@@ -19,8 +19,9 @@ vectorises over queries:
 
 Each stage reads what the one before wrote while it is in L1: the q_tile × n_kv tile streams through
 L2 once per stage (scores, probs, pv), not once per reduction as well. With the bf16 dot products
-(`bf16_dots`), P's pair panel is packed from each pair of keys as probs computes it, and V's once,
-before the tasks. On AMX's tiles (`amx_tiles`, `x86_amx`) the same stages keep their layout:
+(`bf16_dots`), P's pair panel is packed from each pair of keys as probs computes it, and V's once:
+in its head's task where those split evenly (`head_tasks`), else in a pass before the tasks. On
+AMX's tiles (`amx_tiles`, `x86_amx`) the same stages keep their layout:
 
     scores  acc[32 keys][32 queries] += k[t:t+32, e:e+32] · panel[e/2, s:s+32, 2]    (K in place)
     pv      accᵀ[32 of d_v][32 queries] += vᵀ[c:c+32, t:t+32] · P[t/2, s:s+32, 2]  (Vᵀ before the tasks)
@@ -84,7 +85,7 @@ from tvmattn.schedules.x86_sums import lane_sum_intrinsic
 KNOBS = (
     Knob("q_tile", (8, 16, 24, 32, 48, 64), 16, "queries per parallel task (a multiple of the vector width)"),
     Knob("qk_keys", (1, 2, 3, 4, 6, 8), 4, "keys per QKᵀ register tile"),
-    Knob("pv_rows", (1, 2, 3, 4, 6), 4, "queries per P·V register tile (at most: a divisor of q_tile)"),
+    Knob("pv_rows", (1, 2, 3, 4, 6, 8), 4, "queries per P·V register tile (at most: a divisor of q_tile)"),
     Knob("pv_vecs", (1, 2, 3, 4, 8, 16), 2, "vectors of d_v per P·V register tile"),
     Knob("key_chunks", (2, 4, 8, 16, 32), 8,
          "key chunks run in parallel when (batch, head) pairs are few (at most: a divisor of n_kv)"),
@@ -138,6 +139,9 @@ class CpuAttention(AttentionRule):
         tiles over 15 cores and layers, 1.33–1.41× dense from n = 128); Zen 4, whose FMAs are two
         256-bit halves, keeps them (its tuning records' best are 16- and 32-query tiles). On full-width
         FMAs a masked fp16 core takes 32-query tiles, not 16 (1.10–1.22× over the bench suite, Zen 5).
+        Those P·V tiles hold 16 accumulators (4 rows × 4 vectors), what two FMA or dot-product pipes
+        need to hide their latency; a d_v of at most 2 vectors (d_k = 32) fills them with 8 rows
+        (1.17× bf16, 1.07× fp32, 1.05× fp16 at (8, 8, 256, 32) on Zen 5; 1.10×, 1.03×, 1.05× causal).
 
         One query (decode) takes P·V tiles of 4 vectors too in fp32: each tile streams V's rows
         once, so 2 vectors read V in 8 passes (4 take 1.16× their time at (1, 32, 4096, 128) on Zen
@@ -150,6 +154,8 @@ class CpuAttention(AttentionRule):
         tile = 64 if not masked else 16 if widened and not full_width else 32
         wide = lanes >= LANES and (spec.dtype != "float32" or full_width)
         core = {"q_tile": tile, "pv_vecs": 4} if wide else {}
+        if wide and spec.d_v <= 2 * lanes:  # a row of d_v in at most 2 vectors: 8 rows fill the tile
+            core["pv_rows"] = 8
         if spec.n_q == 1:
             core["pv_vecs"] = _one_pass_vecs(spec, lanes) if spec.dtype != "float32" else 4
         if not spec.projections:
@@ -195,8 +201,10 @@ class CpuAttention(AttentionRule):
             else:
                 dots = [stage for stage, on in zip(("QKᵀ", "P·V"), bf16_dots(spec, target, q_tile, qk_keys)) if on]
                 widened = [x for x, on in zip("KV", widened_kv(spec, target, q_tile, qk_keys)) if on]
-                if widened and head_tasks(spec, target):
-                    what += f", a task per (batch, KV head) widening its {_listed(widened)} once"
+                v_pairs = "P·V" in dots and _v_pairs_per_head(spec, target)
+                if (widened or v_pairs) and head_tasks(spec, target):
+                    once = f"widening its {_listed(widened)}" if widened else "packing its V in pairs"
+                    what += f", a task per (batch, KV head) {once} once"
         if "pv_vecs" in used and _lanes_for(spec.d_v, lanes) < lanes:  # d_v in narrower vectors: one per tile
             used.remove("pv_vecs")
         if spec.projections:
@@ -282,7 +290,8 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
     parts = fp16_parts(spec, target)  # (then amx: `_dot_tile` keeps whole blocks of 32)
     qk_pairs, pv_pairs = (True, True) if amx else bf16_dots(spec, target, q_tile, _int(sch, qk_keys))
     widen_k, widen_v = widened_kv(spec, target, q_tile, _int(sch, qk_keys))
-    per_head = (widen_k or widen_v) and head_tasks(spec, target)
+    v_pairs = pv_pairs and not amx and _v_pairs_per_head(spec, target)
+    per_head = (widen_k or widen_v or v_pairs) and head_tasks(spec, target)
     if by_head_dim:
         scores_rf = _split_head_dim(sch, _lanes_for(spec.d_k, lanes))
     # Tile-local buffers are laid out (query tile, key, query in tile): vectors run along queries, and
@@ -355,7 +364,7 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
     else:  # one query: the keys are contiguous
         _vectorize(sch, t, spec.n_kv if isinstance(spec.n_kv, int) else None, lanes)
         _row_reduction(sch, "row_sum", s_lanes)
-    panels = (_pack_parts(sch, t, q_tile) if parts else _pack_pairs(sch, spec, t, amx)) if pv_pairs else None
+    panels = (_pack_parts(sch, t, q_tile) if parts else _pack_pairs(sch, spec, t, amx, head)) if pv_pairs else None
     if widen_v:
         _widened_once(sch, "pv", ("v_rows", "v", "v_proj"), spec.d_v, lanes, at=head)
     if amx:
@@ -367,7 +376,7 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
     if panels and parts:
         steps.append(functools.partial(_tensorize_parts, sch, panels, q_tile))
     elif panels:
-        steps.append(functools.partial(_tensorize_pairs, sch, spec, panels, q_tile, amx))
+        steps.append(functools.partial(_tensorize_pairs, sch, spec, panels, q_tile, amx, head is not None))
     return amx
 
 
@@ -513,6 +522,13 @@ def widened_kv(spec: AttentionSpec, target: Target, q_tile: int, qk_keys: int) -
     widened = spec.dtype != "float32" and not by_head_dim and (not spec.projections or head_tasks(spec, target))
     return (widened and not qk_pairs,
             widened and not pv_pairs and s_lanes > 1 and (lanes >= LANES or spec.dtype == "bfloat16"))
+
+
+def _v_pairs_per_head(spec: AttentionSpec, target: Target) -> bool:
+    """Whether the pair panel of a core's V for the bf16 dot products can be packed in its head's task
+    (`_pack_pairs`, where `head_tasks`): not from a layer's v_proj, nor from keys padded to whole
+    blocks (TVM 0.27 cannot bind the pairs' view of the clamped rows there)."""
+    return not spec.projections and _whole(spec.n_kv, _padding(spec, target)) == spec.n_kv
 
 
 def head_tasks(spec: AttentionSpec, target: Target) -> bool:
@@ -805,12 +821,15 @@ def _pv_rows(sch: Schedule, lanes: int, steps: list) -> None:
     steps.append(functools.partial(_tensorize_queries, sch, sch.get(rows).name_hint, intrinsic, lanes, lanes, False))
 
 
-def _pack_pairs(sch: Schedule, spec: AttentionSpec, pair_loop, amx: bool = False) -> tuple[str, str]:
+def _pack_pairs(sch: Schedule, spec: AttentionSpec, pair_loop, amx: bool = False, head=None) -> tuple[str, str]:
     """The operands of P·V as `x86_bf16.DOT_16x2` reads them: P rounded to bf16 (as FlashAttention
     rounds it for 16-bit inputs; the row sums keep fp32), per pair of keys as probs computes it
-    (``pair_loop``), and V, once before the tasks (a copy per task would be a pass over V per query
-    tile; the price is a workspace the size of V), both with keys 2t, 2t+1 side by side: P (t/2,
-    q_tile, 2), V (t/2, d_v, 2). Their copies' names, for `_tensorize_pairs`."""
+    (``pair_loop``), and V once: in a pass before the tasks (a copy per query tile would be a pass
+    over V per tile; the price is a workspace the size of V), or ``head``, a head task's loop
+    (`head_tasks`), its head's rows in each task, kept in its cache for the head's tiles (no pass of
+    its own, no barrier: 1.00–1.05× bf16 over the bench suite's shapes, Zen 5). Both with keys 2t,
+    2t+1 side by side: P (t/2, q_tile, 2), V (t/2, d_v, 2). Their copies' names, for
+    `_tensorize_pairs`."""
     pv = sch.get_sblock("pv")
     padded = _has_block(sch, "v_rows")  # (B, h_kv, n_keys, d_v)
     v_panel = _copy_of(sch, pv, ("v_rows", "v", "v_proj"))
@@ -833,6 +852,8 @@ def _pack_pairs(sch: Schedule, spec: AttentionSpec, pair_loop, amx: bool = False
     else:
         v_layout = lambda b, t, h, c: (b, h, t // PAIR, c, t % PAIR)  # noqa: E731
     sch.transform_layout(v_panel, ("write", 0), v_layout, assume_injective_transform=True)
+    if head is not None:
+        sch.compute_at(v_panel, head, preserve_unit_loops=True)
     return p_name, sch.get(v_panel).name_hint
 
 
@@ -946,10 +967,10 @@ def _tensorize_parts(sch: Schedule, panels: tuple[list[str], list[str]], q_tile:
 
 
 def _tensorize_pairs(sch: Schedule, spec: AttentionSpec, panels: tuple[str, str], q_tile: int,
-                     amx: bool = False) -> None:
+                     amx: bool = False, per_head: bool = False) -> None:
     """`_pack_pairs`' copies as `x86_bf16.pairs_intrinsic`, one block per pair of rows, and with
     ``amx`` V's as `x86_amx.transposed_values_intrinsic` (a deferred step, `_register_tile`'s
-    ``later``)."""
+    ``later``); V's a parallel pass of its own unless ``per_head`` (in the head tasks)."""
     p_name, v_name = panels
     # V's loops (b, t, h, c), else (…, t, c) (v_rows is BHSD)
     bshd = not spec.projections and spec.layout == "BSHD" and not _has_block(sch, "v_rows")
@@ -958,7 +979,8 @@ def _tensorize_pairs(sch: Schedule, spec: AttentionSpec, panels: tuple[str, str]
         _transposed_values(sch, v_name, bshd)
     else:
         _in_pairs(sch, v_name, -3 if bshd else -2, spec.d_v, "bfloat16", bshd)  # (a layer's v_proj: a head at a time)
-    sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock(v_name + "_o"))))  # V's panel: a pass before the tasks
+    if not per_head:  # V's panel: a pass before the tasks
+        sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock(v_name + "_o"))))
     _pairs_of_keys(sch, p_name, q_tile, key_major=False)
 
 

@@ -159,6 +159,26 @@ def test_16bit_cores_widen_k_and_v_once_in_a_task_per_head(spec, tasks, per_head
 
 
 AVX512 = {"kind": "llvm", "mcpu": "znver4", "num-cores": 2}  # with AVX512-BF16
+DOTS = dict(seq_len=128, head_dim=32, projections=False, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("spec, tasks, per_head", [
+    (AttentionSpec(batch=2, num_heads=8, num_kv_heads=2, layout="BSHD", **DOTS), 4, True),  # 2 × 2 pairs
+    (AttentionSpec(batch=1, num_heads=4, causal=True, **DOTS), 4, True),
+    (AttentionSpec(batch=1, num_heads=3, causal=True, **DOTS), 12, False),  # 3 pairs on 2 cores: 3 × 4 tiles
+], ids=["gqa-bshd", "causal", "uneven"])
+def test_bf16_dot_cores_pack_v_in_pairs_once_in_a_task_per_head(spec, tasks, per_head):
+    """On the bf16 dot products, V's pair panel (``v_global``) is packed inside a task per (batch, KV
+    head) where those split evenly over the cores, as the widening cores do: no pass of its own
+    before the tasks, and the head's panel still in cache for its next query tile; elsewhere in a
+    parallel pass before query-tile tasks."""
+    kernel = tvmattn.compile(spec, AVX512, tuned=False)
+    loops = parallel_loops(kernel)
+    extent, inside = next((e, names) for e, names in loops if "scores_update_o" in names)
+    assert int(extent) == tasks and ("v_global_o" in inside) == per_head, loops
+    assert len(loops) == (1 if per_head else 2), loops
+    if _host_has("avx512_bf16"):
+        assert_matches_oracle(kernel)
 PANEL_CASES = (("float32", "BHSD"), ("float16", "BSHD"), ("bfloat16", "BHSD"), ("bfloat16", "BSHD"))
 PANELS = [AttentionSpec(batch=2, seq_len=64, num_heads=2, head_dim=64, projections=False, dtype=dtype,
                         layout=layout) for dtype, layout in PANEL_CASES]
@@ -214,6 +234,21 @@ def test_fp32_takes_the_wide_tiles_where_fmas_are_512_bits_wide(mcpu, dense_tile
         knobs = default_knobs(spec, target)
         assert (knobs["q_tile"], knobs["pv_vecs"]) == (tile, pv_vecs)
         assert_matches_oracle(tvmattn.compile(spec, "cpu", knobs=knobs))
+
+
+@pytest.mark.parametrize("dtype, mcpu", [("float32", "znver5"), ("bfloat16", "znver4"), ("float16", "znver5")])
+@pytest.mark.parametrize("d_v", [32, 64, 128])
+def test_wide_pv_tiles_hold_16_accumulators(dtype, mcpu, d_v):
+    """The wide P·V register tile keeps 16 of AVX-512's 32 registers accumulating, whatever d_v: two
+    pipes of FMAs or dot products, a few cycles of latency each, need that many in flight (a d_k = 32
+    tile of 4 rows × 2 vectors ran bf16 at 0.85× the 8-row one). The narrow-d_v kernel is checked
+    against the oracle on this machine."""
+    target = resolve_target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2})
+    spec = AttentionSpec(batch=1, seq_len=96, num_heads=2, head_dim=d_v, projections=False, dtype=dtype)
+    knobs = default_knobs(spec, target)
+    assert knobs["pv_rows"] * min(knobs["pv_vecs"], d_v // 16) == 16
+    if d_v == 32:
+        assert_matches_oracle(tvmattn.compile(spec, "cpu", tuned=False))
 
 
 @pytest.mark.parametrize("spec", PANELS[:3] + PANELS[4:6],

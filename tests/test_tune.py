@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import tvm
 from helpers import assert_matches_oracle
 from tvm.runtime.module import num_threads
 from tvm.s_tir import Schedule
@@ -19,7 +20,7 @@ from tvm.s_tir import Schedule
 import tvmattn
 from tvmattn.compiler.cli import main
 from tvmattn.compiler.target import cpu_cores, resolve_target, target_key
-from tvmattn.compiler.tuning import measure
+from tvmattn.compiler.tuning import measure, space
 from tvmattn.compiler.tuning.progress import Progress
 from tvmattn.compiler.tuning.records import read_dirs, read_file
 from tvmattn.compiler.tuning.space import _sampled, workload
@@ -164,6 +165,22 @@ def test_metaschedule_design_space_samples_every_declared_knob(spec):
         _sampled(spec, target, sch)
         samples = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
         assert len(samples) == len(cpu.KNOBS)
+
+
+@pytest.mark.parametrize("spec, target", [
+    # fp16 projections on fp32 FMAs: x widened once for the ones that read it (a consumer list)
+    (tvmattn.AttentionSpec(batch=2, seq_len=32, kv_seq_len=48, d_model=64, num_heads=4, dtype="float16"),
+     {"kind": "llvm", "mcpu": "znver3", "num-cores": 2}),
+    # a per-query mask, packed per tile for the row max and the weights
+    (tvmattn.AttentionSpec(seq_len=40, num_heads=2, head_dim=16, projections=False, attn_mask="bool"), "cpu"),
+], ids=["fp16-layer", "per-query-mask"])
+def test_design_space_traces_print_as_metaschedule_logs_them(spec, target):
+    """MetaSchedule's task scheduler logs every design space's simplified trace before tuning starts;
+    a trace that cannot be printed stopped `tvmattn tune` with an internal error (fp16 layers)."""
+    target = resolve_target(target)
+    (sampled,) = space.design_space(spec, target).generate_design_space(tvm.IRModule({"main": workload(spec, target)}))
+    sampled.trace.simplified(remove_postproc=True).as_python()
+    assert "T.parallel" in sampled.mod.script()  # (the scheduled module)
 
 
 def test_local_runner_measures_with_every_core(monkeypatch):

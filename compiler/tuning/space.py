@@ -114,10 +114,15 @@ def design_space(spec: AttentionSpec, target: Target) -> ScheduleFn:
 
 
 def _sampled(spec: AttentionSpec, target: Target, sch: Schedule) -> Schedule:
-    """A sampled schedule. A schedule of its own template (CUDA) is its default instead: some knobs
-    shape the template and others must fit them (warps and q_rows), so `KnobSearch` enumerates that
-    grid itself and MetaSchedule only needs one valid design space."""
+    """A sampled schedule (``sch``, scheduled in place), handed to MetaSchedule as its module with a
+    trace of its own: TVM 0.27's ``Trace.simplified``, which the task scheduler applies to every design
+    space it logs, drops the ``get_sblock`` of a block that only a ``cache_read``'s consumer list reads
+    (a 16-bit x widened once for some projections, a packed mask), and printing the trace then fails;
+    `KnobSearch` rebuilds every candidate from knob values, so the trace is never replayed. A schedule
+    of its own template (CUDA) is its default instead: some knobs shape the template and others must
+    fit them (warps and q_rows), so `KnobSearch` enumerates that grid itself and MetaSchedule only
+    needs one valid design space."""
     rule = schedules.rule_for(spec, target)
     if any(k.shapes_workload for k in rule.KNOBS):
         return schedules.schedule(spec, target)[0]
-    return rule.apply(sch, spec, target, sample(sch, rule.KNOBS))
+    return Schedule(rule.apply(sch, spec, target, sample(sch, rule.KNOBS)).mod)
