@@ -230,7 +230,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 130
     print(f"target:   {report.target}")
-    print(f"tuned:    {report.measured_now} trial(s) this run in {clock(report.seconds)} → {report.log_file}")
+    again = f" (+ {report.confirmations} confirming the fastest)" if report.confirmations else ""
+    print(f"tuned:    {report.measured_now} trial(s) this run{again} in {clock(report.seconds)} → {report.log_file}")
     for point in report.points:
         at = " ".join(f"{k}={v}" for k, v in point.at.items())
         print(f"  {'at ' + at + ': ' if at else ''}{point.trials} trial(s) recorded")

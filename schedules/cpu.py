@@ -290,8 +290,9 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
     parts = fp16_parts(spec, target)  # (then amx: `_dot_tile` keeps whole blocks of 32)
     qk_pairs, pv_pairs = (True, True) if amx else bf16_dots(spec, target, q_tile, _int(sch, qk_keys))
     widen_k, widen_v = widened_kv(spec, target, q_tile, _int(sch, qk_keys))
-    v_pairs = pv_pairs and not amx and _v_pairs_per_head(spec, target)
+    v_pairs = pv_pairs and not amx and _v_pairs_per_head(spec, target)  # V's pair panel in head tasks, if any
     per_head = (widen_k or widen_v or v_pairs) and head_tasks(spec, target)
+    v_pairs = v_pairs and per_head
     if by_head_dim:
         scores_rf = _split_head_dim(sch, _lanes_for(spec.d_k, lanes))
     # Tile-local buffers are laid out (query tile, key, query in tile): vectors run along queries, and
@@ -364,7 +365,10 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
     else:  # one query: the keys are contiguous
         _vectorize(sch, t, spec.n_kv if isinstance(spec.n_kv, int) else None, lanes)
         _row_reduction(sch, "row_sum", s_lanes)
-    panels = (_pack_parts(sch, t, q_tile) if parts else _pack_pairs(sch, spec, t, amx, head)) if pv_pairs else None
+    if pv_pairs:
+        panels = _pack_parts(sch, t, q_tile) if parts else _pack_pairs(sch, spec, t, amx, head if v_pairs else None)
+    else:
+        panels = None
     if widen_v:
         _widened_once(sch, "pv", ("v_rows", "v", "v_proj"), spec.d_v, lanes, at=head)
     if amx:
@@ -376,7 +380,7 @@ def _attention_core(sch: Schedule, spec: AttentionSpec, target: Target, lanes: i
     if panels and parts:
         steps.append(functools.partial(_tensorize_parts, sch, panels, q_tile))
     elif panels:
-        steps.append(functools.partial(_tensorize_pairs, sch, spec, panels, q_tile, amx, head is not None))
+        steps.append(functools.partial(_tensorize_pairs, sch, spec, panels, q_tile, amx, v_pairs))
     return amx
 
 

@@ -89,7 +89,8 @@ def main() -> None:
     def on_round(records: list[Record]) -> None:
         seen.extend(records)
         ok = [r.latency_us for r in seen if r.ok]
-        curve.append({"trials": len(seen), "wall_s": round(time.monotonic() - start, 1),
+        curve.append({"trials": len({r.knob_key for r in seen}),  # (the confirmations at the end: none)
+                      "wall_s": round(time.monotonic() - start, 1),
                       "best_us": min(ok) if ok else None})
 
     with tempfile.TemporaryDirectory(prefix="tvmattn-efficiency-") as logs:
@@ -98,7 +99,8 @@ def main() -> None:
     load_after = os.getloadavg()
 
     print(f"{args.preset}: {spec.describe()}")
-    print(f"{len(seen)} trials in {wall:.0f} s; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
+    print(f"{len({r.knob_key for r in seen})} trials (+ {report.confirmations} confirming) in {wall:.0f} s; "
+          f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
           f"(on {os.cpu_count()} CPUs: above ~0.5 per CPU the numbers are noisy)")
     default = report.points[0].default
     if default:

@@ -22,7 +22,7 @@ from tvmattn.compiler.cli import main
 from tvmattn.compiler.target import cpu_cores, resolve_target, target_key
 from tvmattn.compiler.tuning import measure, space
 from tvmattn.compiler.tuning.progress import Progress
-from tvmattn.compiler.tuning.records import read_dirs, read_file
+from tvmattn.compiler.tuning.records import chosen, read_dirs, read_file
 from tvmattn.compiler.tuning.space import _sampled, workload
 from tvmattn.compiler.tuning.tuner import _StopRequest
 from tvmattn.compiler.verify import sizes_to_check
@@ -66,16 +66,34 @@ def tuned(tmp_path_factory):
 def test_tune_writes_records_and_reports(tuned):
     directory, out, err, _ = tuned
     records = records_in(directory)
-    assert len(records) == 4 and all(r.ok and r.gflops for r in records)
-    assert len({r.ir_hash for r in records}) == 4  # four different kernels, none measured twice
+    assert len(records) == 4 + 6 and all(r.ok and r.gflops for r in records)
+    assert len({r.ir_hash for r in records[:4]}) == 4  # four different kernels, none searched twice
     assert {r.target for r in records} == {KEY} and all("local" in r.measured_on for r in records)
-    assert "4 trial(s) this run" in out and "best:" in out and "default:" in out  # the default is a trial
+    assert "4 trial(s) this run (+ 6 confirming the fastest)" in out and "best:" in out and "default:" in out
     assert "tune: 4/4 trials" in err and "GFLOP/s" in err and "elapsed" in err  # plain progress lines
+
+
+def test_tune_measures_the_default_and_the_fastest_again_alternately(tuned, tmp_path, monkeypatch):
+    """After the search, the default (the first trial) and the two fastest others are measured twice
+    more, in turns; a compile builds the confirmed point of lowest median (`records.chosen`)."""
+    directory, _, _, _ = tuned
+    monkeypatch.setenv("TVMATTN_TUNING_LOGS", str(tmp_path))  # only these records: not other tests' in the user dir
+    records = records_in(directory)
+    trials, again = records[:4], records[4:]
+    default = trials[0].knob_key
+    fastest = [r.knob_key for r in sorted(trials[1:], key=lambda r: r.latency_us)[:2]]
+    assert [r.knob_key for r in again] == [default, *fastest] * 2
+    medians = {k: sorted(r.latency_us for r in records if r.knob_key == k)[1] for k in (default, *fastest)}
+    pick = min(medians, key=medians.get)
+    kernel = tvmattn.compile(tvmattn.AttentionSpec(seq_len=32, d_model=32, num_heads=2, causal=True,
+                                                   projections=False), log_dirs=[directory])
+    assert f"{medians[pick]:.1f} µs" in kernel.schedule
+    assert all(f"{k}={v}" in kernel.schedule for k, v in pick if k in ("q_tile", "qk_keys", "pv_rows"))
 
 
 def test_compile_uses_the_tuned_record_quickly_and_matches_the_oracle(tuned, capsys):
     directory, _, _, tuning_seconds = tuned
-    best = min((r for r in records_in(directory)), key=lambda r: r.latency_us)
+    best = chosen(records_in(directory))
     assert main(["verify", *TINY, "--log-dir", str(directory)]) == 0
     out = capsys.readouterr().out
     assert "schedule: tuned record" in out and f"{best.latency_us:.1f} µs" in out and "PASS" in out
@@ -87,9 +105,10 @@ def test_compile_uses_the_tuned_record_quickly_and_matches_the_oracle(tuned, cap
 
 def test_a_rerun_with_the_same_budget_measures_nothing(tuned, capsys):
     directory, _, _, _ = tuned
+    before = len(records_in(directory))
     assert main(["tune", *TINY, "--trials", "4", "--log-dir", str(directory)]) == 0
-    assert "0 trial(s) this run" in capsys.readouterr().out
-    assert len(records_in(directory)) == 4
+    assert "0 trial(s) this run in" in capsys.readouterr().out  # (and no confirmation)
+    assert len(records_in(directory)) == before
 
 
 @pytest.mark.slow  # a real tuning run interrupted and resumed (~37 s)
@@ -106,14 +125,13 @@ def test_sigint_keeps_the_records_and_a_rerun_resumes(tmp_path):
     assert code == 130, err
     assert "stopping after the round in flight" in err and "run the same command again" in err
     kept = records_in(tmp_path)
-    assert 8 <= len(kept) <= 16 and all(r.ok for r in kept)
+    assert 8 <= len(kept) <= 16 and all(r.ok for r in kept)  # (stopped before confirming anything)
 
     code, out, err = finish(tvmattn_cli(*argv))
     assert code == 0, err
-    assert f"{16 - len(kept)} trial(s) this run" in out
-    final = records_in(tmp_path)
-    assert len(final) == 16
-    assert len({r.ir_hash for r in final}) == 16 and len({tuple(sorted(r.knobs.items())) for r in final}) == 16
+    assert f"{16 - len(kept)} trial(s) this run (+ 6 confirming" in out
+    final = records_in(tmp_path)[:16]
+    assert len({r.ir_hash for r in final}) == 16 and len({r.knob_key for r in final}) == 16
 
 
 def test_a_second_ctrl_c_stops_at_once():
@@ -136,8 +154,9 @@ def test_concurrent_tuners_on_one_log_keep_every_record(tmp_path, capsys):
         code, _, err = finish(proc)
         assert code == 0, err
     (log,) = (tmp_path / KEY).iterdir()
-    records = read_file(log)
-    assert len(records) == 6 and sorted({r.at["n"] for r in records}) == [16, 40]
+    records = read_file(log)  # 3 trials at each point, each measured twice more (all three are finalists)
+    assert len(records) == 18 and sorted({r.at["n"] for r in records}) == [16, 40]
+    assert all(len({r.knob_key for r in records if r.at["n"] == n}) == 3 for n in (16, 40))
 
     # The symbolic kernel uses the largest point; lengths in between use the nearest point.
     assert main(["verify", *base[1:9], "--log-dir", str(tmp_path)]) == 0

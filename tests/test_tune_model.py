@@ -12,7 +12,6 @@ import tvmattn
 from tvmattn.compiler.onnx.check import random_feed
 from tvmattn.compiler.target import resolve_target
 from tvmattn.compiler.tuning import model as tune
-from tvmattn.compiler.tuning.records import Record
 from tvmattn.models.onnx_models import gpt2_block
 
 ort = pytest.importorskip("onnxruntime")
@@ -41,11 +40,3 @@ def test_tuned_records_rebuild_the_model(tmp_path, monkeypatch):
     assert np.max(np.abs(got - want)) <= 1e-4 * np.max(np.abs(want))
 
 
-def test_a_lucky_measurement_does_not_choose_the_knobs():
-    def measured(knobs: dict, *latencies: float) -> list[Record]:
-        return [Record(spec={}, at={}, target="llvm", schedule="matmul", knobs=knobs, latency_us=t) for t in latencies]
-
-    default, lucky, once = {"gemm_rows": 4}, {"gemm_rows": 2}, {"gemm_rows": 8}
-    records = measured(default, 100, 101, 99) + measured(lucky, 90, 110, 112) + measured(once, 95)
-    assert dict(tune.chosen_knobs(records)) == default  # the median of the confirmed points; `once` is not one
-    assert dict(tune.chosen_knobs(measured(default, 100) + measured(once, 95))) == once  # older logs: the fastest

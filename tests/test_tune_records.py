@@ -22,6 +22,7 @@ from tvmattn.compiler.tuning.records import (
     Record,
     TuningLogWarning,
     append,
+    chosen,
     log_file,
     read_dirs,
     read_file,
@@ -190,3 +191,14 @@ def test_knob_values_in_a_record_change_the_kernel(tmp_path):
     q, k, v = (np.random.default_rng(1).standard_normal((1, 2, 24, 16)).astype("float32") for _ in range(3))
     np.testing.assert_allclose(tuned(q, k, v), default(q, k, v), rtol=1e-4, atol=1e-5)
     assert tuned.source() != default.source()
+
+
+def test_a_lucky_measurement_does_not_choose_the_knobs():
+    def measured(knobs: dict, *latencies: float) -> list[Record]:
+        return [Record(spec={}, at={}, target="llvm", schedule="matmul", knobs=knobs, latency_us=t) for t in latencies]
+
+    default, lucky, once = {"gemm_rows": 4}, {"gemm_rows": 2}, {"gemm_rows": 8}
+    records = measured(default, 100, 101, 99) + measured(lucky, 90, 110, 112) + measured(once, 95)
+    assert chosen(records).knobs == default  # the median of the confirmed points; `once` is not one
+    assert chosen(records).latency_us == 100
+    assert chosen(measured(default, 100) + measured(once, 95)).knobs == once  # older logs: the fastest

@@ -6,9 +6,9 @@ Search path, in order: ``--log-dir`` directories, the user's log directory
 target's key (``llvm-znver4``, ``cuda-sm_90``), made for the target's schedule and measured without
 error are candidates. Among them:
 
-1. records of exactly this spec: the fastest. For a symbolic spec these were measured at the
-   representative sizes named when tuning; the records at the largest point are used (long
-   sequences dominate run time).
+1. records of exactly this spec: the fastest (`records.chosen`: of the knobs measured more than
+   once, the lowest median). For a symbolic spec these were measured at the representative sizes
+   named when tuning; the records at the largest point are used (long sequences dominate run time).
 2. for a concrete spec, records of a symbolic spec that this spec instantiates, when each size lies
    within the range of sizes that spec was tuned at: the fastest at the nearest tuned point.
 
@@ -34,6 +34,7 @@ from tvmattn.compiler.tuning.records import (
     SHIPPED_DIR,
     Record,
     TuningLogWarning,
+    chosen,
     read_dirs,
     spec_key,
 )
@@ -68,7 +69,7 @@ def find(spec: AttentionSpec, target: Target, records: Iterable[Record]) -> Reco
     exact = [r for r in usable if canonical[id(r)] == key]
     if exact:
         largest = max(math.prod(r.at.values()) for r in exact)
-        return min((r for r in exact if math.prod(r.at.values()) == largest), key=lambda r: r.latency_us)
+        return chosen(r for r in exact if math.prod(r.at.values()) == largest)
     if spec.symbolic_dims:
         return None
     best: tuple[float, float, Record] | None = None
@@ -76,7 +77,8 @@ def find(spec: AttentionSpec, target: Target, records: Iterable[Record]) -> Reco
         binding = _binding(canonical[id(group[0])], key)
         if binding is None or not _covered(binding, [r.at for r in group]):
             continue
-        for r in group:
+        for at in {tuple(sorted(r.at.items())) for r in group}:
+            r = chosen(x for x in group if tuple(sorted(x.at.items())) == at)
             rank = (_distance(binding, r.at), r.latency_us, r)
             if best is None or rank[:2] < best[:2]:
                 best = rank

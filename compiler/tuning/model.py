@@ -11,7 +11,7 @@ the rule's knob grid (each rebuilt from its knobs, as a compile does), timed wit
 ``time_evaluator``; every measurement is appended to the log as it completes, so Ctrl-C loses
 nothing and a re-run measures only points not yet recorded. Then the default and the two fastest
 points are measured again, alternately (`CONFIRM_ROUNDS`): the fastest of one noisy measurement
-each is often a lucky one, and a build uses a point only when measured more than once (`chosen_knobs`).
+each is often a lucky one, and a build uses a point only when measured more than once (`records.chosen`).
 """
 
 from __future__ import annotations
@@ -36,13 +36,11 @@ from tvmattn.compiler.passes import polynomial_math, substitute
 from tvmattn.compiler.target import resolve_target, target_key
 from tvmattn.compiler.tuning.lookup import search_dirs, user_dir
 from tvmattn.compiler.tuning.progress import Progress
-from tvmattn.compiler.tuning.records import SUFFIX, Record, append, read_dirs
+from tvmattn.compiler.tuning.records import CONFIRM_ROUNDS, FINALISTS, SUFFIX, Record, append, chosen, read_dirs
 from tvmattn.schedules.ops import RULES, unscheduled
 from tvmattn.schedules.ops.matmul import KNOBS, Matmul
 
 TUNED_RULES = tuple(name for name, rule in RULES if isinstance(rule, Matmul))
-CONFIRM_ROUNDS = 2  # more measurements of the default and the two fastest points, alternately
-FINALISTS = 2
 
 
 def workload_key(func: tirx.PrimFunc) -> str:
@@ -155,11 +153,10 @@ def _tune_task(task: OpTask, target: Target, sizes: dict[str, int], trials: int,
             record = _measure(task, target, sizes, dict(key))
             append(path, [record])
             records.append(record)
-    chosen = chosen_knobs([r for r in records if r.ok])
-    by_point = _latencies([r for r in records if r.ok])
-    base = by_point.get(_key(default))
-    return TaskReport(task, float(np.median(base)) if base else None,
-                      float(np.median(by_point[chosen])) if chosen else None, dict(chosen or ()), measured)
+    pick = chosen(records)
+    base = _latencies([r for r in records if r.ok]).get(_key(default))
+    return TaskReport(task, float(np.median(base)) if base else None, pick.latency_us if pick else None,
+                      dict(pick.knobs) if pick else {}, measured)
 
 
 def _key(knobs: Mapping[str, int]) -> tuple:
@@ -171,14 +168,6 @@ def _latencies(records: list[Record]) -> dict[tuple, list[float]]:
     for r in records:
         by_point.setdefault(r.knob_key, []).append(r.latency_us)
     return by_point
-
-
-def chosen_knobs(records: list[Record]) -> tuple | None:
-    """The knobs to build with: the lowest median among points measured more than once (confirmed),
-    else the fastest single measurement (logs written before confirmation existed)."""
-    by_point = _latencies(records)
-    confirmed = {k: v for k, v in by_point.items() if len(v) > 1} or by_point
-    return min(confirmed, key=lambda k: float(np.median(confirmed[k])), default=None)
 
 
 def _measure(task: OpTask, target: Target, sizes: dict[str, int], knobs: dict[str, int]) -> Record:
@@ -250,7 +239,8 @@ def tuned_knobs(target: Target, log_dirs: Sequence[str | Path] = ()):
         if not mine:
             return None
         largest = max(np.prod(list(r.at.values())) for r in mine)
-        return dict(chosen_knobs([r for r in mine if np.prod(list(r.at.values())) == largest]))
+        pick = chosen(r for r in mine if np.prod(list(r.at.values())) == largest)
+        return dict(pick.knobs) if pick else None
 
     return lookup
 

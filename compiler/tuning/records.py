@@ -27,6 +27,7 @@ import fcntl
 import hashlib
 import json
 import os
+import statistics
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,10 @@ from tvmattn.compiler.spec import AttentionSpec
 FORMAT = "tvmattn-tuning-record/1"
 SUFFIX = ".jsonl"
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "tuning_logs"  # the package root
+# After a search, the tuners measure the default and the FINALISTS fastest points again, alternately,
+# CONFIRM_ROUNDS times: `chosen` then builds from a median of several measurements
+CONFIRM_ROUNDS = 2
+FINALISTS = 2
 
 
 class TuningLogWarning(UserWarning):
@@ -91,6 +96,29 @@ class Record:
                 and (record.latency_us is None or isinstance(record.latency_us, (int, float)))):
             raise ValueError("fields of the wrong type")
         return record
+
+
+def chosen(records: Iterable[Record]) -> Record | None:
+    """The record to build with among measurements of one workload at one point: of the knobs measured
+    more than once (the tuners measure their finalists again, alternately: the fastest of one noisy
+    measurement each is often a lucky one), the lowest median; in a log without such (written before
+    the tuners confirmed), the fastest measurement. The record returned carries that median."""
+    by_point: dict[tuple, list[Record]] = {}
+    for r in records:
+        if r.ok:
+            by_point.setdefault(r.knob_key, []).append(r)
+    confirmed = {k: v for k, v in by_point.items() if len(v) > 1} or by_point
+    if not confirmed:
+        return None
+
+    def median(rs: list[Record]) -> float:
+        return statistics.median(r.latency_us for r in rs)
+
+    point = min(confirmed.values(), key=median)
+    best = min(point, key=lambda r: r.latency_us)
+    latency = median(point)
+    return dataclasses.replace(best, latency_us=latency,
+                               gflops=round(best.gflops * best.latency_us / latency, 2) if best.gflops else None)
 
 
 def spec_key(spec: AttentionSpec | dict[str, Any]) -> dict[str, Any]:

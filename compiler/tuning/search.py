@@ -6,7 +6,10 @@ already measured (knobs that do not matter for this spec, e.g. projection tiles 
 and measures the ones MetaSchedule's cost model ranks best, plus a few random ones so a wrong model
 cannot trap the search. Points measured in earlier runs (the records given to it) are never measured
 again, and they train the cost model before the first round, so an interrupted search resumes where
-it stopped.
+it stopped. After the search the default and the `FINALISTS` fastest points are measured again,
+alternately, in `CONFIRM_ROUNDS` rounds (unless each was measured more than once before): compiles
+build from the lowest median of the points measured more than once (`records.chosen`), not from one
+lucky measurement.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from tvm.target import Target
 from tvm.tirx import PrimFunc
 
 from tvmattn.compiler.spec import AttentionSpec
-from tvmattn.compiler.tuning.records import Record
+from tvmattn.compiler.tuning.records import CONFIRM_ROUNDS, FINALISTS, Record
 from tvmattn.compiler.tuning.space import KnobSpace, Point, candidate, relevant
 
 POOL_FACTOR = 3  # schedules built per candidate measured: the cost model's room to choose
@@ -58,12 +61,13 @@ class Measurement:
 
 @derived_object
 class KnobSearch(PySearchStrategy):
-    def __init__(self, task: Task, prior: list[Record], report: Callable[[Task, list[Measurement]], None],
+    def __init__(self, task: Task, prior: list[Record], report: Callable[[Task, list[Measurement], bool], None],
                  stop: Callable[[], bool], seed: int = 0) -> None:
         self.task, self.prior, self.report, self.stop, self.seed = task, prior, report, stop, seed
         self.rng = random.Random(seed)
         self.space = task.space  # narrowed to the knobs that matter for this spec in pre_tuning
         self.measured: dict[Point, float] = {}  # latency in s; inf when it failed
+        self.times: dict[Point, int] = {}  # measurements of each point, earlier runs' included
         self.hashes: set[str] = set()
         self.skip: set[Point] = set()  # points that did not schedule, or duplicate a measured TIR
         self.pending: list[tuple[Point, Schedule, str]] = []
@@ -71,6 +75,8 @@ class KnobSearch(PySearchStrategy):
         self.context = None
         self.cost_model = None
         self.max_trials = self.per_round = self.done = 0
+        self.confirmations: int | None = None  # rounds left, once the search is over
+        self.finalists: list[Point] = []
 
     def _initialize_with_tune_context(self, context) -> None:
         self.context = context
@@ -84,6 +90,7 @@ class KnobSearch(PySearchStrategy):
             point = self.space.point(r.knobs)
             if point is not None:
                 self.measured[point] = r.latency_us * 1e-6 if r.ok else float("inf")
+                self.times[point] = self.times.get(point, 0) + 1
             if r.ir_hash:
                 self.hashes.add(r.ir_hash)
         self._warm_cost_model()
@@ -93,11 +100,13 @@ class KnobSearch(PySearchStrategy):
 
     def generate_measure_candidates(self) -> list[MeasureCandidate] | None:
         wanted = min(self.per_round, self.max_trials - self.done)
-        if wanted <= 0 or self.stop():
+        if self.stop():
             return None
+        if wanted <= 0:
+            return self._confirmation()
         pool = self._pool(wanted * POOL_FACTOR)
-        if not pool:
-            return None  # every point of the space is measured
+        if not pool:  # every point of the space is measured
+            return self._confirmation()
         self.pending = self._choose(pool, wanted)
         return [MeasureCandidate(sch, self.args_info) for _, sch, _ in self.pending]
 
@@ -106,12 +115,32 @@ class KnobSearch(PySearchStrategy):
         for (point, _, ir_hash), result in zip(self.pending, results):
             secs = _seconds(result)
             self.measured[point] = statistics.median(secs) if secs else float("inf")
+            self.times[point] = self.times.get(point, 0) + 1
             self.hashes.add(ir_hash)
             error = None if secs else (str(result.error_msg or "no timing").strip().splitlines() or ["?"])[-1][:300]
             out.append(Measurement(self.space.values(point), ir_hash, secs, error))
         self.done += len(out)
         self.pending = []
-        self.report(self.task, out)
+        self.report(self.task, out, self.confirmations is not None)
+
+    def _confirmation(self) -> list[MeasureCandidate] | None:
+        """The next round measuring the default and the finalists again; None when there is none
+        left, or every finalist has been measured more than once already (a re-run that finds the
+        budget spent)."""
+        if self.confirmations is None:  # the search is over: the points to confirm, fixed now
+            fastest = [p for _, p in sorted((t, p) for p, t in self.measured.items() if t < float("inf"))]
+            default = [self.space.default()] if self.space.default() in fastest else []
+            self.finalists = default + [p for p in fastest if p not in default][:FINALISTS]
+            unconfirmed = any(self.times.get(p, 0) < 2 for p in self.finalists)
+            self.confirmations = CONFIRM_ROUNDS if unconfirmed and len(self.finalists) > 1 else 0
+        if self.confirmations == 0:
+            return None
+        self.confirmations -= 1
+        self.pending = []
+        for point in self.finalists:
+            sch = self._schedule(point)
+            self.pending.append((point, sch, _ir_hash(sch)))
+        return [MeasureCandidate(sch, self.args_info) for _, sch, _ in self.pending]
 
     def clone(self) -> "KnobSearch":
         return KnobSearch(self.task, self.prior, self.report, self.stop, self.seed)

@@ -4,7 +4,8 @@ One MetaSchedule task per representative point (a concrete spec: the spec itself
 with its sizes bound as the user named them), each searched by `KnobSearch`, built by tvmattn's build
 function and measured locally or on RPC servers. Every measured round is appended to the log file
 before the next begins, so an interrupted run loses at most the round in flight, and running the same
-command again measures only what is missing (``trials`` is the total per point, not an increment).
+command again measures only what is missing (``trials`` is the total per point, not an increment:
+knob points measured, not counting the confirmations that follow each search, `KnobSearch`).
 """
 
 from __future__ import annotations
@@ -42,8 +43,11 @@ from tvmattn.compiler.tuning import measure
 from tvmattn.compiler.tuning.lookup import schedule_name, user_dir
 from tvmattn.compiler.tuning.progress import Progress
 from tvmattn.compiler.tuning.records import (
+    CONFIRM_ROUNDS,
+    FINALISTS,
     Record,
     append,
+    chosen,
     log_file,
     read_dirs,
     spec_key,
@@ -52,6 +56,7 @@ from tvmattn.compiler.tuning.search import KnobSearch, Measurement, Task
 from tvmattn.compiler.tuning.space import KnobSpace, design_space, workload
 
 TRIALS_PER_ROUND = 8  # candidates built and measured per round (a fresh build pool each round)
+CONFIRMATIONS = (1 + FINALISTS) * CONFIRM_ROUNDS  # measurements after a task's search (`KnobSearch`)
 COST_MODEL_WARMUP = 16  # measurements before the cost model's ranking replaces random ranking
 logger = logging.getLogger("tvmattn.compiler.tuning")
 
@@ -59,10 +64,11 @@ logger = logging.getLogger("tvmattn.compiler.tuning")
 @dataclass
 class PointReport:
     at: dict[str, int]
-    trials: int  # records of this point in the log, this run's included
-    measured_now: int
-    best: Record | None
-    default: Record | None  # the default schedule's measurement: the baseline
+    trials: int  # knob points measured at this point, this run's included
+    measured_now: int  # knob points this run
+    confirmations: int  # measurements this run of points measured before (`KnobSearch`)
+    best: Record | None  # `records.chosen`: what a compile builds
+    default: Record | None  # the default schedule's measurement (median): the baseline
 
 
 @dataclass
@@ -77,6 +83,10 @@ class TuneReport:
     @property
     def measured_now(self) -> int:
         return sum(p.measured_now for p in self.points)
+
+    @property
+    def confirmations(self) -> int:
+        return sum(p.confirmations for p in self.points)
 
 
 def representative_points(spec: AttentionSpec, at: Sequence[dict[str, int]]) -> list[dict[str, int]]:
@@ -142,7 +152,8 @@ def tune(spec: AttentionSpec, target: Any = "cpu", *, trials: int = 64, at: Sequ
     for sizes in points:
         instance = instantiate(spec, sizes)
         done = [r for r in prior if r.at == sizes]
-        tasks.append((Task(spec, sizes, instance, workload(instance, tgt), tgt, space, trials - len(done)), done))
+        points_done = len({r.knob_key for r in done})  # (confirmations measure a point again: no trials)
+        tasks.append((Task(spec, sizes, instance, workload(instance, tgt), tgt, space, trials - points_done), done))
     todo = [(t, done) for t, done in tasks if t.budget > 0]
     stop = _StopRequest()
     written: dict[tuple, int] = {}
@@ -169,9 +180,10 @@ def tune(spec: AttentionSpec, target: Any = "cpu", *, trials: int = 64, at: Sequ
         mine = [r for r in records if r.at == sizes]
         ok = [r for r in mine if r.ok]
         default = [r for r in ok if space.point(r.knobs) == space.default()]
-        reports.append(PointReport(sizes, len(mine), written.get(_point_key(sizes), 0),
-                                   min(ok, key=lambda r: r.latency_us, default=None),
-                                   min(default, key=lambda r: r.latency_us, default=None)))
+        points = {r.knob_key for r in mine}
+        new = len(points - {r.knob_key for r in prior if r.at == sizes})
+        reports.append(PointReport(sizes, len(points), new, written.get(_point_key(sizes), 0) - new,
+                                   chosen(ok), chosen(default)))
     return TuneReport(spec, target_key(tgt), path, reports, time.monotonic() - start, stop.requested)
 
 
@@ -191,7 +203,8 @@ def _run(todo: list[tuple[Task, list[Record]]], runner, journal: "_Journal", see
     try:
         TaskScheduler.create("round-robin").tune(
             tasks=contexts, task_weights=[1.0] * len(contexts),
-            max_trials_global=sum(t.budget for t, _ in todo), max_trials_per_task=max(t.budget for t, _ in todo),
+            max_trials_global=sum(t.budget + CONFIRMATIONS for t, _ in todo),
+            max_trials_per_task=max(t.budget for t, _ in todo) + CONFIRMATIONS,
             num_trials_per_iter=TRIALS_PER_ROUND, builder=builder, runner=runner,
             measure_callbacks=MeasureCallback.create("default"), database=MemoryDatabase(), cost_model=cost_model)
     finally:
@@ -264,7 +277,9 @@ class _Journal:
         except metadata.PackageNotFoundError:
             self.version = "unknown"
 
-    def write(self, task: Task, measurements: list[Measurement]) -> None:
+    def write(self, task: Task, measurements: list[Measurement], again: bool = False) -> None:
+        """Store a round's measurements; ``again``: of points measured before (confirmations: no
+        trials on the progress display)."""
         flops = useful_flops(task.instance)
         now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
         records = []
@@ -286,7 +301,7 @@ class _Journal:
         self.written[key] = self.written.get(key, 0) + len(records)
         best = self.best.get(key)
         label = " ".join(f"{k}={v}" for k, v in task.at.items())
-        self.progress.advance(len(records), best, flops / best / 1e3 if best and flops else None,
+        self.progress.advance(0 if again else len(records), best, flops / best / 1e3 if best and flops else None,
                               f"at {label}" if label else "")
 
     def _note_best(self, records: list[Record]) -> None:
