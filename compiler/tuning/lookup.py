@@ -77,8 +77,11 @@ def find(spec: AttentionSpec, target: Target, records: Iterable[Record]) -> Reco
         binding = _binding(canonical[id(group[0])], key)
         if binding is None or not _covered(binding, [r.at for r in group]):
             continue
-        for at in {tuple(sorted(r.at.items())) for r in group}:
-            r = chosen(x for x in group if tuple(sorted(x.at.items())) == at)
+        by_point: dict[tuple, list[Record]] = {}
+        for r in group:
+            by_point.setdefault(tuple(sorted(r.at.items())), []).append(r)
+        for measured in by_point.values():
+            r = chosen(measured)
             rank = (_distance(binding, r.at), r.latency_us, r)
             if best is None or rank[:2] < best[:2]:
                 best = rank

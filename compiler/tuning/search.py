@@ -76,7 +76,7 @@ class KnobSearch(PySearchStrategy):
         self.cost_model = None
         self.max_trials = self.per_round = self.done = 0
         self.confirmations: int | None = None  # rounds left, once the search is over
-        self.finalists: list[Point] = []
+        self.finalists: list[tuple[Point, Schedule, str]] = []  # (point, its schedule, its TIR's hash)
 
     def _initialize_with_tune_context(self, context) -> None:
         self.context = context
@@ -124,22 +124,22 @@ class KnobSearch(PySearchStrategy):
         self.report(self.task, out, self.confirmations is not None)
 
     def _confirmation(self) -> list[MeasureCandidate] | None:
-        """The next round measuring the default and the finalists again; None when there is none
-        left, or every finalist has been measured more than once already (a re-run that finds the
-        budget spent)."""
+        """The next round measuring the default and the finalists again (scheduled once, for every
+        round); None when there is none left, or every finalist has been measured more than once
+        already (a re-run that finds the budget spent)."""
         if self.confirmations is None:  # the search is over: the points to confirm, fixed now
             fastest = [p for _, p in sorted((t, p) for p, t in self.measured.items() if t < float("inf"))]
             default = [self.space.default()] if self.space.default() in fastest else []
-            self.finalists = default + [p for p in fastest if p not in default][:FINALISTS]
-            unconfirmed = any(self.times.get(p, 0) < 2 for p in self.finalists)
-            self.confirmations = CONFIRM_ROUNDS if unconfirmed and len(self.finalists) > 1 else 0
+            points = default + [p for p in fastest if p not in default][:FINALISTS]
+            unconfirmed = any(self.times.get(p, 0) < 2 for p in points)
+            self.confirmations = CONFIRM_ROUNDS if unconfirmed and len(points) > 1 else 0
+            if self.confirmations:
+                schedules = [self._schedule(p) for p in points]
+                self.finalists = [(p, sch, _ir_hash(sch)) for p, sch in zip(points, schedules)]
         if self.confirmations == 0:
             return None
         self.confirmations -= 1
-        self.pending = []
-        for point in self.finalists:
-            sch = self._schedule(point)
-            self.pending.append((point, sch, _ir_hash(sch)))
+        self.pending = list(self.finalists)
         return [MeasureCandidate(sch, self.args_info) for _, sch, _ in self.pending]
 
     def clone(self) -> "KnobSearch":
