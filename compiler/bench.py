@@ -14,9 +14,9 @@ precision, NumPy float32 on the same rounded values.
 
 GFLOP/s = useful FLOPs / time, FlashAttention's count (`explain.useful_flops`): 4·d_k per (query, key)
 pair a query may see for the core (QKᵀ and P·V; a causal core is about half a dense one), plus the four projections
-for a full layer. %peak is against the fastest GEMM this machine runs on values of the spec's precision,
-measured here (`peak_gflops`): NumPy's sgemm, or for bf16 PyTorch's bf16 matmul where that is faster
-(oneDNN on the CPU's bf16 dot products).
+for a full layer. %peak is against this machine's arithmetic peak for the spec's precision, measured
+here (`peak.peak_gflops`: a TVM-built loop of the kernels' FMAs or bf16 dot products in registers, or
+a GEMM where that is faster).
 """
 
 from __future__ import annotations
@@ -383,24 +383,6 @@ def _to_numpy(x) -> np.ndarray:
     if hasattr(x, "numpy"):
         return x.numpy()
     return np.asarray(x)
-
-
-PEAK_N = 1024  # the square GEMM the peak is measured on: large enough for a BLAS to reach its rate
-
-
-def peak_gflops(dtype: str = "float32") -> tuple[float, str]:
-    """The fastest GEMM rate (GFLOP/s, all cores) this machine reaches on ``dtype`` values, and what
-    reached it: NumPy's sgemm; for bfloat16 also PyTorch's bf16 matmul where installed (oneDNN takes the
-    bf16 dot products, twice the fp32 rate, where the CPU has them). float16 is fp32 arithmetic on every
-    CPU we target (F16C conversions, fp32 FMAs), so its ceiling is the sgemm's."""
-    a = np.random.default_rng(0).standard_normal((PEAK_N, PEAK_N)).astype(np.float32)
-    best = (2 * PEAK_N**3 / measure(lambda: a @ a, 0.5) / 1e9, "NumPy sgemm")
-    if dtype == "bfloat16" and find_spec("torch") is not None:
-        import torch
-
-        b = torch.from_numpy(a).to(torch.bfloat16)
-        best = max(best, (2 * PEAK_N**3 / measure(lambda: b @ b, 0.5) / 1e9, "torch bf16 matmul"))
-    return best
 
 
 def table(results: list[Result], peak: float) -> str:

@@ -291,6 +291,7 @@ class _Parser(argparse.ArgumentParser):
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from tvmattn.compiler import bench
+    from tvmattn.compiler.peak import peak_gflops
 
     if args.model:
         return _bench_model(args)
@@ -299,10 +300,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     unknown = set(peers) - set(bench.PEERS)
     if unknown:
         raise TvmAttnError(f"unknown peer(s) {sorted(unknown)}: choose from {', '.join(bench.PEERS)}")
-    peak, measured_with = bench.peak_gflops(specs[0].dtype)
-    print(f"{bench.cpu_cores()} threads; %peak of {peak:.0f} GFLOP/s ({measured_with}, {bench.PEAK_N}³, "
-          f"{specs[0].dtype} values); GFLOP/s counts the (query, key) pairs a query sees; "
-          f"tvmattn × = peer time / tvmattn time")
+    peak, measured_with = peak_gflops(specs[0].dtype)
+    print(f"{bench.cpu_cores()} threads; %peak of {peak:.0f} GFLOP/s ({measured_with}, {specs[0].dtype} "
+          f"values); GFLOP/s counts the (query, key) pairs a query sees; tvmattn × = peer time / tvmattn time")
     results = []
     for spec in specs:
         rows = bench.bench(spec, peers, args.budget, args.target, args.log_dir, not args.default_schedule)
