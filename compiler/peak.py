@@ -65,9 +65,9 @@ def peak_loop(target: tvm.target.Target, dtype: str, tasks: int) -> PeakLoop:
     vec = f"float32x{lanes}"
     operand = "int32" if dots else "float32"  # (an int32 lane: a pair of bf16 values)
 
-    def step(acc, a, b):  # DEPTH instructions, each on the one before
+    def step(acc, x, y):  # DEPTH instructions, each on the one before (bf16: acc + x·y; fp32: acc·y + x = acc + STEP)
         for _ in range(DEPTH):
-            acc = T.call_extern(vec, DOT_FUNCTION, acc, a, b) if dots else T.call_intrin(vec, "tirx.fma", acc, b, a)
+            acc = T.call_extern(vec, DOT_FUNCTION, acc, x, y) if dots else T.call_intrin(vec, "tirx.fma", acc, y, x)
         return acc
 
     @T.prim_func
