@@ -17,6 +17,11 @@ import os as _os
 _os.environ.setdefault("TVM_NUM_THREADS", str(len(_os.sched_getaffinity(0)) if hasattr(_os, "sched_getaffinity")
                                               else (_os.cpu_count() or 1)))
 
+# TVM pins worker i of each calling thread's pool to core i: pools of concurrent callers (threads
+# serving one model) would stack on the same cores, and a pinned worker cannot leave a core that other
+# work (torch's, ONNX Runtime's, another process's) is busy on.
+_os.environ.setdefault("TVM_BIND_THREADS", "0")
+
 from tvmattn.compiler.build import compile  # noqa: E402,A004
 from tvmattn.compiler.errors import TvmAttnError  # noqa: E402
 from tvmattn.compiler.kernel import CompiledAttention  # noqa: E402

@@ -17,6 +17,7 @@ from tvmattn.compiler.errors import TvmAttnError, tvm_reason
 from tvmattn.compiler.flash import FlashTiles, flash_attention
 from tvmattn.compiler.kernel import CompiledAttention
 from tvmattn.compiler.layer import layer_around
+from tvmattn.compiler.logs import tvm_logs_to_logging
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import host_target, is_cpu, resolve_target
 from tvmattn.compiler.te_attention import attention_te
@@ -39,8 +40,9 @@ def compile(spec: AttentionSpec, target: Any = "cpu", *, arch: str | None = None
     if thread_pool not in THREAD_POOLS or (thread_pool == "openmp" and not is_cpu(tgt)):
         raise TvmAttnError(f"thread_pool={thread_pool!r}: use 'tvm', or 'openmp' for a CPU target")
     start = time.perf_counter()
-    mod, how = schedule_attention(spec, tgt, knobs, log_dirs=log_dirs, tuned=tuned)
-    executable = build_module(mod, spec, tgt, thread_pool)
+    with tvm_logs_to_logging():
+        mod, how = schedule_attention(spec, tgt, knobs, log_dirs=log_dirs, tuned=tuned)
+        executable = build_module(mod, spec, tgt, thread_pool)
     if thread_pool == "openmp":
         how += "; parallel loops on this process's OpenMP threads"
     return CompiledAttention(spec, tgt, executable, how, time.perf_counter() - start, mod, thread_pool)

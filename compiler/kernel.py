@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import ml_dtypes
 import numpy as np
@@ -23,6 +23,7 @@ import tvm_ffi
 from tvm.runtime import Executable
 from tvm.target import Target
 
+from tvmattn.compiler import concurrency
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.spec import AttentionSpec
 
@@ -83,12 +84,20 @@ class CompiledAttention:
         """Call the kernel on device tensors (TVM tensors, or any DLPack tensor such as a torch tensor,
         compact; CPU: aligned to an element, CUDA: to 64 bytes): the inputs in PrimFunc order, then the
         output."""
-        self._main(*tensors)
+        self._call(*tensors)
 
     @functools.cached_property
     def _main(self) -> tvm_ffi.Function:
         # Executable.__call__ looks the function up on every call (~2 µs); the kernel path keeps it.
         return self.executable.jit()["main"]
+
+    @functools.cached_property
+    def _call(self) -> Callable[..., None]:
+        """`_main` as this kernel's thread pool needs it called (safe after a fork: `concurrency`)."""
+        if self._on_cuda:
+            return self._main
+        launch = concurrency.run_on_openmp if self.thread_pool == "openmp" else concurrency.run_on_tvm_pool
+        return functools.partial(launch, self._main)
 
     # what a call checks against, worked out once (a call's own overhead is a few µs)
     @functools.cached_property

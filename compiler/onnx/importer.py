@@ -11,6 +11,7 @@ The rest of the graph is compiled by TVM as its stock importer converts it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import time
 import warnings
@@ -25,9 +26,11 @@ from tvm import relax, tirx
 from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.target import Target
 
+from tvmattn.compiler import concurrency
 from tvmattn.compiler.build import compile_model
 from tvmattn.compiler.errors import TvmAttnError, first_line, tvm_reason
 from tvmattn.compiler.kernel import host_argument, host_tensor, numpy_dtype
+from tvmattn.compiler.logs import tvm_logs_to_logging
 from tvmattn.compiler.onnx import checks, graph, ops, patterns  # noqa: F401 (ops fills the converters' table)
 from tvmattn.compiler.onnx.converters import Node, find
 from tvmattn.compiler.onnx.kernels import Kernels, Replacement
@@ -119,7 +122,6 @@ class ImportedModel:
     inputs: list[GraphInput]
     output_names: list[str]
     report: ImportReport
-    _vm: Any = None  # the VirtualMachine, made at the first run
 
     @property
     def device(self) -> tvm.runtime.Device:
@@ -132,16 +134,17 @@ class ImportedModel:
         """The graph's outputs, in order, for the inputs in ``feed`` (name → array)."""
         args = self._arguments(feed)
         dev = self.device
-        if self._vm is None:
-            self._vm = relax.VirtualMachine(self.executable, dev)
         on_cpu = dev.dlpack_device_type() == tvm.cpu().dlpack_device_type()
         # CPU: the arrays cross without a copy (a decode step's KV cache is megabytes; the functions take
         # arrays at any element offset, `passes.element_aligned_arguments`)
         tensors = [host_tensor(a) if on_cpu else tvm.runtime.tensor(a, dev) for a in args]
+        main = self._mains.take()  # a VM keeps per-call state: one per concurrent run (`concurrency`)
         try:
-            out = self._vm["main"](*tensors)
+            out = concurrency.run_on_tvm_pool(main, *tensors) if on_cpu else main(*tensors)
         except Exception as err:  # a check the model makes at run time: say which, without TVM's traceback
             raise TvmAttnError(_run_failure(err, args)) from None
+        finally:
+            self._mains.give_back(main)
         outs = [out] if isinstance(out, tvm.runtime.Tensor) else list(out)
         if on_cpu:
             return [_host_view(o, args) for o in outs]
@@ -149,6 +152,11 @@ class ImportedModel:
 
     def export_library(self, path: str) -> None:
         self.executable.export_library(path)
+
+    @functools.cached_property
+    def _mains(self) -> concurrency.Pool:
+        """The ``main`` of a VM each over the one executable (its weights are read in place, not copied)."""
+        return concurrency.Pool(lambda: relax.VirtualMachine(self.executable, self.device)["main"])
 
     def _arguments(self, feed: Mapping[str, Any]) -> list[np.ndarray]:
         if not isinstance(feed, Mapping):
@@ -195,7 +203,8 @@ def import_onnx(model: Any, target: Any = "cpu", *, arch: str | None = None,
     a size makes it static, a name keeps it symbolic. Dimensions the model leaves dynamic stay symbolic.
     """
     try:
-        return _import(model, target, arch, shapes or {})
+        with tvm_logs_to_logging():
+            return _import(model, target, arch, shapes or {})
     except UnicodeDecodeError:  # protobuf decodes string fields when they are first read
         raise TvmAttnError("the ONNX model is corrupt: one of its names or string attributes is not valid "
                            "UTF-8; re-export it") from None
