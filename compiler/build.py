@@ -24,6 +24,7 @@ from tvmattn.compiler.te_attention import attention_te
 from tvmattn.compiler.tuning.lookup import tuned_schedule
 from tvmattn.schedules import x86_amx, x86_bf16
 from tvmattn.schedules.ops import ScheduleFunctions
+from tvmattn.schedules.ops.conv import conv_as_gemm
 
 
 def compile(spec: AttentionSpec, target: Any = "cpu", *, arch: str | None = None,
@@ -127,9 +128,10 @@ def _producers_unfused(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     return mod
 
 
-def compile_model(mod: tvm.IRModule, target: Target) -> tuple[tvm.runtime.Executable, dict[str, str], list[str]]:
-    """A Relax module (an imported model) compiled for ``target``, the schedule rule that took each of
-    its PrimFuncs (function name → rule) and the functions built from a tuning record. CPU: Relax's CPU
+def compile_model(mod: tvm.IRModule, target: Target) -> tuple[tvm.runtime.Executable, ScheduleFunctions | None]:
+    """A Relax module (an imported model) compiled for ``target``, and on the CPU what scheduled its
+    PrimFuncs (``rule_of``: function name → rule; ``tuned_functions``: those built from a tuning
+    record; ``work``: their FLOPs as a function of their shapes). CPU: Relax's CPU
     pipeline with `schedules.ops` after operator fusion (TVM's schedules none); CUDA: Relax's, which
     applies dlight's GPU rules. Both keep symbolic-size producers unfused (`_producers_unfused`)."""
     if is_cpu(target):
@@ -138,11 +140,11 @@ def compile_model(mod: tvm.IRModule, target: Target) -> tuple[tvm.runtime.Execut
         from tvmattn.compiler.tuning.model import tuned_knobs  # it builds candidates with this module
 
         scheduler = ScheduleFunctions(target, tuned_knobs(target))
-        after_fusion = [scheduler]
+        before_legalize, after_fusion = [conv_as_gemm], [scheduler]
     else:
         from tvm.relax.backend.cuda import pipeline as backend
 
-        after_fusion = []
+        before_legalize, after_fusion = [], []
     legalize = backend.legalize_passes(target)
     fuse = [p.info.name for p in legalize].index("FuseOps")
     legalize = legalize[:fuse] + [_producers_unfused] + legalize[fuse:]
@@ -151,13 +153,13 @@ def compile_model(mod: tvm.IRModule, target: Target) -> tuple[tvm.runtime.Execut
     def pipeline(m: tvm.IRModule, _ctx) -> tvm.IRModule:
         with target:
             return tvm.transform.Sequential(
-                backend.library_dispatch_passes(target) + legalize + after_fusion
+                backend.library_dispatch_passes(target) + before_legalize + legalize + after_fusion
                 + backend.dataflow_lower_passes(target) + backend.finalize_passes(target))(m)
 
     if not is_cpu(target):
-        return compile_cuda(mod, target, relax_pipeline=pipeline), {}, []
+        return compile_cuda(mod, target, relax_pipeline=pipeline), None
     executable = tvm.compile(mod, target, relax_pipeline=pipeline, tir_pipeline=CPU_PIPELINE)
-    return executable, scheduler.rule_of, scheduler.tuned_functions
+    return executable, scheduler
 
 
 def build_module(mod: tvm.IRModule, spec: AttentionSpec, target: Target,

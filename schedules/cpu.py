@@ -1220,7 +1220,9 @@ def gemm(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: t
     if pairs is not None:
         vecs = _divisor_at_most(width // lanes_m, _int(sch, vecs))
     col_tiles = -(-width // (_int(sch, vecs) * lanes_m))
-    m_task, m_out, m_mid, m_vec = sch.split(m, [None, at_most(k["gemm_block_cols"], col_tiles), vecs, lanes_m])
+    # a divisor of the column tiles: a partial last block would guard every register tile of the task
+    m_task, m_out, m_mid, m_vec = sch.split(m, [None, _divisor_at_most(col_tiles, _int(sch, k["gemm_block_cols"])),
+                                                vecs, lanes_m])
     # a task owns a block of rows × columns, so its panels of x and w stay in L2 across register tiles
     if pairs is not None:
         c, c_pair = sch.split(c, [None, PAIR])

@@ -36,6 +36,7 @@ from tvmattn.compiler.onnx.converters import Node, find
 from tvmattn.compiler.onnx.kernels import Kernels, Replacement
 from tvmattn.compiler.onnx.shape_ops import BROADCASTING, SHAPE_FIXES, as_onnx_value, state_broadcast, state_shape
 from tvmattn.compiler.target import is_cpu, resolve_target
+from tvmattn.compiler.work import AttentionWork
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class ImportReport:
     softmaxes: list[SoftmaxFate] = field(default_factory=list)  # every Softmax of the graph, in graph order
     rule_of: dict[str, str] = field(default_factory=dict)  # the other functions: name → the schedule rule it took
     tuned: list[str] = field(default_factory=list)  # those built from a tuning record (`tvmattn tune model.onnx`)
+    work: dict[str, Any] = field(default_factory=dict, repr=False)  # function → its FLOPs by shape (`compiler.work`)
 
     @property
     def scheduled(self) -> dict[str, int]:
@@ -217,14 +219,17 @@ def _import(model: Any, target: Any, arch: str | None, shapes: Mapping[str, Sequ
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            executable, rule_of, tuned = compile_model(c.mod, tgt)
+            executable, scheduler = compile_model(c.mod, tgt)
         except Exception as err:
             raise TvmAttnError(f"TVM could not compile the imported model for {tgt.kind.name}: "
                                f"{tvm_reason(err)}") from err
     remaining = patterns.remaining_softmax(c.mod, c.importer.provenance)
+    work = {r.kernel: AttentionWork(r.spec) for r in c.kernels.replacements}
     report = ImportReport(c.proto.graph.name or "model", tgt.kind.name, list(c.kernels.replacements), remaining,
                           time.perf_counter() - start,
-                          _softmax_fates(c.softmax_nodes, c.kernels.replacements, remaining, c.reasons), rule_of, tuned)
+                          _softmax_fates(c.softmax_nodes, c.kernels.replacements, remaining, c.reasons),
+                          scheduler.rule_of if scheduler else {}, scheduler.tuned_functions if scheduler else [],
+                          (scheduler.work if scheduler else {}) | work)
     return ImportedModel(tgt, executable, _graph_inputs(c.proto), [o.name for o in c.proto.graph.output], report)
 
 

@@ -319,7 +319,7 @@ class _Match:
         if self.p.bias in self.m:
             bias = self.leaf(self.p.bias)
             if not isinstance(bias, tvm.ir.GenericConst):
-                causal = self._positional_causal(bias, negate=False, additive=True)
+                causal = self._positional_causal(self.m[self.p.bias], negate=False, additive=True)
                 return (None, causal, None) if causal else (Mask(bias, "additive"), {}, None)
             values = bias.value.numpy().astype(np.float64)
             keep = values == 0
@@ -399,6 +399,8 @@ class _Match:
         index = [tirx.Var(f"i{axis}", "int64") for axis in range(len(lead) + 2)]  # (B, h, query, key)
         value = positions.rule(mask, positions.broadcast(index, mask), self.r.values)
         if additive:
+            if isinstance(value, tirx.FloatImm) and value.value == 0:  # a bias of zeros: no mask at all
+                return {"causal": False}
             if not isinstance(value, tirx.Select):
                 return {}
             hidden = [tvm.sym.Analyzer().simplify(v) for v in (value.true_value, value.false_value)]
@@ -410,7 +412,9 @@ class _Match:
                 return {}
         if value is None or positions.dtype(value) != "bool":
             return {}
-        keep = tirx.Not(value) if negate else value
+        keep = tvm.sym.Analyzer().simplify(tirx.Not(value) if negate else value)
+        if isinstance(keep, tirx.IntImm) and keep.value:  # every key visible: no mask at all
+            return {"causal": False}
         rule = positions.key_rule(keep, index, n, n_kv)
         if rule and fill != -np.inf and (rule["causal_align"] == "bottom_right" or "window" in rule):
             # a row that sees no key: uniform weights in the model, zeros from the kernel

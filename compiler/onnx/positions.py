@@ -37,9 +37,10 @@ def rule(expr: relax.Expr, index: Index | None, var2val: dict) -> PrimExpr | Non
         return None
     expr = checks.unchecked(var2val.get(expr, expr), var2val)
     expr = var2val.get(expr, expr)
-    if isinstance(expr, tvm.ir.GenericConst):
+    if isinstance(expr, tvm.ir.GenericConst):  # one value everywhere (an all-True mask broadcast to the batch)
         value = expr.value.numpy()
-        return tirx.const(value.item(), str(value.dtype)) if value.size == 1 else None
+        return tirx.const(value.flat[0].item(), str(value.dtype)) if value.size and (value == value.flat[0]).all() \
+            else None
     if not isinstance(expr, relax.Call) or not isinstance(expr.op, tvm.ir.Op):
         return None
     if expr.op.name in _BINARY:

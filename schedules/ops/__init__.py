@@ -26,6 +26,7 @@ from tvm.s_tir import dlight
 from tvm.target import Target
 
 from tvmattn.compiler.passes import polynomial_math
+from tvmattn.compiler.work import TirWork, tir_work
 from tvmattn.schedules.ops.fallback import Fallback
 from tvmattn.schedules.ops.gemv import Gemv
 from tvmattn.schedules.ops.injective import Injective
@@ -62,11 +63,13 @@ class ScheduleFunctions:
         self.tuned = tuned  # (function as a rule gets it, rule name) → a tuning record's knobs, or None
         self.rule_of: dict[str, str] = {}
         self.tuned_functions: list[str] = []
+        self.work: dict[str, TirWork] = {}  # name → its FLOPs as a function of its arguments' shapes
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         mod = mod.clone()  # a pass leaves its input as it was
-        packed, rule_of, tuned = {}, {}, []
+        packed, rule_of, tuned, work = {}, {}, [], {}
         for gvar, func in unscheduled(mod):
+            work[gvar] = tir_work(func)
             for name, rule in RULES:
                 knobs = self.tuned(func, name) if self.tuned and isinstance(rule, Matmul) else None
                 try:
@@ -89,6 +92,7 @@ class ScheduleFunctions:
         mod = packer.run()
         self.rule_of = {packer.new.get(g, g).name_hint: name for g, name in rule_of.items()}
         self.tuned_functions = [packer.new.get(g, g).name_hint for g in tuned]
+        self.work = {packer.new.get(g, g).name_hint: w for g, w in work.items() if w is not None}
         return mod
 
 

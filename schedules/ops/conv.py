@@ -1,0 +1,136 @@
+"""Convolutions as GEMMs on the micro-kernel (im2col), rewritten in Relax before legalisation.
+
+A transformer's convolutions are its front end (ViT / CLIP / SigLIP patch embedding: stride =
+kernel; Whisper's and Wav2Vec2's 1-D convolutions over audio frames). TVM legalises a convolution
+to one reduction block that no rule tiles (it ran on the fallback rule at 2 GFLOP/s). Rewritten as
+
+    cols = im2col(x)        (B, OH, OW, C/g, KH, KW) → (B, OH·OW, g, C/g·KH·KW): a copy, the
+                            `injective` rule's (vectorised along KW, contiguous in x's rows)
+    y    = cols · W'        W' (C/g·KH·KW, N) or (g, C/g·KH·KW, N/g), folded from the constant weight
+                            at compile time: the `matmul` rule's GEMM, its weight packed
+    out  = y back to NCHW   (a transposition that Relax fuses into the consumer: a ViT flattens and
+                            transposes it straight back)
+
+every stride, padding, dilation and group count runs at the GEMM's rate; the copy costs one pass
+over KH·KW/(SH·SW) times the input (once the input for a patch embedding).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import tvm
+from tvm import relax, te, tirx
+
+MAX_TAPS = 64  # a per-channel convolution's terms, unrolled (a larger one stays TVM's)
+_CONVS = {"relax.nn.conv1d": ("NCW", "OIW"), "relax.nn.conv2d": ("NCHW", "OIHW")}
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvmattn.ConvAsGemm")
+def conv_as_gemm(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """Every convolution of a supported layout with a constant weight as im2col + GEMM."""
+    return _ConvAsGemm(mod).run()
+
+
+@relax.expr_functor.mutator
+class _ConvAsGemm(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule) -> None:
+        super().__init__(mod)
+        self.mod_ = mod
+
+    def run(self) -> tvm.IRModule:
+        for gvar, func in self.mod_.functions_items():
+            if isinstance(func, relax.Function):
+                self.builder_.update_func(gvar, self.visit_expr(func))
+        return self.builder_.get()
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        layouts = _CONVS.get(getattr(call.op, "name", ""))
+        if layouts is None or not _supported(call, layouts):
+            return call
+        return self._as_gemm(call)
+
+    def _as_gemm(self, call: relax.Call) -> relax.Expr:
+        x, weight = call.args
+        a = call.attrs
+        w = weight.value.numpy()
+        dims = w.ndim - 2  # 1 or 2 spatial dimensions
+        n_out, c_group, kernel = w.shape[0], w.shape[1], w.shape[2:]
+        groups = int(a.groups)
+        strides, dilation = [int(s) for s in a.strides], [int(d) for d in a.dilation]
+        padding = [int(p) for p in a.padding]  # before each dimension, then after each
+        shape = list(x.ty.shape)
+        spatial = shape[2:]
+        out_sizes = [(spatial[i] + padding[i] + padding[dims + i] - dilation[i] * (kernel[i] - 1) - 1)
+                     // strides[i] + 1 for i in range(dims)]
+        if n_out == groups:  # one column per group (depthwise): a GEMM of width 1; the taps summed in place
+            return self.builder_.emit_te(_per_channel, x, relax.const(w), strides, padding[:dims], dilation,
+                                         out_sizes, primfunc_name_hint="conv_per_channel")
+        cols = self.builder_.emit_te(_im2col, x, kernel, strides, padding[:dims], dilation, out_sizes,
+                                     primfunc_name_hint="im2col")
+        batch = shape[0]
+        positions = out_sizes[0] if dims == 1 else out_sizes[0] * out_sizes[1]
+        k = c_group * int(np.prod(kernel))
+        if groups == 1:
+            flat = self.builder_.emit(relax.op.reshape(cols, [batch, positions, k]))
+            panel = w.reshape(n_out, k).T  # (C·KH·KW, N): the GEMM's (reduction, columns)
+        else:  # a batch GEMM over the groups
+            flat = self.builder_.emit(relax.op.permute_dims(
+                relax.op.reshape(cols, [batch, positions, groups, k]), [0, 2, 1, 3]))
+            panel = w.reshape(groups, n_out // groups, k).transpose(0, 2, 1)
+        y = self.builder_.emit(relax.op.matmul(flat, relax.const(np.ascontiguousarray(panel))))
+        if groups == 1:  # (B, P, N) → (B, N, P)
+            y = self.builder_.emit(relax.op.permute_dims(y, [0, 2, 1]))
+        else:  # (B, g, P, N/g) → (B, g, N/g, P)
+            y = self.builder_.emit(relax.op.permute_dims(y, [0, 1, 3, 2]))
+        return relax.op.reshape(y, [batch, n_out, *out_sizes])
+
+
+def _supported(call: relax.Call, layouts: tuple[str, str]) -> bool:
+    a = call.attrs
+    x, weight = call.args
+    ty = x.ty
+    per_channel = isinstance(weight, tvm.ir.GenericConst) and int(weight.value.shape[0]) == int(a.groups)
+    if per_channel and int(np.prod(weight.value.shape[1:])) > MAX_TAPS:
+        return False
+    return (str(a.data_layout) == layouts[0] and str(a.kernel_layout) == layouts[1]
+            and str(a.out_layout) in (layouts[0], "") and isinstance(weight, tvm.ir.GenericConst)
+            and isinstance(ty, relax.TensorType) and ty.shape is not None
+            and str(ty.dtype) in ("float32", "float16", "bfloat16")
+            and (a.out_dtype is None or str(a.out_dtype) in ("", str(ty.dtype)))
+            and isinstance(list(ty.shape)[1], tirx.IntImm))
+
+
+def _im2col(x: te.Tensor, kernel, strides, padding, dilation, out_sizes) -> te.Tensor:
+    """(B, OH, OW, C, KH, KW) (1-D: (B, OL, C, K)): each output position's receptive field, zero
+    where it reaches into the padding."""
+    dims = len(kernel)
+    return te.compute((x.shape[0], *out_sizes, x.shape[1], *kernel),
+                      lambda b, *i: _tap(x, b, i[dims], i[:dims], i[dims + 1:], strides, padding, dilation),
+                      name="im2col")
+
+
+def _per_channel(x: te.Tensor, w: te.Tensor, strides, padding, dilation, out_sizes) -> te.Tensor:
+    """out[b, o, pos] = Σ over o's group's channels and the taps of x · w, unrolled (at most `MAX_TAPS`
+    terms): elementwise along the output positions, the `injective` rule's."""
+    per_group, kernel = [int(s) for s in w.shape[1:2]][0], [int(s) for s in w.shape[2:]]
+
+    def out(b, o, *pos):
+        terms = [_tap(x, b, o * per_group + ci, pos, taps, strides, padding, dilation) * w[(o, ci, *taps)]
+                 for ci in range(per_group) for taps in np.ndindex(*kernel)]
+        return functools.reduce(lambda s, t: s + t, terms)
+
+    return te.compute((x.shape[0], w.shape[0], *out_sizes), out, name="conv_per_channel")
+
+
+def _tap(x: te.Tensor, b, c, pos, taps, strides, padding, dilation):
+    """x at output position ``pos``'s tap ``taps`` of channel ``c``: zero in the padding."""
+    coords = [pos[i] * strides[i] + taps[i] * dilation[i] - padding[i] for i in range(len(pos))]
+    if not any(padding):
+        return x[(b, c, *coords)]
+    # the load clamped into x and the padding selected after: a vectorised select reads both sides
+    inside = tirx.all(*[tirx.all(0 <= q, q < x.shape[2 + i]) for i, q in enumerate(coords)])
+    clamped = [tirx.max(0, tirx.min(q, x.shape[2 + i] - 1)) for i, q in enumerate(coords)]
+    return tirx.Select(inside, x[(b, c, *clamped)], tirx.const(0, x.dtype))

@@ -1,0 +1,60 @@
+"""Convolutions as im2col + GEMM (`schedules/ops/conv.py`): ONNX Conv nodes of the shapes transformer
+front ends use (patch embeddings, audio frames) and the general ones (padding, stride, dilation,
+groups, odd and symbolic sizes), each against ONNX Runtime, and on the GEMM rule, none on fallback."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper as oh
+from onnx import numpy_helper as nh
+from onnx_testing import ort_run
+
+import tvmattn
+from tvmattn.compiler.verify import errors
+
+
+def conv_model(x_shape: list, w_shape: tuple, bias: bool, gelu: bool = False, **attrs) -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
+    inits = [nh.from_array(w, "w")] + ([nh.from_array(rng.standard_normal(w_shape[0]).astype(np.float32), "b")]
+                                        if bias else [])
+    nodes = [oh.make_node("Conv", ["x", "w"] + (["b"] if bias else []), ["y" if gelu else "out"], **attrs)]
+    if gelu:  # Whisper's conv → GELU
+        nodes.append(oh.make_node("Gelu", ["y"], ["out"]))
+    dims = len(w_shape) - 2
+    assert dims in (1, 2)
+    graph = oh.make_graph(nodes, "conv", [oh.make_tensor_value_info("x", TP.FLOAT, x_shape)],
+                          [oh.make_tensor_value_info("out", TP.FLOAT, [None] * (dims + 2))], initializer=inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 20)])
+    model.ir_version = 9
+    return model
+
+
+CASES = [  # x's shape (names: symbolic), W's shape, bias, GELU after, Conv attributes, a concrete x shape
+    (["b", 3, 224, 224], (48, 3, 16, 16), True, False, {"strides": [16, 16]}, (2, 3, 224, 224)),  # ViT patches
+    (["b", 3, 30, 30], (32, 3, 14, 14), False, False, {"strides": [14, 14]}, (1, 3, 30, 30)),  # cropped edge
+    (["b", 20, "n"], (24, 20, 3), True, True, {"pads": [1, 1]}, (2, 20, 37)),  # Whisper conv1 (n symbolic)
+    (["b", 24, "n"], (24, 24, 3), True, True, {"pads": [1, 1], "strides": [2]}, (1, 24, 38)),  # Whisper conv2
+    ([1, 8, 17, 13], (16, 8, 3, 3), True, False, {"pads": [1, 2, 0, 1], "dilations": [2, 1]}, (1, 8, 17, 13)),
+    ([2, 16, 9, 9], (32, 4, 3, 3), True, False, {"group": 4, "pads": [1, 1, 1, 1], "strides": [2, 2]},
+     (2, 16, 9, 9)),
+    (["b", 8, "n"], (8, 1, 5), False, False, {"group": 8, "pads": [2, 2]}, (3, 8, 29)),  # depthwise 1-D
+    ([1, 512, 50], (7, 512, 10), True, False, {"strides": [5]}, (1, 512, 50)),  # Wav2Vec2's first, narrow out
+]
+
+
+@pytest.mark.parametrize("x_shape, w_shape, bias, gelu, attrs, at", CASES)
+def test_conv_matches_onnx_runtime(x_shape, w_shape, bias, gelu, attrs, at):
+    model = conv_model(x_shape, w_shape, bias, gelu, **attrs)
+    imported = tvmattn.import_onnx(model)
+    rules = imported.report.rule_of
+    per_channel = attrs.get("group", 1) == w_shape[0]  # one output channel per group: taps summed in place
+    assert "fallback" not in rules.values(), rules
+    assert rules.get("conv_per_channel") == "injective" if per_channel else "matmul" in rules.values(), rules
+    x = np.random.default_rng(1).standard_normal(at).astype(np.float32)
+    got, want = imported.run({"x": x})[0], ort_run(model, {"x": x})[0]
+    assert got.shape == want.shape
+    assert errors(got, want)[1] <= 1e-5, errors(got, want)
