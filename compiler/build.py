@@ -23,8 +23,7 @@ from tvmattn.compiler.target import host_target, is_cpu, resolve_target
 from tvmattn.compiler.te_attention import attention_te
 from tvmattn.compiler.tuning.lookup import tuned_schedule
 from tvmattn.schedules import x86_amx, x86_bf16
-from tvmattn.schedules.ops import ScheduleFunctions
-from tvmattn.schedules.ops.conv import conv_as_gemm
+from tvmattn.schedules.ops import BEFORE_LEGALIZE, ScheduleFunctions
 
 
 def compile(spec: AttentionSpec, target: Any = "cpu", *, arch: str | None = None,
@@ -140,7 +139,7 @@ def compile_model(mod: tvm.IRModule, target: Target) -> tuple[tvm.runtime.Execut
         from tvmattn.compiler.tuning.model import tuned_knobs  # it builds candidates with this module
 
         scheduler = ScheduleFunctions(target, tuned_knobs(target))
-        before_legalize, after_fusion = [conv_as_gemm], [scheduler]
+        before_legalize, after_fusion = list(BEFORE_LEGALIZE), [scheduler]
     else:
         from tvm.relax.backend.cuda import pipeline as backend
 

@@ -326,6 +326,12 @@ def _bench_model(args: argparse.Namespace) -> int:
     print(imported.report, flush=True)
     feed = random_feed(imported.inputs, parse_sizes(args.at), args.seed)
     print(bench_model(model, imported, feed, args.budget, Path(args.model).name).table())
+    if args.profile:
+        from tvmattn.compiler.onnx.profile import profile
+        from tvmattn.compiler.peak import peak_gflops
+
+        print("tvmattn by function (the median of 5 instrumented runs):")
+        print(profile(imported, feed, peak_gflops=peak_gflops()[0]).table(args.profile))
     return 0
 
 
@@ -354,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", action="append", help="(model) bind an input's dimensions, e.g. --shape input_ids=1x128")
     p.add_argument("--at", action="append", help="(model) sizes of named dimensions, e.g. --at seq=128 (default 4)")
     p.add_argument("--seed", type=int, default=0, help="(model) seed of the random inputs")
+    p.add_argument("--profile", type=int, nargs="?", const=25, default=0, metavar="N",
+                   help="(model) also time each compiled function: the N slowest (default 25) with their "
+                   "schedule rule, GFLOP/s and GB/s")
     add_spec_flags(p)
     add_target_flags(p)
     add_log_flags(p)

@@ -33,7 +33,7 @@ from tvmattn.compiler.passes import polynomial_math
 from tvmattn.compiler.target import resolve_target, vector_lanes
 from tvmattn.compiler.verify import errors
 from tvmattn.models.onnx_models import BUILDERS
-from tvmattn.schedules.ops import RULES, ScheduleFunctions, is_scheduled
+from tvmattn.schedules.ops import BEFORE_LEGALIZE, RULES, ScheduleFunctions, is_scheduled
 from tvmattn.schedules.ops.matmul import CONSTANT_PARAMS, Matmul, gemm_operands, pack
 
 CPU = resolve_target("cpu")
@@ -322,6 +322,8 @@ def legalized(model: onnx.ModelProto, target) -> tvm.IRModule:
     kernels = Kernels(target)
     importer = _Importer(proto, kernels)
     mod = patterns.rewrite(importer.convert(), kernels, importer.provenance, {})
+    if target.kind.name != "cuda":
+        mod = tvm.transform.Sequential(list(BEFORE_LEGALIZE))(mod)
     with target:
         return tvm.transform.Sequential(pipeline.library_dispatch_passes(target)
                                         + pipeline.legalize_passes(target))(mod)

@@ -34,6 +34,7 @@ from tvmattn.compiler.logs import tvm_logs_to_logging
 from tvmattn.compiler.onnx import checks, graph, ops, patterns  # noqa: F401 (ops fills the converters' table)
 from tvmattn.compiler.onnx.converters import Node, find
 from tvmattn.compiler.onnx.kernels import Kernels, Replacement
+from tvmattn.compiler.onnx.profile import Profile, profile
 from tvmattn.compiler.onnx.shape_ops import BROADCASTING, SHAPE_FIXES, as_onnx_value, state_broadcast, state_shape
 from tvmattn.compiler.target import is_cpu, resolve_target
 from tvmattn.compiler.work import AttentionWork
@@ -92,6 +93,9 @@ class ImportReport:
             lines.append("  the rest of the model, by schedule rule: "
                          + ", ".join(f"{rule} {n}" for rule, n in self.scheduled.items())
                          + (f"; {len(self.tuned)} from tuning records" if self.tuned else ""))
+        fallback = sorted(name for name, rule in self.rule_of.items() if rule == "fallback")
+        if fallback:
+            lines.append(f"  on the fallback rule (parallel loops, nothing tiled or vectorised): {', '.join(fallback)}")
         named = {f.node for f in self.softmaxes}
         lines += [f"  left to TVM: softmax at {where}" for where in self.left_to_tvm if where not in named]
         return "\n".join(lines)
@@ -154,6 +158,12 @@ class ImportedModel:
 
     def export_library(self, path: str) -> None:
         self.executable.export_library(path)
+
+    def profile(self, feed: Mapping[str, Any], runs: int = 5) -> Profile:
+        """Where a run's time goes, function by function (`compiler.onnx.profile`; CPU)."""
+        if self.target.kind.name != "llvm":
+            raise TvmAttnError("profile times the functions of a CPU model: import it with target='cpu'")
+        return profile(self, feed, runs)
 
     @functools.cached_property
     def _mains(self) -> concurrency.Pool:

@@ -37,6 +37,7 @@ from tvm.relax.dpl import DFPattern, is_const, is_op, is_tuple_get_item, wildcar
 
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.onnx import checks, positions
+from tvmattn.compiler.onnx.canonical import canonical
 from tvmattn.compiler.onnx.kernels import Kernels, Mask, attend, shape_of
 from tvmattn.compiler.onnx.shape_ops import bounded_below
 
@@ -120,6 +121,7 @@ def rewrite(mod: tvm.IRModule, kernels: Kernels, provenance: dict,
     layout where it can; then the bare chain; then softmax weights still used after those. ``reasons``
     receives, per softmax (its ONNX node), why a chain around it matched the pattern but was kept.
     """
+    mod = canonical(mod, provenance)
     for root in ROOTS:
         mod = _Rewriter(mod, AttentionPattern(root), kernels, provenance,
                         reasons if reasons is not None else {}).run()

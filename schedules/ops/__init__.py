@@ -27,10 +27,12 @@ from tvm.target import Target
 
 from tvmattn.compiler.passes import polynomial_math
 from tvmattn.compiler.work import TirWork, tir_work
+from tvmattn.schedules.ops.conv import conv_as_gemm
 from tvmattn.schedules.ops.fallback import Fallback
 from tvmattn.schedules.ops.gemv import Gemv
 from tvmattn.schedules.ops.injective import Injective
 from tvmattn.schedules.ops.matmul import CONSTANT_PARAMS, Matmul, pack
+from tvmattn.schedules.ops.powers import small_powers
 from tvmattn.schedules.ops.reduction import RowReduction
 
 RULES: tuple[tuple[str, dlight.ScheduleRule], ...] = (
@@ -41,6 +43,10 @@ RULES: tuple[tuple[str, dlight.ScheduleRule], ...] = (
     ("injective", Injective()),
     ("fallback", Fallback()),
 )
+
+
+# Relax rewrites before legalisation into what the rules schedule: convolutions as GEMMs, x**2 as x·x
+BEFORE_LEGALIZE = (conv_as_gemm, small_powers)
 
 
 def is_scheduled(func: tirx.PrimFunc) -> bool:
