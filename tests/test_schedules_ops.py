@@ -131,6 +131,19 @@ def test_batch_matmul_both_batched():
     assert check([A, B, C], a.astype(np.float64) @ b, a, b)[0] == "matmul"
 
 
+@pytest.mark.parametrize("n", [1, 37, 130])
+def test_batch_matmul_symbolic_reduction(n):
+    """P·V of an attention TVM computes itself: (B·h, n, n) · (B·h, n, 64) with n symbolic, the
+    reduction too: the GEMM rule's, not the fallback's."""
+    m = tirx.Var("n", "int64")
+    A, B = te.placeholder((i64(3), m, m), name="A"), te.placeholder((i64(3), m, i64(64)), name="B")
+    r = te.reduce_axis((i64(0), m), name="k")
+    C = te.compute((i64(3), m, i64(64)), lambda b, i, j: te.sum(A[b, i, r] * B[b, r, j], axis=r), name="bmm")
+    rng = np.random.default_rng(2)
+    a, b = randn(rng, 3, n, n), randn(rng, 3, n, 64, scale=n ** -0.5)
+    assert check([A, B, C], a.astype(np.float64) @ b, a, b)[0] == "matmul"
+
+
 @pytest.mark.parametrize("M", [1, 33])
 def test_padded_columns_accumulate_whole_tiles(M):
     """A packed weight of 17 columns is zero-padded to a 64-column tile that the micro-kernel computes

@@ -27,6 +27,7 @@ from tvmattn.schedules.ops.injective import spatial
 
 KNOBS = tuple(k for k in cpu.KNOBS if k.name.startswith("gemm_"))
 WIDE = 8192  # output columns from which a GEMM takes taller register tiles (`Matmul.defaults`)
+SYMBOLIC_REDUCTION = 1024  # the reduction length assumed for a symbolic one's task sizes
 CONSTANT_PARAMS = "tvmattn.constant_params"  # function attribute: the parameters every call passes a constant
 
 
@@ -164,10 +165,10 @@ def gemm_operands(block: tirx.SBlock):
     s = spatial_vars[-2] if len(spatial_vars) >= 2 else None
     has_rows = s is not None and uses(loads[a], s) and not uses(loads[b], s)
     extent = block.iter_vars[-1].dom.extent
-    if not (rows_ok and cols_ok and isinstance(extent, tirx.IntImm)) or \
-            not isinstance(block.iter_vars[-2].dom.extent, tirx.IntImm):
-        return None  # symbolic widths: no fixed register tile
-    return int(extent.value), loads[b].source, has_rows
+    if not (rows_ok and cols_ok) or not isinstance(block.iter_vars[-2].dom.extent, tirx.IntImm):
+        return None  # a symbolic width: no fixed register tile
+    # a symbolic reduction (P·V over a sequence's keys) sizes the task's panels as a long one would
+    return int(extent.value) if isinstance(extent, tirx.IntImm) else SYMBOLIC_REDUCTION, loads[b].source, has_rows
 
 
 def _uncast(expr):
