@@ -50,6 +50,8 @@ def build(family: str) -> torch.nn.Module:
                                                          n_positions=64), **eager)
     elif family == "llama":
         model = auto.from_config(transformers.LlamaConfig(**common, num_key_value_heads=2), **eager)
+    elif family == "llama-padded":  # transformers' default attention (SDPA) and an attention_mask input
+        model = auto.from_config(transformers.LlamaConfig(**common, num_key_value_heads=2))
     elif family == "qwen2":
         model = auto.from_config(transformers.Qwen2Config(**common, num_key_value_heads=2), **eager)
     elif family == "mistral":
@@ -82,7 +84,7 @@ class _Wrapper(torch.nn.Module):
             return self.model(input_ids=x, attention_mask=y).last_hidden_state
         if self.family == "t5":
             return self.model(input_ids=x, decoder_input_ids=y, use_cache=False).logits
-        return self.model(input_ids=x, use_cache=False).logits
+        return self.model(input_ids=x, attention_mask=y, use_cache=False).logits
 
 
 def example(family: str, batch: int, seq: int, seed: int = 0) -> tuple[np.ndarray, ...]:
@@ -96,6 +98,11 @@ def example(family: str, batch: int, seq: int, seed: int = 0) -> tuple[np.ndarra
         mask = np.ones((batch, seq), np.int64)
         mask[0, seq - 2:] = 0
         return ids, mask
+    if family == "llama-padded":  # a left-padded sequence (its first rows see no key) and a right-padded one
+        mask = np.ones((batch, seq), np.int64)
+        mask[0, :3] = 0
+        mask[-1, seq - 1:] = 0
+        return ids, mask
     if family == "t5":
         return ids, rng.integers(0, VOCAB, (batch, seq - 1))
     return (ids,)
@@ -108,8 +115,9 @@ def export(family: str, exporter: str) -> onnx.ModelProto:
         return _ort_optimized(family)
     model, args = build(family), tuple(torch.from_numpy(a) for a in example(family, 2, 8))
     names = ["pixel_values"] if family == "vit" else \
-        {"bert": ["input_ids", "attention_mask"], "t5": ["input_ids", "decoder_input_ids"]}.get(family, ["input_ids"])
-    axes = [{0: "batch"}] if family == "vit" else [{0: "batch", 1: "seq" if i == 0 or family == "bert" else "dseq"}
+        {"bert": ["input_ids", "attention_mask"], "llama-padded": ["input_ids", "attention_mask"],
+         "t5": ["input_ids", "decoder_input_ids"]}.get(family, ["input_ids"])
+    axes = [{0: "batch"}] if family == "vit" else [{0: "batch", 1: "dseq" if i and family == "t5" else "seq"}
                                                    for i in range(len(names))]
     buffer = io.BytesIO()
     with torch.no_grad(), warnings.catch_warnings():
@@ -187,6 +195,17 @@ def check(family: str, exporter: str) -> None:
 @pytest.mark.parametrize("family, exporter", [("gpt2", "dynamo"), ("llama", "dynamo23"), ("bert", "ort")])
 def test_model_as_exported(family, exporter):
     check(family, exporter)
+
+
+def test_decoder_with_an_attention_mask():
+    """Llama exported with transformers' default attention (SDPA) and an attention_mask: torch's export
+    writes Kᵀ through merged batch and heads, the mask as causal(i, j) & attention_mask[b, j] under
+    finfo.min, and the isnan guard after the softmax. One kernel per layer (not a weights kernel and a
+    batched P·V), causal, reading a (B, n_kv) key mask, exact on the left-padded rows that see no key."""
+    model = export("llama-padded", "dynamo")
+    imported = assert_matches_ort(model, feeds(model, "llama-padded", [(2, 9), (1, 6)]), LAYERS)
+    for r in imported.report.replacements:
+        assert (r.spec.causal, r.spec.attn_mask, r.spec.attn_mask_dims, r.spec.output) == (True, "bool", "bt", "attn")
 
 
 MATRIX = [(f, e) for f in ("gpt2", "bert", "llama", "qwen2", "mistral", "t5", "vit")

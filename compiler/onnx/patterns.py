@@ -28,6 +28,7 @@ whose constant mask shows it every key is bottom-right causal: the query follows
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +37,7 @@ from tvm import relax, tirx
 from tvm.relax.dpl import DFPattern, is_const, is_op, is_tuple_get_item, wildcard
 
 from tvmattn.compiler.errors import TvmAttnError
-from tvmattn.compiler.onnx import checks, positions
+from tvmattn.compiler.onnx import checks, key_masks, positions
 from tvmattn.compiler.onnx.canonical import canonical
 from tvmattn.compiler.onnx.kernels import Kernels, Mask, attend, shape_of
 from tvmattn.compiler.onnx.shape_ops import bounded_below
@@ -210,6 +211,7 @@ class _Match:
     def __init__(self, rewriter: _Rewriter, matched: dict) -> None:
         self.r, self.m, self.p = rewriter, matched, rewriter.pattern
         self.bb: relax.BlockBuilder = rewriter.builder_
+        self.empty_rows: tuple | None = None  # (key mask, rule): rows to average afterwards (`_split_keys`)
 
     def leaf(self, pattern: DFPattern) -> relax.Expr:
         """A matched input of the chain, as the rewritten function names it."""
@@ -250,6 +252,10 @@ class _Match:
         out, = attend(self.bb, self.r.kernels, *operands, layout="BSHD" if bshd else "BHSD", mask=mask,
                       nodes=self._nodes(), source=SOURCE, outputs=("weights" if weights else "attn",),
                       **options)
+        if self.empty_rows is not None:
+            keys, rule = self.empty_rows
+            out = key_masks.average_empty_rows(self.bb, out, operands[2], keys, rule, "BSHD" if bshd else "BHSD",
+                                               k.group)
         return self._merge(out, rank, bshd, weights)
 
     # ---- operands --------------------------------------------------------------------------------
@@ -322,7 +328,11 @@ class _Match:
             bias = self.leaf(self.p.bias)
             if not isinstance(bias, tvm.ir.GenericConst):
                 causal = self._positional_causal(self.m[self.p.bias], negate=False, additive=True)
-                return (None, causal, None) if causal else (Mask(bias, "additive"), {}, None)
+                if causal:
+                    return None, causal, None
+                keep, fill = self._where_keep(self.m[self.p.bias])
+                split = self._split_keys(keep, fill) if keep is not None else None
+                return split or (Mask(bias, "additive"), {}, None)
             values = bias.value.numpy().astype(np.float64)
             keep = values == 0
             if np.all(keep | (values <= _HUGE_NEGATIVE)) and _hides_only(keep, values):
@@ -348,6 +358,9 @@ class _Match:
         causal = self._sliced_causal(cond, negate, fill) or self._positional_causal(cond, negate, fill=fill)
         if causal:
             return None, causal, None
+        split = None if negate else self._split_keys(self.m[self.p.keep], fill)
+        if split:
+            return split
         keep = self.bb.emit(relax.op.logical_not(cond)) if negate else cond
         if fill == -np.inf:
             return Mask(keep, "bool"), {}, None
@@ -423,6 +436,36 @@ class _Match:
             if not bounded_below(n_kv - n).can_prove(n_kv >= n):
                 return {}
         return rule or {}
+
+    def _where_keep(self, bias: relax.Expr) -> tuple[relax.Expr | None, float]:
+        """(keep, fill) of an additive mask written where(keep, 0, fill), fill hiding a key; else (None, 0)."""
+        value = self.r.values.get(bias, bias)
+        if not (isinstance(value, relax.Call) and getattr(value.op, "name", "") == "relax.where"):
+            return None, 0.0
+        cond, zero, fill = value.args
+        if not all(isinstance(c, tvm.ir.GenericConst) and c.value.numpy().size == 1 for c in (zero, fill)) \
+                or _scalar(zero) != 0 or _scalar(fill) > _HUGE_NEGATIVE:
+            return None, 0.0
+        return cond, _scalar(fill)
+
+    def _split_keys(self, keep: relax.Expr, fill: float) -> tuple[Mask, dict, None] | None:
+        """A mask ``keep`` = a causal rule & per-key tensors (`key_masks`): the rule, and the keys as a bool
+        mask the kernel reads per key. Under a finite fill the rows that see no key are averaged over
+        every key afterwards, as the model does (`_empty_rows`); a weights kernel or a sliding window
+        keeps the whole mask then."""
+        *lead, n, n_kv = shape_of(self.m[self.p.scores], "the scores")
+        index = [tirx.Var(f"i{axis}", "int64") for axis in range(len(lead) + 2)]
+        found = key_masks.split(keep, self.r.values, index, n, n_kv)
+        if found is None:
+            return None
+        finite = fill != -np.inf
+        if finite and (self.p.root is self.p.weights or "window" in found.rule):
+            return None
+        mask = functools.reduce(lambda a, b: self.bb.emit(relax.op.logical_and(a, b)),
+                                [self.r.visit_expr(term) for term in found.keys])
+        if finite:
+            self.empty_rows = (mask, found.rule)
+        return Mask(mask, "bool"), found.rule, None
 
     def _scores_shape(self) -> tuple[int | None, ...]:
         return tuple(int(d.value) if isinstance(d, tirx.IntImm) else None
