@@ -8,18 +8,18 @@ torch's TorchScript and dynamo exporters or by ONNX Runtime's transformer optimi
 
     from tvmattn.models import zoo
     m = zoo.get("llama")                      # or zoo.select("encoder,gpt2")
-    proto = m.export()                        # cached: ~/.cache/tvmattn/zoo/llama-<VERSION>.onnx
+    proto = m.export()                        # cached: ~/.cache/tvmattn/zoo/llama-<VERSION>-<torch…>.onnx
     feed = m.feed(m.shapes[0])                # NumPy inputs at (batch 2, 128 tokens)
 
 A shape is (batch, n): n counts tokens (encoders, prefill, encoder-decoders: both sides), the cached
-keys of a one-token decode step, an image's side, or audio frames. ``shapes[0]`` is the smallest.
+keys of a one-token decode step, an image's side, or audio frames (or samples). ``shapes[0]`` is the
+smallest. ``TVMATTN_ZOO_CACHE`` moves the cache.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -168,22 +168,17 @@ def _example(m: ZooModel) -> dict[str, np.ndarray]:
     return out
 
 
-@functools.cache
 def _cached(name: str) -> onnx.ModelProto:
+    """Read from disk each time, not kept in memory: the whole zoo's weights are ~1 GB."""
     m = get(name)
     if m.path.exists():
         return onnx.load(m.path)
-    start = time.perf_counter()
     proto = m._export_now()
-    EXPORT_SECONDS[m.name] = time.perf_counter() - start
     m.path.parent.mkdir(parents=True, exist_ok=True)
     partial = m.path.with_suffix(f".{os.getpid()}.part")
     onnx.save(proto, partial)
     os.replace(partial, m.path)  # a concurrent or killed export never leaves half a file under the name
     return proto
-
-
-EXPORT_SECONDS: dict[str, float] = {}  # the exports this process made (not those read from the cache)
 
 
 def graph_inputs(m: ZooModel) -> list[tuple[str, tuple[int | str, ...], np.dtype]]:
@@ -232,12 +227,12 @@ def _seq2seq(config: str, make: Callable[[int, int], dict[str, Any]]) -> Recipe:
                   call={"use_cache": False})
 
 
-def _pixels(auto: str, config: str, patch: int, **extra: Any) -> Recipe:
+def _pixels(config: str, patch: int, **extra: Any) -> Recipe:
     """A vision encoder on 224² RGB images, patches by a stride = kernel convolution."""
     def make(width: int, heads: int) -> dict[str, Any]:
         return dict(hidden_size=width, num_attention_heads=heads, num_hidden_layers=LAYERS, intermediate_size=4 * width,
                     image_size=224, patch_size=patch) | extra
-    return Recipe(auto, config, make, ("pixel_values",), "last_hidden_state", example=(3, 224, 224))
+    return Recipe("AutoModel", config, make, ("pixel_values",), "last_hidden_state", example=(3, 224, 224))
 
 
 def _gpt2(width: int, heads: int) -> dict[str, Any]:
@@ -340,10 +335,10 @@ MODELS: list[ZooModel] = [
     M("t5", "T5", "torchscript", SEQ2SEQ, 256, 4, _seq2seq("T5Config", _t5)),
     M("bart", "BART", "dynamo", SEQ2SEQ, 256, 4, _seq2seq("BartConfig", _bart)),
     # vision: 224² images
-    M("vit-ort", "ViT", "ort-torchscript", VISION, 384, 6, _pixels("AutoModel", "ViTConfig", 16), ort_type="vit"),
-    M("clip-vision", "CLIP", "dynamo", VISION, 256, 4, _pixels("AutoModel", "CLIPVisionConfig", 32)),
+    M("vit-ort", "ViT", "ort-torchscript", VISION, 384, 6, _pixels("ViTConfig", 16), ort_type="vit"),
+    M("clip-vision", "CLIP", "dynamo", VISION, 256, 4, _pixels("CLIPVisionConfig", 32)),
     M("siglip-vision", "SigLIP", "torchscript", VISION, 768, 12,
-      _pixels("AutoModel", "SiglipVisionConfig", 16)),
+      _pixels("SiglipVisionConfig", 16)),
     # audio: a convolution front end
     M("whisper-encoder", "Whisper", "torchscript", AUDIO, 384, 6,
       Recipe("AutoModel", "WhisperConfig", _whisper, ("input_features",), "last_hidden_state", part="get_encoder",
