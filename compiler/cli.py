@@ -355,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_verify)
 
     p = sub.add_parser("bench", help="time tvmattn against PyTorch, ONNX Runtime, OpenVINO and NumPy in one process; "
-                       "with a model.onnx: the imported model against ONNX Runtime")
+                       "with a model.onnx: the imported model against ONNX Runtime and OpenVINO (fp32)")
     p.add_argument("model", nargs="?", help="an .onnx file: bench the whole model instead of one attention")
     p.add_argument("--shape", action="append", help="(model) bind an input's dimensions, e.g. --shape input_ids=1x128")
     p.add_argument("--at", action="append", help="(model) sizes of named dimensions, e.g. --at seq=128 (default 4)")

@@ -45,7 +45,8 @@ def cache_shape(model: Any, past: int, batch: int = 1) -> tuple[int, int, int, i
     """(B, h_kv, past, d) of one layer's cached keys or values."""
     cfg = model.config
     heads = cfg.num_attention_heads
-    return batch, getattr(cfg, "num_key_value_heads", None) or heads, past, cfg.hidden_size // heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads  # explicit in Qwen3, Gemma
+    return batch, getattr(cfg, "num_key_value_heads", None) or heads, past, head_dim
 
 
 def names(model: Any, past: bool, attention_mask: bool = False) -> tuple[list[str], list[str]]:
@@ -83,10 +84,11 @@ def wrapper(model: Any, attention_mask: bool = False) -> Any:
 
 
 def export(model: Any, exporter: str, *, past: bool, seq: int | None = None, past_len: int = 5, batch: int = 1,
-           attention_mask: bool = False) -> onnx.ModelProto:
+           attention_mask: bool = False, max_len: int = 200) -> onnx.ModelProto:
     """The decoder as ``exporter`` ("dynamo" or "torchscript") writes it: with a cache input (``past``
     symbolic, ``seq`` new tokens) or the prefill (``seq`` symbolic, from an empty cache); with
-    ``attention_mask`` (decode only) a (B, past + seq) 1/0 input, for batches with left padding."""
+    ``attention_mask`` (decode only) a (B, past + seq) 1/0 input, for batches with left padding.
+    ``max_len``: the longest cache or prompt the dynamo export accepts."""
     import torch
 
     if attention_mask and not past:
@@ -100,7 +102,7 @@ def export(model: Any, exporter: str, *, past: bool, seq: int | None = None, pas
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         if exporter == "dynamo":
-            size = torch.export.Dim("past" if past else "seq", min=2, max=200)
+            size = torch.export.Dim("past" if past else "seq", min=2, max=max_len)
             shapes = ({"input_ids": None, "past": tuple([{1: size + seq}] * len(mask) + [{2: size}] * len(cache))}
                       if past else {"input_ids": {1: size}})
             program = torch.onnx.export(module, (ids, *mask, *cache), dynamo=True, input_names=inputs,

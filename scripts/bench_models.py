@@ -1,77 +1,205 @@
-"""The README's end-to-end table: Hugging Face models (random weights, `export_hf.py`) imported once
-with symbolic batch and sequence, then `tvmattn bench model.onnx`'s measurement at each shape; with
-``--tune N``, the model is tuned too (`tvmattn tune model.onnx --trials N`, at batch 1 × 128 tokens,
-records in a scratch folder) and imported again from its records.
+"""The README's end-to-end table: every model of the zoo (`models/zoo.py`: 32 exports of 28
+transformer families by three exporters, random weights, 2 layers) imported once with symbolic shapes,
+checked against ONNX Runtime, and timed against ONNX Runtime and OpenVINO fp32 at each shape
+(`tvmattn bench model.onnx`'s measurement: one process, interleaved rounds, every core).
 
-    python scripts/bench_models.py [--layers 2] [--families gpt2,bert,llama] [--budget 2] [--tune 16]
+    python scripts/bench_models.py [--models gpt2,encoder,…] [--budget 2] [--shapes all|first|2x128,…]
+                                   [--json out.json] [--tune 16]
+
+One markdown row per model and shape, then geometric means of the speed-ups (peer time ÷ tvmattn's,
+above 1: tvmattn is faster), overall and per kind. A model that fails to export, import or run gets a
+row saying so and the run goes on. ``--tune N`` also tunes each model's GEMMs (`tvmattn tune
+model.onnx --trials N` at its first shape, records in a scratch folder) and benches it from them.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
-import sys
 import tempfile
 import time
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
 
 os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")  # before TVM's thread pool starts
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import export_hf  # noqa: E402
-import onnx  # noqa: E402
-
+from tvmattn.compiler.errors import first_line  # noqa: E402
 from tvmattn.compiler.onnx.bench import CLASSES, bench_model  # noqa: E402
-from tvmattn.compiler.onnx.check import random_feed  # noqa: E402
-from tvmattn.compiler.onnx.importer import import_onnx  # noqa: E402
+from tvmattn.compiler.onnx.check import compare_with_ort  # noqa: E402
+from tvmattn.compiler.onnx.importer import ImportedModel, import_onnx  # noqa: E402
+from tvmattn.compiler.target import cpu_cores  # noqa: E402
 from tvmattn.compiler.tuning.model import tune_model  # noqa: E402
+from tvmattn.models import zoo  # noqa: E402
 
-SHAPES = [(1, 128), (1, 1024), (4, 256)]
-LONGEST = {"bert": 512}  # BERT's position table: a longer input is invalid (ONNX Runtime rejects it)
-DECODE_PAST = 512
+FLAG = 1e-3  # an error relative to the output's scale above this is flagged in the table
+FIXED_SIZE = (zoo.VISION, zoo.AUDIO)  # kinds whose n is the model's own (image side, audio length)
+HEADER = ["model", "family", "exporter", "shape", "tvmattn ms", "ORT ms", "× ORT", "OpenVINO ms", "× OV", "error",
+          "import s", "softmax on kernels", *CLASSES]
+
+
+@dataclass
+class Row:
+    model: str
+    family: str
+    exporter: str
+    kind: str
+    width: int
+    shape: str
+    batch: int
+    n: int
+    tvmattn_ms: float | None = None
+    ort_ms: float | None = None
+    ov_ms: float | None = None
+    error: float | None = None  # max over the outputs of the error relative to ONNX Runtime's scale
+    import_s: float | None = None
+    export_s: float | None = None  # None: read from the cache
+    on_kernels: str = ""  # "softmaxes on tvmattn kernels / softmaxes"
+    by_class: dict[str, float] = field(default_factory=dict)
+    ort_note: str = ""
+    ov_note: str = ""
+    failure: str = ""  # what failed (export, import, run), with the error's first line
+    tuned_ms: float | None = None
+
+    def speedup(self, peer_ms: float | None, ours: float | None = None) -> float | None:
+        ours = ours or self.tvmattn_ms
+        return peer_ms / ours if peer_ms and ours else None
+
+    def markdown(self, tuned: bool) -> str:
+        cells = [self.model, self.family, self.exporter, self.shape]
+        if self.failure:
+            return "| " + " | ".join(cells + [f"**{self.failure}**"] + [""] * (len(HEADER) - 5 + 2 * tuned)) + " |"
+        error = "—" if self.error is None else f"{self.error:.1e}" + (" ⚠" if self.error > FLAG else "")
+        total = sum(self.by_class.values()) or 1.0
+        cells += [_num(self.tvmattn_ms), _num(self.ort_ms), _num(self.speedup(self.ort_ms)), _num(self.ov_ms),
+                  _num(self.speedup(self.ov_ms)), error, _num(self.import_s, 1), self.on_kernels]
+        cells += [f"{100 * self.by_class.get(c, 0) / total:.0f} %" for c in CLASSES]
+        if tuned:
+            cells += [_num(self.tuned_ms), _num(self.speedup(self.ort_ms, self.tuned_ms))]
+        return "| " + " | ".join(cells) + " |"
+
+
+def _num(x: float | None, digits: int = 2) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def shapes_of(m: zoo.ZooModel, choice: str) -> tuple[tuple[int, int], ...]:
+    """``all`` the model's shapes, its ``first`` (smallest), or given (batch, n) pairs ("2x128,1x512"),
+    which apply to models whose n is free (tokens, cached keys); images and audio keep their own."""
+    if choice == "all":
+        return m.shapes
+    if choice == "first":
+        return m.shapes[:1]
+    if m.kind in FIXED_SIZE:
+        return m.shapes
+    return tuple(tuple(int(x) for x in s.split("x")) for s in choice.split(","))
+
+
+def bench_one(m: zoo.ZooModel, shapes: tuple[tuple[int, int], ...], budget: float, tune: int | None) -> list[Row]:
+    rows = [Row(m.name, m.family, m.exporter, m.kind, m.width, m.describe(s), *s) for s in shapes]
+
+    def fail(stage: str, err: Exception, which: list[Row] = rows) -> list[Row]:
+        for r in which:
+            r.failure = f"{stage} fails: {first_line(err)[:160]}"
+        return rows
+
+    start, cached = time.perf_counter(), m.path.exists()
+    try:
+        proto = m.export()
+    except Exception as err:  # the exporter's own failure
+        return fail("export", err)
+    export_s = None if cached else time.perf_counter() - start
+    try:
+        imported = import_onnx(proto, "cpu")
+    except Exception as err:
+        return fail("import", err)
+    report = imported.report
+    for r in rows:
+        r.export_s, r.import_s = export_s, report.seconds
+        r.on_kernels = f"{report.softmaxes_on_kernels}/{len(report.softmaxes)}"
+        try:
+            feed = m.feed((r.batch, r.n))
+            imported.run(feed)
+        except Exception as err:
+            fail("run", err, [r])
+            continue
+        try:
+            checks = compare_with_ort(proto, imported, feed, {"batch": r.batch, "n": r.n})
+            r.error = max(c.max_rel for c in checks)
+        except Exception:  # ONNX Runtime cannot run it: its note in the timing says why
+            pass
+        b = bench_model(proto, imported, feed, budget, m.name)
+        r.tvmattn_ms, r.ort_ms, r.ov_ms, r.by_class = b.tvmattn_ms, b.ort_ms, b.ov_ms, b.by_class
+        r.ort_note, r.ov_note = b.ort_note, b.ov_note
+    if tune:
+        _tuned(m, proto, rows, budget, tune)
+    return rows
+
+
+def _tuned(m: zoo.ZooModel, proto, rows: list[Row], budget: float, trials: int) -> None:
+    """Each row's tvmattn time after tuning the model's GEMMs at its first shape."""
+    with tempfile.TemporaryDirectory() as logs:
+        first = rows[0]
+        tune_model(proto, trials=trials, log_dir=logs, progress=False,
+                   at={"batch": first.batch, "seq": first.n, "dseq": first.n, "past": first.n})
+        os.environ["TVMATTN_TUNING_LOGS"] = logs
+        try:
+            from_records: ImportedModel = import_onnx(proto, "cpu")
+        finally:
+            del os.environ["TVMATTN_TUNING_LOGS"]
+        for r in rows:
+            if not r.failure:
+                r.tuned_ms = bench_model(proto, from_records, m.feed((r.batch, r.n)), budget, m.name).tvmattn_ms
+
+
+def geomeans(rows: list[Row]) -> dict[str, dict[str, float | int | None]]:
+    """Kind (and "all") → rows and the geometric means of × ORT and × OV over the rows that have each."""
+    out = {}
+    for kind in ("all", *zoo.KINDS):
+        chosen = [r for r in rows if kind in ("all", r.kind) and not r.failure]
+        if chosen:
+            out[kind] = {"rows": len(chosen), "x_ort": _geomean([r.speedup(r.ort_ms) for r in chosen]),
+                         "x_ov": _geomean([r.speedup(r.ov_ms) for r in chosen])}
+    return out
+
+
+def _geomean(xs: list[float | None]) -> float | None:
+    xs = [x for x in xs if x]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--families", default="gpt2,bert,llama")
+    p.add_argument("--models", help="comma-separated zoo names, families or kinds (default: all)")
     p.add_argument("--budget", type=float, default=2.0, help="seconds of timed runs per implementation and shape")
+    p.add_argument("--shapes", default="all", help="all, first, or (batch)x(n) pairs: 2x128,1x512")
+    p.add_argument("--json", help="write every row's numbers to this JSON file")
     p.add_argument("--tune", type=int, metavar="TRIALS", help="also tune each model and bench it from its records")
     args = p.parse_args()
-    tuned = " | tuned ms | tuned × ORT | tuning s" if args.tune else ""
-    print(f"| model | shape | tvmattn ms | ONNX Runtime ms | × ORT{tuned} | import s | " + " | ".join(CLASSES) + " |")
-    print("|---|---|---|---|---|" + "---|" * (3 if args.tune else 0) + "---|" + "---|" * len(CLASSES))
-    for family in args.families.split(","):
-        graphs = [(f"{family}", None)] + ([(f"{family} decode", DECODE_PAST)] if family != "bert" else [])
-        for name, past in graphs:
-            with tempfile.TemporaryDirectory() as tmp:
-                path = os.path.join(tmp, "model.onnx")
-                onnx.save(export_hf.export(family, args.layers, decode=past is not None), path)
-                model = onnx.load(path)
-                imported = import_onnx(model, "cpu")
-                shapes = [None] if past else [(b, min(n, LONGEST.get(family, n))) for b, n in SHAPES]
-                sizes = [{"past": past} if s is None else {"batch": s[0], "seq": s[1]} for s in shapes]
-                feeds = [random_feed(imported.inputs, at) for at in sizes]
-                plain = [bench_model(model, imported, feed, args.budget, name) for feed in feeds]
-                if args.tune:
-                    start = time.perf_counter()
-                    tune_model(model, trials=args.tune, log_dir=tmp, progress=False)
-                    seconds = time.perf_counter() - start
-                    os.environ["TVMATTN_TUNING_LOGS"] = tmp
-                    from_records = import_onnx(model, "cpu")
-                    del os.environ["TVMATTN_TUNING_LOGS"]
-                    tuned_runs = [bench_model(model, from_records, feed, args.budget, name) for feed in feeds]
-                for i, (shape, r) in enumerate(zip(shapes, plain)):
-                    where = f"1 token, {past} cached" if shape is None else f"B={shape[0]} n={shape[1]}"
-                    total = sum(r.by_class.values())
-                    share = " | ".join(f"{100 * r.by_class.get(c, 0) / total:.0f} %" for c in CLASSES)
-                    extra = ""
-                    if args.tune:
-                        t = tuned_runs[i]
-                        extra = f" | {t.tvmattn_ms:.2f} | {t.ort_ms / t.tvmattn_ms:.2f} | {seconds:.0f}"
-                    print(f"| {name} ({args.layers} layers) | {where} | {r.tvmattn_ms:.2f} | {r.ort_ms:.2f} | "
-                          f"{r.ort_ms / r.tvmattn_ms:.2f}{extra} | {imported.report.seconds:.1f} | {share} |",
-                          flush=True)
+    models = zoo.select(args.models)
+    tuned = ["tuned ms", "tuned × ORT"] if args.tune else []
+    print("| " + " | ".join(HEADER + tuned) + " |")
+    print("|" + "---|" * (len(HEADER) + len(tuned)), flush=True)
+    rows: list[Row] = []
+    for m in models:
+        for r in bench_one(m, shapes_of(m, args.shapes), args.budget, args.tune):
+            print(r.markdown(bool(args.tune)), flush=True)
+            rows.append(r)
+    means = geomeans(rows)
+    print("\n| kinds | rows | × ORT (geomean) | × OV (geomean) |\n|---|---|---|---|")
+    for kind, g in means.items():
+        print(f"| {kind} | {g['rows']} | {_num(g['x_ort'])} | {_num(g['x_ov'])} |")
+    print()
+    peers = [(r, name, ms, note) for r in rows if not r.failure
+             for name, ms, note in (("ONNX Runtime", r.ort_ms, r.ort_note), ("OpenVINO", r.ov_ms, r.ov_note))]
+    for note in sorted({note for _, _, ms, note in peers if ms}):  # each peer's version and settings
+        print(f"- {note}")
+    for r, name, _, note in (p for p in peers if not p[2]):  # a peer that did not run a row, and why
+        print(f"- {r.model} at {r.shape}: {name} {note}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"threads": cpu_cores(), "rows": [asdict(r) for r in rows], "geomeans": means}, f, indent=1)
+
 
 if __name__ == "__main__":
     main()

@@ -109,7 +109,7 @@ def test_console_script_has_no_traceback():
 
 
 def test_bench_model_runs_it_against_onnx_runtime(capsys, tmp_path):
-    """`tvmattn bench model.onnx`: the import report, both timings and a line per operator class."""
+    """`tvmattn bench model.onnx`: the import report, the three timings and a line per operator class."""
     pytest.importorskip("onnxruntime")
     import onnx
 
@@ -121,7 +121,10 @@ def test_bench_model_runs_it_against_onnx_runtime(capsys, tmp_path):
     assert code == 0 and "the rest of the model, by schedule rule: " in out and "x 1×16×64" in out
     classes = [line.split()[0] for line in out.splitlines() if line.startswith("    ") and line.endswith("%")]
     assert "attention" in classes and "matmul" in classes
-    assert any(line.strip().startswith("onnxruntime") and " ms " in line for line in out.splitlines())
+    lines = [line.strip() for line in out.splitlines()]
+    assert any(line.startswith("onnxruntime") and " ms " in line for line in lines)
+    # OpenVINO where installed, else a line saying why not: never a crash
+    assert any(line.startswith("openvino") and (" ms " in line or "not run:" in line) for line in lines)
 
 
 def test_tune_model_writes_records_the_import_reports(capsys, tmp_path, monkeypatch):

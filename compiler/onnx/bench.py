@@ -1,8 +1,12 @@
-"""`tvmattn bench model.onnx`: the imported model against ONNX Runtime on the same inputs, in one
-process, and where tvmattn's time goes by operator class.
+"""`tvmattn bench model.onnx`: the imported model against ONNX Runtime and OpenVINO (fp32) on the same
+inputs, in one process, and where tvmattn's time goes by operator class.
 
-Fairness as in the kernel bench (`tvmattn.compiler.bench`): both use every core, warm up first, run
-in interleaved rounds (the median of each is reported), and idle worker threads do not spin. The
+Fairness as in the kernel bench (`tvmattn.compiler.bench`): every implementation uses every core,
+warms up first, and runs in interleaved rounds (the median of each is reported); idle worker threads
+do not spin (TVM, ONNX Runtime), and OpenVINO's TBB workers, which have no such switch, get a short
+pause before each turn to go idle. OpenVINO compiles the model reshaped to the inputs' shapes (static:
+how it runs a shape fastest) at fp32 inference precision (it would pick bf16 on a CPU that has it). A
+peer that is not installed or cannot load or run the model is reported as such, not an error. The
 classes come from what computes each function: a tvmattn attention kernel, or the schedule rule that
 took it (`schedules.ops`): matmul (matmul, gemv), norm (reduction), elementwise (injective), other
 (fallback, and the VM's own work: allocation, shapes).
@@ -14,6 +18,7 @@ import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -21,14 +26,16 @@ import tvm
 from tvm import relax
 
 from tvmattn.compiler.bench import interleaved
-from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.errors import first_line
 from tvmattn.compiler.onnx.importer import ImportedModel
 from tvmattn.compiler.target import cpu_cores
 
-ROUNDS = 20  # turns of a few runs each: the two alternate closely
+ROUNDS = 20  # turns of a few runs each: the implementations alternate closely
+PAUSE_S = 0.01  # before each turn: OpenVINO's TBB workers spin a few ms after a run
 CLASSES = ("attention", "matmul", "norm", "elementwise", "other")
 RULE_CLASS = {"matmul": "matmul", "gemv": "matmul", "dlight-gemv": "matmul", "reduction": "norm",
               "injective": "elementwise"}
+PEER_NAMES = {"onnxruntime": "ONNX Runtime", "openvino": "OpenVINO"}
 
 
 @dataclass
@@ -37,15 +44,22 @@ class ModelBench:
     shapes: str  # the inputs' shapes, e.g. "input_ids 1×128"
     tvmattn_ms: float
     ort_ms: float | None
-    ort_note: str = ""
+    ort_note: str = ""  # the peer's version and settings, or why it did not run
     by_class: dict[str, float] = field(default_factory=dict)  # ms of one run per class (instrumented run)
+    ov_ms: float | None = None
+    ov_note: str = ""
+
+    def ratio(self, peer_ms: float | None) -> float | None:
+        """The peer's time over tvmattn's (above 1: tvmattn is faster)."""
+        return peer_ms / self.tvmattn_ms if peer_ms else None
 
     def table(self) -> str:
         lines = [f"{self.model} at {self.shapes}: {cpu_cores()} threads"]
-        ratio = f"  → tvmattn {self.ort_ms / self.tvmattn_ms:.2f}× ONNX Runtime" if self.ort_ms else ""
-        lines.append(f"  tvmattn       {self.tvmattn_ms:9.2f} ms{ratio}")
-        lines.append(f"  onnxruntime   {self.ort_ms:9.2f} ms  ({self.ort_note})" if self.ort_ms else
-                     f"  onnxruntime   not run: {self.ort_note}")
+        peers = [("onnxruntime", self.ort_ms, self.ort_note), ("openvino", self.ov_ms, self.ov_note)]
+        ratios = ", ".join(f"{self.ratio(ms):.2f}× {PEER_NAMES[name]}" for name, ms, _ in peers if ms)
+        lines.append(f"  tvmattn       {self.tvmattn_ms:9.2f} ms" + (f"  → tvmattn {ratios}" if ratios else ""))
+        lines += [f"  {name:<13} {ms:9.2f} ms  ({note})" if ms else f"  {name:<13} not run: {note}"
+                  for name, ms, note in peers]
         total = sum(self.by_class.values()) or 1.0
         lines.append("  tvmattn by operator class (one instrumented run):")
         lines += [f"    {name:<12} {ms:8.2f} ms  {100 * ms / total:5.1f} %" for name, ms in self.by_class.items()]
@@ -54,34 +68,55 @@ class ModelBench:
 
 def bench_model(model: onnx.ModelProto, imported: ImportedModel, feed: dict[str, np.ndarray],
                 budget_s: float = 2.0, name: str = "model") -> ModelBench:
-    """Time ``imported`` and ONNX Runtime on ``feed`` in interleaved rounds for about ``budget_s`` each."""
+    """Time ``imported``, ONNX Runtime and OpenVINO on ``feed`` in interleaved rounds for about
+    ``budget_s`` each."""
     shapes = ", ".join(f"{k} {'×'.join(map(str, v.shape))}" for k, v in feed.items())
     runs = {"tvmattn": lambda: imported.run(feed)}
-    ort_note = ""
-    try:
-        session, ort_note = _ort_session(model)
-        runs["onnxruntime"] = lambda: session.run(None, feed)
-    except TvmAttnError as err:
-        ort_note = str(err)
-    times = interleaved(runs, budget_s, rounds=ROUNDS)
-    ort_ms = statistics.median(times["onnxruntime"]) * 1e3 if "onnxruntime" in times else None
-    return ModelBench(name, shapes, statistics.median(times["tvmattn"]) * 1e3, ort_ms, ort_note,
-                      by_class(imported, feed))
+    notes = {}
+    for peer, make in (("onnxruntime", _ort_run), ("openvino", _openvino_run)):
+        run, notes[peer] = _try_peer(make, model, feed)
+        if run is not None:
+            runs[peer] = run
+    times = interleaved(runs, budget_s, rounds=ROUNDS, pause_s=PAUSE_S)
+    ms = {peer: statistics.median(t) * 1e3 for peer, t in times.items()}
+    return ModelBench(name, shapes, ms["tvmattn"], ms.get("onnxruntime"), notes["onnxruntime"],
+                      by_class(imported, feed), ms.get("openvino"), notes["openvino"])
 
 
-def _ort_session(model: onnx.ModelProto):
+def _try_peer(make: Callable, model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> tuple[Callable | None, str]:
+    """(a callable running the peer once, its description), or (None, why it cannot run): tried once
+    here, so that a peer failing on this model never stops the bench."""
     try:
-        import onnxruntime as ort
-    except ImportError:
-        raise TvmAttnError("ONNX Runtime is not installed (pip install onnxruntime)") from None
+        run, note = make(model, feed)
+        run()
+    except ImportError as err:
+        return None, f"not installed ({err.name or err})"
+    except Exception as err:  # the peer's own errors: it cannot load or run this model
+        return None, f"fails on this model: {first_line(err)}"
+    return run, note
+
+
+def _ort_run(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> tuple[Callable, str]:
+    import onnxruntime as ort
+
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = cpu_cores()
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    try:
-        session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    except Exception as err:  # ORT's own errors: it cannot run this model
-        raise TvmAttnError(f"ONNX Runtime cannot load this model: {str(err).strip().splitlines()[0]}") from None
-    return session, f"onnxruntime {ort.__version__}, default graph optimisations"
+    session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return (lambda: session.run(None, feed)), f"onnxruntime {ort.__version__}, default graph optimisations"
+
+
+def _openvino_run(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> tuple[Callable, str]:
+    import openvino as ov
+
+    core = ov.Core()
+    ov_model = core.read_model(model.SerializeToString())
+    ov_model.reshape({name: list(a.shape) for name, a in feed.items()})
+    compiled = core.compile_model(ov_model, "CPU", {"INFERENCE_NUM_THREADS": cpu_cores(), "PERFORMANCE_HINT": "LATENCY",
+                                                    "INFERENCE_PRECISION_HINT": "f32"})
+    request = compiled.create_infer_request()
+    note = f"openvino {ov.__version__.split('-')[0]}, f32 inference precision, compiled at these shapes"
+    return (lambda: request.infer(feed, share_inputs=True)), note
 
 
 def by_class(imported: ImportedModel, feed: dict[str, np.ndarray]) -> dict[str, float]:
