@@ -25,6 +25,7 @@ _TVM_LINE = re.compile(r"^\[\d\d:\d\d:\d\d\] (?P<where>\S+:\d+): (?P<level>[A-Za
 # What TVM says about code it builds for tvmattn, not about the user's model or target
 INTERNAL = (
     "Detected pow(x, y) where y >= 3",  # a model's x³ (tanh-GELU): `passes.polynomial_math` multiplies it out
+    "Fast mode segfaults when there are out-of-bounds indices",  # the importer checks Gather indices first
 )
 
 _lock = threading.Lock()

@@ -34,7 +34,6 @@ NOT_ON_KERNELS = {  # the attention is not recognised: left to TVM's schedules
     "deberta-v2": "disentangled attention: content→position and position→content scores added to Q·Kᵀ",
     "bloom": "ALiBi: a per-head linear bias added to the scores (baddbmm)",
     "bloom-decode": "ALiBi: a per-head linear bias added to the scores (baddbmm)",
-    "t5": "two additive terms on the scores: the relative position bias and the padding mask",
 } | NOT_IMPORTED
 
 

@@ -97,7 +97,9 @@ class AttentionPattern:
         logits = _cast(_op("multiply", tanh, self.cap_out) | _op("multiply", self.cap_out, tanh) | scaled)
         self.bias, self.keep, self.hide = wildcard(), wildcard(), wildcard()
         self.keep_fill, self.hide_fill = is_const(), is_const()
-        masked = (_op("add", logits, self.bias) | _op("add", self.bias, logits)
+        self.bias2 = wildcard()  # a second additive term (T5: its relative position bias, then the mask)
+        biased = _op("add", logits, self.bias) | _op("add", self.bias, logits)
+        masked = (_op("add", biased, self.bias2) | _op("add", self.bias2, biased) | biased
                   | _op("where", self.keep, logits, self.keep_fill) | _op("where", self.hide, self.hide_fill, logits)
                   | logits)
         self.softmax = _op("nn.softmax", _cast(masked))
@@ -324,6 +326,11 @@ class _Match:
         """The tensor mask, if any; the spec fields a constant causal mask becomes instead; and, when
         the mask is a constant, which keys it lets each query see (None when that is decided at run
         time)."""
+        if self.p.bias2 in self.m:  # two additive terms: the kernel adds their sum
+            terms = [self.leaf(self.p.bias), self.leaf(self.p.bias2)]
+            if any(str(t.ty.dtype) != "float32" for t in terms):
+                raise _NoMatch("additive terms on the scores that are not float32")
+            return Mask(self.bb.emit(relax.op.add(*terms)), "additive"), {}, None
         if self.p.bias in self.m:
             bias = self.leaf(self.p.bias)
             if not isinstance(bias, tvm.ir.GenericConst):
