@@ -35,7 +35,14 @@ from tvmattn.compiler.onnx import checks, graph, ops, patterns  # noqa: F401 (op
 from tvmattn.compiler.onnx.converters import Node, find
 from tvmattn.compiler.onnx.kernels import Kernels, Replacement
 from tvmattn.compiler.onnx.profile import Profile, profile
-from tvmattn.compiler.onnx.shape_ops import BROADCASTING, SHAPE_FIXES, as_onnx_value, state_broadcast, state_shape
+from tvmattn.compiler.onnx.shape_ops import (
+    BROADCASTING,
+    SHAPE_FIXES,
+    as_onnx_value,
+    state_broadcast,
+    state_shape,
+    tighten_shapes,
+)
 from tvmattn.compiler.target import is_cpu, resolve_target
 from tvmattn.compiler.work import AttentionWork
 
@@ -275,8 +282,8 @@ def _convert(model: Any, tgt: Target, shapes: Mapping[str, Sequence[int | str]])
     importer = _Importer(proto, kernels)
     reasons: dict[str, str] = {}
     try:
-        mod = importer.convert()
-        mod = patterns.rewrite(mod, kernels, importer.provenance, reasons)
+        mod = patterns.rewrite(importer.convert(), kernels, importer.provenance, reasons)
+        mod = tighten_shapes(mod)  # after: the position rules compare sizes as the graph wrote them
     except TvmAttnError as err:
         raise TvmAttnError(str(err) + _binding_hint(str(err), _graph_inputs(proto))) from None
     return _Converted(proto, mod, kernels, importer, reasons, softmax_nodes)

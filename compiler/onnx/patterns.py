@@ -434,9 +434,9 @@ class _Match:
                 return {}
         if value is None or positions.dtype(value) != "bool":
             return {}
-        keep = tvm.sym.Analyzer().simplify(tirx.Not(value) if negate else value)
-        if isinstance(keep, tirx.IntImm) and keep.value:  # every key visible: no mask at all
-            return {"causal": False}
+        keep = tirx.Not(value) if negate else value
+        if isinstance(tvm.sym.Analyzer().simplify(keep), tirx.IntImm) and tvm.sym.Analyzer().simplify(keep).value:
+            return {"causal": False}  # every key visible: no mask at all
         rule = positions.key_rule(keep, index, n, n_kv)
         if rule and fill != -np.inf and (rule["causal_align"] == "bottom_right" or "window" in rule):
             # a row that sees no key: uniform weights in the model, zeros from the kernel

@@ -29,11 +29,13 @@ unsqueezed twice: TVM's Unsqueeze takes a scalar to a ShapeExpr, and a ShapeExpr
 from __future__ import annotations
 
 import ast
+import contextlib
 import operator
 from typing import Callable
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import relax, tirx
 from tvm.ir.expr import Expr as PrimExpr
 from tvm.sym import Analyzer
@@ -245,3 +247,55 @@ def state_broadcast(bb: relax.BlockBuilder, inputs: list, dims: tuple[int | str,
             value = bb.emit(value)
         out.append(bb.match_cast(value, relax.TensorType(shape, ty.dtype)))
     return out
+
+
+def tighten_shapes(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` with each shape that holds a min or max (a Slice's clamp: ``min(max(L, 0), L + 1)`` for
+    ``x[:-1]`` on an axis of L + 1) simplified with what every shape of the function says: each size is
+    ≥ 0. TVM could not prove the shapes of ``a + b[:, :-1]`` equal (Wav2Vec2's positional convolution
+    trims its padding so), left the sum's shape unknown and could not legalise it."""
+    func = mod["main"]
+    dims = [d for t in _tensor_types(func) for d in t.shape.values]
+    if not any(_clamps(d) for d in dims):
+        return mod
+    analyzer = Analyzer()
+    for var in {v for d in dims for v in tirx.analysis.undefined_vars(d)}:
+        analyzer.update(var, tvm.sym.ConstIntBound(0, tvm.sym.ConstIntBound.POS_INF))
+    with contextlib.ExitStack() as scopes:
+        for d in {str(d): d for d in dims if not isinstance(d, (tirx.Var, tirx.IntImm)) and not _clamps(d)}.values():
+            scopes.enter_context(analyzer.constraint_scope(d >= 0))
+        return _Tighten(mod, analyzer).run()
+
+
+def _tensor_types(func: relax.Function) -> list:
+    types = [p.ty for p in func.params] + [b.var.ty for block in func.body.blocks for b in block.bindings]
+    return [t for t in types if isinstance(t, relax.TensorType) and isinstance(t.shape, relax.ShapeExpr)]
+
+
+def _clamps(dim: PrimExpr) -> bool:
+    found = []
+    tvm_ffi.structural_walk(dim, [((tirx.Min, tirx.Max), lambda n: found.append(n))])
+    return bool(found)
+
+
+@relax.expr_functor.mutator
+class _Tighten(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, analyzer: Analyzer) -> None:
+        super().__init__(mod)
+        self.mod_, self.analyzer = mod, analyzer
+
+    def run(self) -> tvm.IRModule:
+        gvar = self.mod_.get_global_var("main")
+        self.builder_.update_func(gvar, self.visit_expr(self.mod_["main"]))
+        return self.builder_.get()
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        ty = binding.var.ty
+        if not (isinstance(ty, relax.TensorType) and isinstance(ty.shape, relax.ShapeExpr)
+                and any(_clamps(d) for d in ty.shape.values)):
+            super().visit_var_binding_(binding)
+            return
+        value = self.builder_.emit(self.visit_expr(binding.value))
+        shape = [self.analyzer.simplify(d) for d in ty.shape.values]
+        self.set_var_remap(binding.var, self.builder_.match_cast(value, relax.TensorType(shape, ty.dtype)))
+

@@ -34,6 +34,7 @@ from tvmattn.schedules.ops.injective import Injective
 from tvmattn.schedules.ops.matmul import CONSTANT_PARAMS, Matmul, pack
 from tvmattn.schedules.ops.powers import small_powers
 from tvmattn.schedules.ops.reduction import RowReduction
+from tvmattn.schedules.ops.sizes import named_sizes
 
 RULES: tuple[tuple[str, dlight.ScheduleRule], ...] = (
     ("matmul", Matmul()),
@@ -75,6 +76,9 @@ class ScheduleFunctions:
         mod = mod.clone()  # a pass leaves its input as it was
         packed, rule_of, tuned, work = {}, {}, [], {}
         for gvar, func in unscheduled(mod):
+            named = named_sizes(func)
+            if not named.same_as(func):  # (the packing below compares against the module's function)
+                mod[gvar] = func = named
             work[gvar] = tir_work(func)
             for name, rule in RULES:
                 knobs = self.tuned(func, name) if self.tuned and isinstance(rule, Matmul) else None
