@@ -33,6 +33,7 @@ class Case:
     quick: bool = False  # in the default run (the rest is the slow sweep)
     reference: Callable[[], onnx.ModelProto] | None = None  # the graph ORT runs, where not the model itself
     convert: Callable[[Feed], Feed] = field(default=lambda feed: feed)  # the reference's feed
+    tolerance: float = 1e-4  # float32's (`compiler.verify.TOLERANCE`), relative to max |ORT|
 
     @property
     def id(self) -> str:
@@ -231,8 +232,9 @@ class MHA:
         first = {"q_k_v": ["q", "k", "v"], "bnsh_kv": ["q", "k", "v"], "qkv": ["qkv", "", ""], "kv": ["q", "kv", ""]}
         names = first[form] + ["bias" if self.proj_bias else "", "mask" if self.mask else "",
                                "ab" if self.attn_bias else "", "pk" if self.past else "", "pv" if self.past else ""]
-        inputs = {"q_k_v": [("q", F32, ["B", "S", h * d]), ("k", F32, ["B", "L", h * d]), ("v", F32, ["B", "L", h * d])],
-                  "bnsh_kv": [("q", F32, ["B", "S", h * d]), ("k", F32, ["B", h, "L", d]), ("v", F32, ["B", h, "L", d])],
+        q = ("q", F32, ["B", "S", h * d])
+        inputs = {"q_k_v": [q, ("k", F32, ["B", "L", h * d]), ("v", F32, ["B", "L", h * d])],
+                  "bnsh_kv": [q, ("k", F32, ["B", h, "L", d]), ("v", F32, ["B", h, "L", d])],
                   "qkv": [("qkv", F32, ["B", "S", h, 3, d])],
                   "kv": [("q", F32, ["B", "S", h * d]), ("kv", F32, ["B", "L", h, 2, d])]}[form]
         inputs += [("bias", F32, [3 * h * d])] if self.proj_bias else []
@@ -255,7 +257,8 @@ class MHA:
         out = {k: v for k, v in feed.items() if k not in ("qkv", "kv")}
         if "qkv" in feed:
             b, s = feed["qkv"].shape[:2]
-            out.update({n: np.ascontiguousarray(feed["qkv"][:, :, :, i]).reshape(b, s, -1) for i, n in enumerate("qkv")})
+            out.update({n: np.ascontiguousarray(feed["qkv"][:, :, :, i]).reshape(b, s, -1)
+                        for i, n in enumerate("qkv")})
         if "kv" in feed:
             b, length = feed["kv"].shape[:2]
             out.update({n: np.ascontiguousarray(feed["kv"][:, :, :, i]).reshape(b, length, -1)
@@ -271,7 +274,8 @@ class MHA:
                       "bnsh_kv": lambda: dict(q=randn(rng, batch, seq, h * d), k=randn(rng, batch, h, kv, d),
                                               v=randn(rng, batch, h, kv, d)),
                       "qkv": lambda: dict(qkv=randn(rng, batch, seq, h, 3, d)),
-                      "kv": lambda: dict(q=randn(rng, batch, seq, h * d), kv=randn(rng, batch, kv, h, 2, d))}[self.form]()
+                      "kv": lambda: dict(q=randn(rng, batch, seq, h * d), kv=randn(rng, batch, kv, h, 2, d)),
+                      }[self.form]()
         keys = kv + past
         if self.proj_bias:
             feed["bias"] = randn(rng, 3 * h * d)
@@ -330,7 +334,7 @@ MHA_CASES = [
 @dataclass(frozen=True)
 class MsAttention:
     """One com.microsoft Attention graph. ``mask``: None, "lens" (B,), "end_start" (2B,), "2d" (B, T),
-    "dummy" (B, 1), "3d" (B, S, T), "4d" (B, 1, M, M) Megatron; ``mask_values``: how a sweep fills it."""
+    "dummy" (B, 1) or "3d" (B, S, T). (ORT's CPU EP refuses Megatron's (B, 1, M, M): no case.)"""
 
     h: int = 2
     d: int = 4
@@ -341,7 +345,6 @@ class MsAttention:
     input_hidden: int | None = None
     attn_bias: bool = False
     scale: float | None = None
-    max_len: int = 16
 
     @property
     def sizes(self) -> tuple[int, int, int]:
@@ -355,13 +358,14 @@ class MsAttention:
             attrs["qkv_hidden_sizes"] = list(self.qkv_sizes)
         if self.scale is not None:
             attrs["scale"] = self.scale
-        names = ["x", "w", "b", "mask" if self.mask else "", "past" if self.past else "", "ab" if self.attn_bias else ""]
+        names = ["x", "w", "b", "mask" if self.mask else "", "past" if self.past else "",
+                 "ab" if self.attn_bias else ""]
         outputs = [("y", F32, ["B", "S", self.sizes[2]])]
         outputs += [("present", F32, [2, "B", self.h, keys, self.d])] if self.past else []
         node = oh.make_node("Attention", names, [o[0] for o in outputs], name="attention", domain="com.microsoft",
                             **attrs)
         mask_shape = {"lens": ["B"], "end_start": ["B2"], "2d": ["B", keys], "dummy": ["B", 1],
-                      "3d": ["B", "S", keys], "4d": ["B", 1, self.max_len, self.max_len]}.get(self.mask)
+                      "3d": ["B", "S", keys]}.get(self.mask)
         inputs = [("x", F32, ["B", "S", hidden]), ("w", F32, [hidden, sum(self.sizes)]), ("b", F32, [sum(self.sizes)])]
         inputs += [("mask", TP.INT32, mask_shape)] if self.mask else []
         inputs += [("past", F32, [2, "B", self.h, "P", self.d])] if self.past else []
@@ -373,8 +377,8 @@ class MsAttention:
         rng = np.random.default_rng(seed)
         hidden = self.input_hidden or self.h * self.d
         keys = seq + past
-        feed: Feed = {"x": randn(rng, batch, seq, hidden), "w": randn(rng, hidden, sum(self.sizes)) / np.float32(np.sqrt(hidden)),
-                      "b": randn(rng, sum(self.sizes))}
+        w = randn(rng, hidden, sum(self.sizes)) / np.float32(np.sqrt(hidden))
+        feed: Feed = {"x": randn(rng, batch, seq, hidden), "w": w, "b": randn(rng, sum(self.sizes))}
         lens = list(rng.integers(1, keys + 1, batch)) if lens is None else lens
         starts = [0] * batch if starts is None else starts
         keep = (np.arange(keys)[None] < np.array(lens)[:, None]) & (np.arange(keys)[None] >= np.array(starts)[:, None])
@@ -389,9 +393,6 @@ class MsAttention:
         elif self.mask == "3d":
             feed["mask"] = (keep[:, None] & (rng.random((batch, seq, keys)) < 0.8)).astype(np.int32)
             feed["mask"][:, :, 0] = 1  # a key for every query: a row of -10000s is fp32 noise in ORT and here
-        elif self.mask == "4d":
-            feed["mask"] = np.broadcast_to(np.tril(np.ones((self.max_len, self.max_len), np.int32)),
-                                           (batch, 1, self.max_len, self.max_len)).copy()
         if self.past:
             feed["past"] = randn(rng, 2, batch, self.h, past, self.d)
         if self.attn_bias:
@@ -405,15 +406,19 @@ def attention_feeds(a: MsAttention, sweep: bool, **lengths) -> list[Feed]:
     return feeds + ([a.feed(2, 3, 7, p[1]), a.feed(3, 2, 1, p[0])] if sweep else [])
 
 
-def _attention(feature: str, a: MsAttention, quick: bool = False, **lengths) -> list[Case]:
-    return [Case("Attention", feature, a.model, lambda: attention_feeds(a, False, **lengths), quick=quick),
-            Case("Attention", feature + " (sweep)", a.model, lambda: attention_feeds(a, True, **lengths))]
+def _attention(feature: str, a: MsAttention, quick: bool = False, tolerance: float = 1e-4, **lengths) -> list[Case]:
+    return [Case("Attention", feature, a.model, lambda: attention_feeds(a, False, **lengths), quick=quick,
+                 tolerance=tolerance),
+            Case("Attention", feature + " (sweep)", a.model, lambda: attention_feeds(a, True, **lengths),
+                 tolerance=tolerance)]
 
 
 ATTENTION_CASES = [
     *_attention("no mask", MsAttention()),
     *_attention("key lengths (B,)", MsAttention(mask="lens"), first={"lens": [2, 1]}, second={"lens": [9]}),
-    *_attention("key lengths all 0", MsAttention(mask="lens"), quick=True, first={"lens": [0, 0]},
+    # ORT adds -10000 to every logit of a row whose keys are all masked: its fp32 rounding at 1e4 (ulp 1e-3)
+    # puts its answer 1.2e-4 (relative) from the exact one, every key alike, which tvmattn computes
+    *_attention("key lengths all 0", MsAttention(mask="lens"), quick=True, tolerance=1e-3, first={"lens": [0, 0]},
                 second={"lens": [0]}),
     *_attention("end and start positions (2B,), right padding", MsAttention(mask="end_start"),
                 first={"lens": [2, 3]}, second={"lens": [3]}),
@@ -425,7 +430,6 @@ ATTENTION_CASES = [
     *_attention("dummy mask (B, 1)", MsAttention(mask="dummy")),
     *_attention("mask (B, S, T)", MsAttention(mask="3d")),
     *_attention("unidirectional, mask (B, S, T)", MsAttention(mask="3d", causal=1)),
-    *_attention("Megatron mask (B, 1, M, M)", MsAttention(mask="4d")),
     *_attention("unidirectional", MsAttention(causal=1)),
     *_attention("past state", MsAttention(past=True, causal=1), quick=True),
     *_attention("past state, key padding mask", MsAttention(past=True, causal=1, mask="2d")),
@@ -548,6 +552,7 @@ SKIP_CASES = [
     *_skip("hidden size 768, epsilon 1e-12", SkipNorm(hidden=768, epsilon=1e-12)),
     *_skip("hidden size 7", SkipNorm(hidden=7, bias=True)),
     *_skip("simplified", SkipNorm(simplified=True, bias=True, outputs=("y", "sum"))),
+    *_skip("simplified, mean and inv_std_var", SkipNorm(simplified=True, outputs=("y", "mean", "inv_std_var"))),
 ]
 
 CASES = GQA_CASES + MHA_CASES + ATTENTION_CASES + ROTARY_CASES + SKIP_CASES
