@@ -285,10 +285,10 @@ class MHA:
         elif self.mask:
             keep = np.arange(keys)[None] < np.array(lens)[:, None]  # right padding
             feed["mask"] = (keep[:, None] if self.mask == "3d" else keep).astype(np.int32)
-            if self.mask == "3d":
-                feed["mask"] = np.broadcast_to(feed["mask"], (batch, seq, keys)).copy()
+            if self.mask == "3d":  # (a key for every query: a row of -10000s is fp32 noise in ORT and here)
+                drawn = rng.random((batch, seq, keys)) < 0.8
+                feed["mask"] = np.broadcast_to(feed["mask"], (batch, seq, keys)) & drawn
                 feed["mask"][:, :, 0] = 1
-                feed["mask"] &= (rng.random((batch, seq, keys)) < 0.8)
         if self.attn_bias:
             feed["ab"] = randn(rng, batch, h, seq, keys)
         if self.past:
@@ -576,6 +576,7 @@ _SHARED, _GROW = GQA(cache="shared"), GQA(cache="grow")
 _ROTARY_SHARED = GQA(cache="shared", rotary="half", max_pos=32)
 _ROTARY_POS = GQA(rotary="half", position_ids=True, max_pos=32)
 _ROPE, _ROPE_OFFSET = Rotary(num_heads=2), Rotary(num_heads=2, offset=True)
+_LENS = MsAttention(mask="lens")
 _SEQLENS = r"node 'gqa' \(com.microsoft.GroupQueryAttention\).*seqlens_k"
 
 
@@ -601,6 +602,8 @@ REJECTS = [
            lambda: _ROTARY_POS.feed(0, 1, 2, [2], positions=np.array([[31, 32]])), r"node 'gqa' .*position_ids"),
     Reject("GroupQueryAttention", "position_ids negative", _ROTARY_POS.model,
            lambda: _ROTARY_POS.feed(0, 1, 2, [2], positions=np.array([[-1, 0]])), r"node 'gqa' .*position_ids"),
+    Reject("Attention", "mask_index negative", _LENS.model, lambda: _LENS.feed(0, 2, 3, lens=[-1, 2]),
+           r"node 'attention' .*mask_index"),
     Reject("RotaryEmbedding", "position_ids at the cache's length", _ROPE.model, _positions(_ROPE, [30, 31, 32]),
            r"node 'rotary' .*position_ids"),
     Reject("RotaryEmbedding", "position_ids -1", _ROPE.model, _positions(_ROPE, [-1, 0]),

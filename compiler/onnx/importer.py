@@ -37,7 +37,14 @@ from tvmattn.compiler.onnx import checks, gqa, graph, ops, ort_attention, patter
 from tvmattn.compiler.onnx.converters import Node, find
 from tvmattn.compiler.onnx.kernels import Kernels, Replacement
 from tvmattn.compiler.onnx.profile import Profile, profile
-from tvmattn.compiler.onnx.shape_ops import BROADCASTING, SHAPE_FIXES, as_onnx_value, state_broadcast, state_shape
+from tvmattn.compiler.onnx.shape_ops import (
+    BROADCASTING,
+    SHAPE_FIXES,
+    as_onnx_value,
+    nonempty,
+    state_broadcast,
+    state_shape,
+)
 from tvmattn.compiler.target import is_cpu, resolve_target
 from tvmattn.compiler.work import AttentionWork
 
@@ -345,6 +352,8 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
         if convert is None:
             if op_name in BROADCASTING and node is not None and len(node.output) == 1:
                 inputs = state_broadcast(self.bb, list(inputs), self._shapes.get(node.output[0]), self._symbols)
+            if op_name == "Concat":
+                inputs = nonempty(list(inputs), int(attrs.get("axis", 0)))
             fix = SHAPE_FIXES.get(op_name)
             sym = fix(list(inputs)) if fix is not None else None
             if op_name == "Gather" and node is not None and is_cpu(self.kernels.target):
