@@ -5,7 +5,7 @@ attention_op_test.cc (Attention), rotary_embedding_op_test.cc and skiplayernorm_
 A `Case` is one graph with its feeds, each run through ONNX Runtime's CPU EP and tvmattn side by side;
 every output (``present_*`` too) is compared. Where ORT's CPU EP has no kernel for a form (MultiHeadAttention's
 packed QKV / KV), ``reference`` is the same attention written in a form it runs. `REJECTS` are inputs
-ORT refuses at run time (an index outside a buffer): tvmattn must refuse them too, with a TvmAttnError.
+ORT refuses at run time (an index outside a buffer, tests/test_onnx_ort_cases.py): tvmattn must refuse them too.
 Sizes are symbolic in every graph, so one import serves a case's whole sweep.
 """
 
@@ -556,60 +556,3 @@ SKIP_CASES = [
 ]
 
 CASES = GQA_CASES + MHA_CASES + ATTENTION_CASES + ROTARY_CASES + SKIP_CASES
-
-
-# ---- inputs ORT refuses: an index outside the buffer it indexes ----------------------------------------------
-@dataclass(frozen=True)
-class Reject:
-    op: str
-    what: str
-    model: Callable[[], onnx.ModelProto]
-    feed: Callable[[], Feed]
-    match: str  # what tvmattn's TvmAttnError must say (a regex)
-
-    @property
-    def id(self) -> str:
-        return f"{self.op}:{self.what}"
-
-
-_SHARED, _GROW = GQA(cache="shared"), GQA(cache="grow")
-_ROTARY_SHARED = GQA(cache="shared", rotary="half", max_pos=32)
-_ROTARY_POS = GQA(rotary="half", position_ids=True, max_pos=32)
-_ROPE, _ROPE_OFFSET = Rotary(num_heads=2), Rotary(num_heads=2, offset=True)
-_LENS = MsAttention(mask="lens")
-_SEQLENS = r"node 'gqa' \(com.microsoft.GroupQueryAttention\).*seqlens_k"
-
-
-def _positions(r: Rotary, positions: list) -> Callable[[], Feed]:
-    return lambda: r.feed(0, 1, len(positions), positions=np.array([positions]))
-
-
-REJECTS = [
-    Reject("GroupQueryAttention", "seqlens_k past the shared buffer", _SHARED.model,
-           lambda: _SHARED.feed(0, 1, 1, [41], past=25, total=20), _SEQLENS),
-    Reject("GroupQueryAttention", "seqlens_k negative", _SHARED.model,
-           lambda: _SHARED.feed(0, 2, 1, [5, -6], past=25, total=5), _SEQLENS),
-    Reject("GroupQueryAttention", "seqlens_k 1e8", _SHARED.model,
-           lambda: _SHARED.feed(0, 1, 1, [100_000_001], past=25, total=20), _SEQLENS),
-    Reject("GroupQueryAttention", "seqlens_k past present (growing cache)", _GROW.model,
-           lambda: _GROW.feed(0, 1, 1, [12], past=8, total=9), _SEQLENS),
-    Reject("GroupQueryAttention", "total_sequence_length past the shared buffer", _SHARED.model,
-           lambda: _SHARED.feed(0, 1, 1, [5], past=25, total=30),
-           r"node 'gqa' \(com.microsoft.GroupQueryAttention\).*total_sequence_length"),
-    Reject("GroupQueryAttention", "seqlens_k past the rotary cache", _ROTARY_SHARED.model,
-           lambda: _ROTARY_SHARED.feed(0, 1, 1, [40], past=48, total=40), r"node 'gqa' .*cos_cache"),
-    Reject("GroupQueryAttention", "position_ids past the rotary cache", _ROTARY_POS.model,
-           lambda: _ROTARY_POS.feed(0, 1, 2, [2], positions=np.array([[31, 32]])), r"node 'gqa' .*position_ids"),
-    Reject("GroupQueryAttention", "position_ids negative", _ROTARY_POS.model,
-           lambda: _ROTARY_POS.feed(0, 1, 2, [2], positions=np.array([[-1, 0]])), r"node 'gqa' .*position_ids"),
-    Reject("Attention", "mask_index negative", _LENS.model, lambda: _LENS.feed(0, 2, 3, lens=[-1, 2]),
-           r"node 'attention' .*mask_index"),
-    Reject("RotaryEmbedding", "position_ids at the cache's length", _ROPE.model, _positions(_ROPE, [30, 31, 32]),
-           r"node 'rotary' .*position_ids"),
-    Reject("RotaryEmbedding", "position_ids -1", _ROPE.model, _positions(_ROPE, [-1, 0]),
-           r"node 'rotary' .*position_ids"),
-    Reject("RotaryEmbedding", "position_ids 1e8", _ROPE.model, _positions(_ROPE, [100_000_000]),
-           r"node 'rotary' .*position_ids"),
-    Reject("RotaryEmbedding", "offset past the cache", _ROPE_OFFSET.model, lambda: _ROPE_OFFSET.feed(0, 1, 5, first=30),
-           r"node 'rotary' .*position_ids"),
-]
