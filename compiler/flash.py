@@ -25,7 +25,8 @@ each K/V tile. The template is four functions, split as Triton's fused-attention
       q_load, init_state, o_init    Q; m = lowest, l = 0, O = 0
       kv_step           one key tile, below, for every tile j (keys j·kv_tile …) that the mask lets one
                         of the instance's queries see
-      epilogue          o_store: o = O / l, or 0 for a row that sees no key (l = 0); with kv_splits > 1,
+      epilogue          o_store: o = O / l, or 0 for a row that sees no key (l = 0; with sinks, the sink's
+                        exp2(sink − m) joins l: `variant.denominator`); with kv_splits > 1,
                         o_partial, ml_partial: this split's (O, m, l)
     combine             kv_splits > 1 only: split_max, split_sum, split_combine, split_store merge the
                         partials (memory (B, h, n, kv_splits, d_v)) into o
@@ -131,6 +132,10 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
             if spec.attn_mask else None
         seen = variant.sees(spec, row // g, t, kv_len, size_expr(n), mask_value, tirx.Not(past_last_tile), t < n_kv)
         return tirx.Select(seen, variant.logit(spec, score, mask_value, factor=LOG2E), NEG_INF)
+
+    def denominator(total: PrimExpr, running_max: PrimExpr, sinks: tirx.Buffer, i: PrimExpr) -> PrimExpr:
+        """The row sum, with head i's sink (`variant.denominator`; both in base 2)."""
+        return variant.denominator(spec, total, running_max, sinks[i] if spec.sinks else None, LOG2E)
 
     def tile_gemm_macro():
         """A macro per use: TVMScript renames the blocks of a macro's second expansion."""
@@ -241,7 +246,8 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
 
     @T.macro
     def epilogue(out: tirx.Buffer | tuple[tirx.Buffer, tirx.Buffer, tirx.Buffer], vb: PrimExpr, vkvh: PrimExpr,
-                 vsplit: PrimExpr, row0: PrimExpr, O: tirx.Buffer, m: tirx.Buffer, l: tirx.Buffer) -> None:
+                 vsplit: PrimExpr, row0: PrimExpr, O: tirx.Buffer, m: tirx.Buffer, l: tirx.Buffer,
+                 sinks: tirx.Buffer) -> None:
         """Row block row0's result: into ``out`` = o, O / l (0 for a row that sees no key, l = 0); or, with
         kv_splits > 1, into ``out`` = (o_part, m_part, l_part), its split's partial (O, m, l)."""
         if splits > 1:
@@ -263,10 +269,10 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                     vr, vc = T.axis.remap("SS", [r, cc])
                     T.where(row0 + r < rows)
                     out[o_at(vb, head(vkvh, row0 + vr), (row0 + vr) // g, vc)] = T.Cast(
-                        dt, variant.normalise(O[vr, vc], l[vr]))
+                        dt, variant.normalise(O[vr, vc], denominator(l[vr], m[vr], sinks, head(vkvh, row0 + vr))))
 
     @T.macro
-    def combine(parts: tuple[tirx.Buffer, tirx.Buffer, tirx.Buffer], o: tirx.Buffer) -> None:
+    def combine(parts: tuple[tirx.Buffer, tirx.Buffer, tirx.Buffer], o: tirx.Buffer, sinks: tirx.Buffer) -> None:
         """o from the kv_splits partial (O, m, l) of each row: rescaled to their common maximum, summed."""
         o_part, m_part, l_part = T.meta_var(parts)
         m_all = T.alloc_buffer((B, h, n), ACC)
@@ -295,15 +301,18 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
         for b, i, s, cc in T.grid(B, h, n, d_v):
             with T.sblock("split_store"):
                 vb, vi, vs, vc = T.axis.remap("SSSS", [b, i, s, cc])
-                o[o_at(vb, vi, vs, vc)] = T.Cast(dt, variant.normalise(o_all[vb, vi, vs, vc], l_all[vb, vi, vs]))
+                o[o_at(vb, vi, vs, vc)] = T.Cast(dt, variant.normalise(
+                    o_all[vb, vi, vs, vc], denominator(l_all[vb, vi, vs], m_all[vb, vi, vs], sinks, vi)))
 
     @T.prim_func(s_tir=True)
-    def main(q_h: T.handle, k_h: T.handle, v_h: T.handle, lens_h: T.handle, mask_h: T.handle, o_h: T.handle):
+    def main(q_h: T.handle, k_h: T.handle, v_h: T.handle, lens_h: T.handle, mask_h: T.handle,
+             sinks_h: T.handle, o_h: T.handle):
         q = T.match_buffer(q_h, q_shape, dt)
         k = T.match_buffer(k_h, k_shape, dt)
         v = T.match_buffer(v_h, v_shape, dt)
         kv_lens = T.match_buffer(lens_h, (B,), "int32")
         attn_mask = T.match_buffer(mask_h, mask_shape, spec.input_dtype("attn_mask"))
+        sinks = T.match_buffer(sinks_h, (h,), "float32")
         o = T.match_buffer(o_h, o_shape, dt)
         if splits > 1:
             o_part = T.alloc_buffer((B, h, n, splits, d_v), ACC)
@@ -349,12 +358,12 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                 for step in T.serial(T.max(j_hi - j_lo, tiles.min_steps)):
                     kv_step(j_lo + step, j_hi, vb, vkvh, row0, kv_len, k, v, attn_mask,
                             Q, m, l, O, m_new, alpha, l_new, O_new, P)
-                epilogue(parts if splits > 1 else o, vb, vkvh, vsplit, row0, O, m, l)
+                epilogue(parts if splits > 1 else o, vb, vkvh, vsplit, row0, O, m, l, sinks)
         if splits > 1:
-            combine(parts, o)
+            combine(parts, o, sinks)
 
     # The calling convention has kv_lens and attn_mask only when the spec has them.
-    absent = {"kv_lens": not padded, "attn_mask": spec.attn_mask is None}
+    absent = {"kv_lens": not padded, "attn_mask": spec.attn_mask is None, "sinks": not spec.sinks}
     main = tirx.PrimFunc([p for p in main.params if not absent.get(p.name)], main.body, main.ret_type, main.attrs)
     return main.with_attr("global_symbol", "main")
 

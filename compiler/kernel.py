@@ -1,7 +1,7 @@
 """`CompiledAttention`: a built kernel with the calling convention of its spec.
 
-    core   kernel(q, k, v, kv_lens=None, attn_mask=None)       -> o      (arrays in the spec's layout)
-    layer  kernel(x, w_q, w_k, w_v, w_o, x_kv=None, kv_lens=None, attn_mask=None) -> out  (B, n, d)
+    core   kernel(q, k, v, kv_lens=None, attn_mask=None, sinks=None)       -> o      (arrays in the spec's layout)
+    layer  kernel(x, w_q, w_k, w_v, w_o, x_kv=None, kv_lens=None, attn_mask=None, sinks=None) -> out  (B, n, d)
 
 NumPy in, NumPy out (arrays are converted to the spec's dtype; bfloat16 is ``ml_dtypes.bfloat16``).
 On a CPU kernel, C-contiguous arrays of the right dtype cross by DLPack without a copy, at any
@@ -66,9 +66,9 @@ class CompiledAttention:
 
     # ---- calling ----------------------------------------------------------------------------------
     def __call__(self, *arrays: Any, x_kv: Any = None, kv_lens: Any = None, attn_mask: Any = None,
-                 out: np.ndarray | None = None) -> np.ndarray:
+                 sinks: Any = None, out: np.ndarray | None = None) -> np.ndarray:
         """The kernel on NumPy arrays; the result is ``out`` (written in place) or a new array."""
-        args, sizes = self._arguments(arrays, x_kv, kv_lens, attn_mask)
+        args, sizes = self._arguments(arrays, x_kv, kv_lens, attn_mask, sinks)
         out_shape = tuple(sizes[d] if isinstance(d, str) else d for d in self._output_dims)
         result = self._output(out, out_shape)
         if self._on_cuda:  # host arrays must be copied to the GPU and back
@@ -152,12 +152,12 @@ class CompiledAttention:
         return self.executable.mod.inspect_source("asm")
 
     # ---- argument checking ----------------------------------------------------------------------
-    def _arguments(self, arrays: tuple, x_kv: Any, kv_lens: Any,
-                   attn_mask: Any) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    def _arguments(self, arrays: tuple, x_kv: Any, kv_lens: Any, attn_mask: Any,
+                   sinks: Any = None) -> tuple[dict[str, np.ndarray], dict[str, int]]:
         """The arrays in PrimFunc order, converted and shape-checked; and the symbolic sizes they bind."""
         spec = self.spec
         signature = self._signature
-        positional = [n for n in signature if n not in ("x_kv", "kv_lens", "attn_mask")]
+        positional = [n for n in signature if n not in ("x_kv", "kv_lens", "attn_mask", "sinks")]
         if len(arrays) != len(positional):
             raise TvmAttnError(f"the kernel takes {len(positional)} arrays ({', '.join(positional)}), "
                                f"got {len(arrays)}")
@@ -181,6 +181,12 @@ class CompiledAttention:
             given["attn_mask"] = attn_mask
         elif attn_mask is not None:
             raise TvmAttnError("attn_mask given but the spec has none: build with attn_mask='bool' or 'additive'")
+        if spec.sinks:
+            if sinks is None:
+                raise TvmAttnError(f"this spec has sinks: pass sinks=({spec.h},), each query head's sink logit")
+            given["sinks"] = sinks
+        elif sinks is not None:
+            raise TvmAttnError("sinks given but the spec has none: build with sinks=True")
 
         sizes: dict[str, int] = {}
         out: dict[str, np.ndarray] = {}

@@ -41,7 +41,7 @@ def layer_around(spec: AttentionSpec, expr: AttentionTE, core: tirx.PrimFunc,
 
     bodies = [_bind(gemm(_prim_func(args + [y])), [t.op.name for t in args] + [y.op.name], buffers)
               for args, y in gemms[:3]]
-    extra = [name for name in ("kv_lens", "attn_mask") if name in spec.input_shapes()]
+    extra = [name for name in ("kv_lens", "attn_mask", "sinks") if name in spec.input_shapes()]
     core_args = ["q_proj", "k_proj", "v_proj", *extra, "merged"]
     bodies.append(_bind(core, core_args, buffers))
     args, y = gemms[3]

@@ -11,7 +11,7 @@ from tvmattn.compiler.spec import AttentionSpec
 
 
 def reference(spec: AttentionSpec, *arrays: np.ndarray, kv_lens: np.ndarray | None = None,
-              attn_mask: np.ndarray | None = None) -> np.ndarray:
+              attn_mask: np.ndarray | None = None, sinks: np.ndarray | None = None) -> np.ndarray:
     """Attention of ``spec`` on ``arrays`` (the kernel's arguments in call order), in float64.
 
     For ``spec.output`` other than "attn", the requested (B, h, n, n_kv) stage instead.
@@ -28,7 +28,7 @@ def reference(spec: AttentionSpec, *arrays: np.ndarray, kv_lens: np.ndarray | No
         q, k, v = a
         if spec.layout == "BSHD":
             q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-    o = core(spec, q, k, v, kv_lens, attn_mask)  # (B, h, n, d_v)
+    o = core(spec, q, k, v, kv_lens, attn_mask, sinks)  # (B, h, n, d_v)
     if spec.output != "attn":
         return o
     if spec.projections:
@@ -38,10 +38,12 @@ def reference(spec: AttentionSpec, *arrays: np.ndarray, kv_lens: np.ndarray | No
 
 
 def core(spec: AttentionSpec, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-         kv_lens: np.ndarray | None = None, attn_mask: np.ndarray | None = None) -> np.ndarray:
+         kv_lens: np.ndarray | None = None, attn_mask: np.ndarray | None = None,
+         sinks: np.ndarray | None = None) -> np.ndarray:
     """softmax(cap(scale·q·kᵀ) + mask)·v for q (B,h,n,d_k), k (B,h_kv,n_kv,d_k), v (B,h_kv,n_kv,d_v).
 
     ``attn_mask`` broadcasts to (B, h, n, n_kv): True/False for a bool mask, a float bias otherwise.
+    ``sinks`` (h,): each head's sink logit, a column of the softmax whose weight multiplies no value.
     """
     group = q.shape[1] // k.shape[1]
     k = np.repeat(k, group, axis=1)
@@ -59,12 +61,17 @@ def core(spec: AttentionSpec, q: np.ndarray, k: np.ndarray, v: np.ndarray,
         with np.errstate(invalid="ignore"):  # inf - inf where hidden; np.where drops it
             logits = scores + bias
     logits = np.where(allowed, logits, -np.inf)
+    if spec.sinks:  # the sink as one more key, always visible, dropped after the softmax
+        sink = np.broadcast_to(np.asarray(sinks, np.float64).reshape(1, -1, 1, 1), logits.shape[:3] + (1,))
+        logits = np.concatenate([logits, sink], axis=-1)
     row_max = logits.max(axis=-1, keepdims=True)  # NaN where a NaN is in the row: it propagates
     row_max = np.where(np.isneginf(row_max), 0.0, row_max)  # a row with no visible key
     with np.errstate(invalid="ignore"):  # inf - inf where a logit is +inf: NaN, as the references give
         weights = np.exp(logits - row_max)
     total = weights.sum(axis=-1, keepdims=True)
     weights = np.divide(weights, total, out=np.zeros_like(weights), where=total != 0)
+    if spec.sinks:
+        logits, weights = logits[..., :-1], weights[..., :-1]
     stage = {"scaled_scores": scores, "logits": logits, "weights": weights}.get(spec.output)
     return weights @ v if stage is None else stage
 

@@ -53,6 +53,10 @@ class AttentionSpec:
     A query row that sees no key at all produces zeros (not NaN).
 
     ``softcap`` c bounds the scaled scores before the mask: c·tanh(scale·q·k / c) (Gemma, ONNX).
+    ``sinks`` (attention sinks, as gpt-oss has them; ONNX Runtime's ``head_sink``): the kernel takes
+    ``sinks`` (h,) float32, a logit per query head that joins every row's softmax as a key with no value:
+    weights exp(x_t) / (exp(sinks[i]) + Σ_t exp(x_t)), so a row's weights may sum to less than 1. A
+    sink of 0 for every head is ONNX Runtime's smooth softmax (softmax_1: 1 added to the denominator).
     ``output`` names what the (core) kernel returns: ``"attn"`` (O), or an intermediate (B, h, n, n_kv)
     stage, as ONNX ``qk_matmul_output`` exposes it: ``"scaled_scores"`` (soft-capped), ``"logits"``
     (the mask applied: -inf where hidden) or ``"weights"`` (the softmax; zero rows where nothing is
@@ -79,6 +83,7 @@ class AttentionSpec:
     attn_mask_dims: str = MASK_AXES
     softcap: float | None = None
     output: str = "attn"
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str) and self.dtype.lower() in DTYPES:
@@ -157,6 +162,8 @@ class AttentionSpec:
             shapes["kv_lens"] = (self.batch,)
         if self.attn_mask is not None:
             shapes["attn_mask"] = self.attn_mask_shape()
+        if self.sinks:
+            shapes["sinks"] = (self.h,)
         return shapes
 
     def attn_mask_shape(self) -> tuple[Dim, ...]:
@@ -170,6 +177,8 @@ class AttentionSpec:
             return "int32"
         if name == "attn_mask":
             return "bool" if self.attn_mask == "bool" else "float32"
+        if name == "sinks":
+            return "float32"
         return self.dtype
 
     def output_shape(self) -> tuple[Dim, ...]:
@@ -223,6 +232,8 @@ class AttentionSpec:
             raise TvmAttnError(f"softcap={self.softcap!r} must be a positive finite number (or None: no cap)")
         if self.output not in OUTPUTS:
             raise TvmAttnError(f"unknown output {self.output!r}: use one of {', '.join(OUTPUTS)}")
+        if not isinstance(self.sinks, bool):
+            raise TvmAttnError(f"sinks={self.sinks!r} must be True (the kernel takes sinks (h,) float32) or False")
         if self.output != "attn" and self.projections:
             raise TvmAttnError(f"output={self.output!r} is a core-kernel stage: add projections=False")
 
@@ -250,6 +261,7 @@ class AttentionSpec:
                                  ("key-padding", self.key_padding),
                                  (f"{self.attn_mask}-mask({self.attn_mask_dims})", self.attn_mask is not None),
                                  (f"softcap={self.softcap:g}" if self.softcap else "", self.softcap is not None),
+                                 ("sinks", self.sinks),
                                  (f"returns {self.output}", self.output != "attn")) if on]
         kind = "layer X->W_Q,W_K,W_V..W_O" if self.projections else f"core Q,K,V->O {self.layout}"
         return (f"B={self.batch} n={self.n_q} {kv}d={self.d} h={self.h} {gqa}d_k={self.d_k} {dv}"

@@ -9,7 +9,8 @@
     probs   = exp2(logits - row_max)       (B,h,n,n_kv)   = exp(x - max x); 0 where masked
     row_sum = Σ_t probs                    (B,h,n)
     pv      = probs·v                      (B,h,n,d_v)
-    attn    = pv / row_sum                 (B,h,n,d_v)    0 for a row that sees no key
+    attn    = pv / row_sum                 (B,h,n,d_v)    0 for a row that sees no key; with sinks,
+                                                          pv / (row_sum + exp2(log2(e)·sink - row_max))
     merged  = heads side by side           (B,n,h·d_v)
     out     = merged·W_O                   (B,n,d)
 
@@ -152,6 +153,8 @@ def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: d
     else:
         kv_len = lambda b: size_expr(n_kv)  # noqa: E731
     mask_in = _attn_mask(spec, dim, inputs)
+    if spec.sinks:  # (read by the epilogue: `variant.denominator`)
+        inputs.append(te.placeholder((h,), "float32", "sinks"))
     mask_at = lambda b, i, s, t: mask_in(b, i, row(s), key(t))  # noqa: E731
     if spec.attn_mask is not None and (pad_rows or pad_keys) and {"s", "t"} <= set(spec.attn_mask_dims):
         # a stage of its own, like q_rows: the schedule packs it per tile
@@ -273,11 +276,13 @@ def _epilogue(spec: AttentionSpec, dim: Callable, stages: dict[str, te.Tensor],
     """attn from pv and row_sum, or the spec's intermediate output; in a layer, the merged heads and
     W_O (``parts``: on merged's parts, merged_hi and merged_lo)."""
     B, h, n, n_kv = dim(spec.batch), spec.h, dim(spec.n_q), dim(spec.n_kv)  # the stages may run past n
-    scores, probs, row_sum, pv = (stages[name] for name in ("scores", "probs", "row_sum", "pv"))
+    scores, probs, row_max, row_sum, pv = (stages[name] for name in ("scores", "probs", "row_max", "row_sum", "pv"))
     dt, d_v = spec.dtype, spec.d_v
+    sinks = inputs.get("sinks")
 
     def normalised(x, b, i, s):
-        return variant.normalise(x, row_sum[b, i, s])
+        sink = sinks[i] if sinks is not None else None
+        return variant.normalise(x, variant.denominator(spec, row_sum[b, i, s], row_max[b, i, s], sink, LOG2E))
 
     if spec.output != "attn":
         stage = {"scaled_scores": lambda b, i, s, t: variant.scaled_score(spec, scores[b, i, s, t]),

@@ -14,7 +14,8 @@ it is the independent statement these hooks are checked against.
     mask_allows     what an attn_mask entry says: True = attend (bool), a -inf bias hides (additive)
     logit           cap(scale·score) + bias, cap(x) = softcap·tanh(x / softcap) when a softcap is set
     mask_index      where the attn_mask holds the entry of (b, head, s, t) (it broadcasts)
-    normalise       x / row sum, and 0 for a row that sees no key (sum 0; a NaN sum stays NaN)
+    denominator     the row sum, plus the sink's term where the spec has sinks (a key with no value)
+    normalise       x / denominator, and 0 for a row that sees no key (sum 0; a NaN sum stays NaN)
     Operand         where a (b, head, s, c) element lives in each layout
 
 The position rules are written with Python operators only, so the same lines build TIR (PrimExprs),
@@ -152,6 +153,18 @@ def logit(spec: AttentionSpec, score: PrimExpr, mask_value: PrimExpr | None = No
         lowest = tirx.const(-3.4028234663852886e38, ACC)  # fp32's lowest finite value
         return tirx.Select(x < lowest, lowest, x)
     return x
+
+
+def denominator(spec: AttentionSpec, row_sum: PrimExpr, row_max: PrimExpr, sink: PrimExpr | None,
+                factor: float) -> PrimExpr:
+    """The softmax's denominator: the row's Σ_t exp2(x_t − m) (x in base 2, ``factor`` = log2 e, m the
+    row's running maximum ``row_max``) and, with sinks, the sink's exp2(factor·sink − m). Added after the
+    row's reduction rather than as a key of it, so no schedule changes: where the sink exceeds every
+    logit by more than exp2's range the term is inf and the row 0, which it is to fp32's precision
+    (each weight is below 2^-128); a row that sees no key (m = −inf or the lowest float) gets inf: 0."""
+    if not spec.sinks:
+        return row_sum
+    return row_sum + tirx.exp2(_times(sink, factor) - row_max)
 
 
 def normalise(x: PrimExpr, total: PrimExpr) -> PrimExpr:

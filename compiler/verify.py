@@ -54,6 +54,9 @@ def random_inputs(spec: AttentionSpec, sizes: dict[str, int] | None = None,
             out[name] = ~hidden if spec.attn_mask == "bool" else np.where(
                 hidden, -np.inf, rng.standard_normal(shape)).astype(np.float32)
             continue
+        if name == "sinks":  # logits of O(1), as the scores are
+            out[name] = rng.standard_normal(shape).astype(np.float32)
+            continue
         std = 1.0 / np.sqrt(shape[0]) if name.startswith("w_") else 1.0  # W ~ N(0, 1/fan_in)
         out[name] = (rng.standard_normal(shape) * std).astype(numpy_dtype(spec.dtype))
     return out
@@ -67,12 +70,13 @@ def check(kernel: CompiledAttention, sizes: dict[str, int] | None = None, seed: 
     args = {**random_inputs(spec, sizes, seed), **(inputs or {})}
     kv_lens = args.pop("kv_lens", None)
     attn_mask = args.pop("attn_mask", None)
+    sinks = args.pop("sinks", None)
     x_kv = args.pop("x_kv", None) if spec.projections and spec.is_cross else None
-    out = kernel(*args.values(), x_kv=x_kv, kv_lens=kv_lens, attn_mask=attn_mask).astype(np.float64)
+    out = kernel(*args.values(), x_kv=x_kv, kv_lens=kv_lens, attn_mask=attn_mask, sinks=sinks).astype(np.float64)
     arrays = list(args.values())
     if x_kv is not None:
         arrays.insert(1, x_kv)
-    ref = reference(spec, *arrays, kv_lens=kv_lens, attn_mask=attn_mask)
+    ref = reference(spec, *arrays, kv_lens=kv_lens, attn_mask=attn_mask, sinks=sinks)
     return Check(spec.dtype, dict(sizes or {}), *errors(out, ref), TOLERANCE[spec.dtype])
 
 

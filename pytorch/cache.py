@@ -37,6 +37,7 @@ class KernelKey:
     scale: float | None
     mask: str | None  # None, "bool" or "additive"
     mask_dims: str  # the mask axes (of "bhst") that are not broadcast
+    sinks: bool = False  # a sink logit per head (gpt-oss)
 
     def spec(self) -> AttentionSpec:
         return AttentionSpec(batch="b", seq_len="n" if self.q_len is None else self.q_len, kv_seq_len="m",
@@ -44,7 +45,7 @@ class KernelKey:
                              num_kv_heads=self.kv_heads, head_dim=self.head_dim, v_head_dim=self.v_head_dim,
                              causal=self.causal, causal_align="top_left", layout=self.layout, dtype=self.dtype,
                              projections=False, scale=self.scale, attn_mask=self.mask,
-                             attn_mask_dims=self.mask_dims if self.mask else "bhst")
+                             attn_mask_dims=self.mask_dims if self.mask else "bhst", sinks=self.sinks)
 
 
 class KernelCache:

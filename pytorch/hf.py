@@ -5,7 +5,7 @@ scaling=…, is_causal=…, **kwargs)`` with (B, h, n, d) tensors and wants ``((
 as its ``sdpa_attention_forward`` does. The masks are built as for "sdpa" (bool, True = attend, or
 None where ``is_causal`` says it all), so prefill and the KV-cache decode step (one query whose
 mask, or the lack of one, already aligns it bottom-right) reach the same kernels as the drop-in
-function.
+function. A model's attention sinks (gpt-oss's ``s_aux``) go to the kernel as its ``sinks``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from tvmattn.torch.sdpa import scaled_dot_product_attention
 def tvmattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                               value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
                               scaling: float | None = None, is_causal: bool | None = None,
-                              position_bias: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+                              position_bias: torch.Tensor | None = None, s_aux: torch.Tensor | None = None,
+                              **kwargs: Any) -> tuple[torch.Tensor, None]:
     if kwargs.get("softcap") is not None:
         raise TvmAttnError("this model soft-caps its attention scores, which the tvmattn HF backend does not "
                            "pass on yet: use attn_implementation='eager'")
@@ -40,7 +41,8 @@ def tvmattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         attention_mask = create_position_bias_mask(position_bias, attention_mask, is_causal, query, key)
         is_causal = False
     out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                       is_causal=is_causal, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+                                       is_causal=is_causal, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+                                       sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -36,6 +36,7 @@ class Plan:
     # query, key and value are already the kernel's (B, h, n, e) tensors (4-D, contiguous, on the CPU):
     # they cross as they are (the shapes and strides a plan is remembered for make this hold)
     as_given: bool = False
+    sinks: bool = False  # a sink logit per head (`scaled_dot_product_attention`'s ``sinks``)
 
     @property
     def batch(self) -> int:
@@ -50,11 +51,11 @@ class Plan:
         """The kernel this call runs on: lengths symbolic, except a one-query call's."""
         return KernelKey(self.device, self.dtype, 1 if self.q_len == 1 else None, self.heads, self.kv_heads,
                          self.head_dim, self.v_head_dim, self.layout, self.causal, self.scale, self.mask,
-                         self.mask_dims)
+                         self.mask_dims, self.sinks)
 
 
 def plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-         is_causal: bool, scale: float | None, enable_gqa: bool) -> Plan:
+         is_causal: bool, scale: float | None, enable_gqa: bool, sinks: torch.Tensor | None = None) -> Plan:
     """Check the arguments as PyTorch does (TvmAttnError where it would refuse them) and choose the kernel."""
     _check_tensors(query, key, value)
     q, k, v = (_with_heads(t) for t in (query, key, value))
@@ -85,21 +86,26 @@ def plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
                                "fold the causal mask into attn_mask, or drop attn_mask")
         mask_kind = _mask_kind(attn_mask, query.dtype)
         mask_dims = _mask_dims(attn_mask, (*lead, heads, q_len, kv_len))
+    if sinks is not None:
+        _check_sinks(sinks, heads, query.device)
     layout = "BSHD" if query.dim() >= 3 and all(_is_bshd(t) for t in (q, k, v)) and not all(
         t.is_contiguous() for t in (q, k, v)) else "BHSD"
     device = "cpu" if query.device.type == "cpu" else str(query.device)
     as_given = device == "cpu" and layout == "BHSD" and all(t.dim() == 4 and t.is_contiguous() for t in (q, k, v))
     return Plan(device, DTYPES[query.dtype], lead, heads, kv_heads, q_len, kv_len, head_dim, v_head_dim, layout,
-                bool(is_causal), None if scale is None else float(scale), mask_kind, mask_dims, as_given)
+                bool(is_causal), None if scale is None else float(scale), mask_kind, mask_dims, as_given,
+                sinks is not None)
 
 
 def kernel_inputs(p: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attn_mask: torch.Tensor | None) -> list[torch.Tensor]:
+                  attn_mask: torch.Tensor | None, sinks: torch.Tensor | None = None) -> list[torch.Tensor]:
     """The kernel's (B, …) inputs: views of the tensors where their memory order allows (no copy), else
-    contiguous copies; then the mask."""
+    contiguous copies; then the mask and the sinks (float32)."""
     tensors = [query, key, value] if p.as_given else [_flat(_with_heads(t), p) for t in (query, key, value)]
     if attn_mask is not None:
         tensors.append(_flat_mask(attn_mask, p))
+    if sinks is not None:
+        tensors.append(_aligned(sinks.detach().to(torch.float32).contiguous()))
     return tensors
 
 
@@ -130,6 +136,15 @@ def _check_tensors(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) 
                            f"them to one device")
     if query.device.type not in ("cpu", "cuda"):
         raise TvmAttnError(f"query is on {query.device}: tvmattn kernels run on cpu and cuda tensors")
+
+
+def _check_sinks(sinks: torch.Tensor, heads: int, device: torch.device) -> None:
+    if not isinstance(sinks, torch.Tensor) or sinks.shape != (heads,) or not sinks.is_floating_point():
+        got = f"{tuple(sinks.shape)} {sinks.dtype}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise TvmAttnError(f"sinks must be a floating-point tensor of shape ({heads},), one logit per query "
+                           f"head, got {got}")
+    if sinks.device != device:
+        raise TvmAttnError(f"sinks are on {sinks.device} and query on {device}: move them to one device")
 
 
 def _mask_kind(mask: torch.Tensor, dtype: torch.dtype) -> str:

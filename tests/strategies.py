@@ -46,7 +46,7 @@ def specs(draw, dtype: str | tuple[str, ...] = "float32", projections: bool | No
     if draw(st.booleans()) if symbolic is None else symbolic:
         spec = spec.replace(batch=draw(st.sampled_from([spec.batch, "B"])), seq_len="n",
                             kv_seq_len=None if kv_seq is None else draw(st.sampled_from(["n", "n_kv"])))
-    return spec
+    return spec.replace(sinks=draw(st.booleans()))  # (drawn last: the draws before it stay as they were)
 
 
 def lengths(spec: AttentionSpec, max_len: int = 70) -> st.SearchStrategy[dict[str, int]]:

@@ -77,7 +77,8 @@ def test_template_serves_every_length(spec, tiling):
     {"attn_mask": "bool", "attn_mask_dims": "bhst"},
     {"attn_mask": "additive", "attn_mask_dims": "st", "softcap": 5.0},
     {"softcap": 2.0, "causal": True},
-], ids=["bool-mask", "additive-mask-softcap", "softcap-causal"])
+    {"sinks": True, "causal": True, "window": 20},
+], ids=["bool-mask", "additive-mask-softcap", "softcap-causal", "sinks-window"])
 def test_template_with_onnx_masks(fields):
     spec = core(seq_len=45, kv_seq_len=70, num_heads=4, num_kv_heads=2, head_dim=16, **fields)
     assert_matches_oracle(serial(spec, FlashTiles(16, 32, 2)))
@@ -103,6 +104,8 @@ CONFIGS = {
                             window=256, dtype="float16"),
     "cross-symbolic-fp16": core(seq_len="n", kv_seq_len="n_kv", num_heads=8, head_dim=64, dtype="float16"),
     "padded-fp16": core(seq_len=300, num_heads=4, head_dim=64, key_padding=True, dtype="float16"),
+    "gpt-oss-sinks-bf16-window": core(seq_len=1024, num_heads=16, num_kv_heads=2, head_dim=64, causal=True,
+                                      window=128, dtype="bfloat16", sinks=True),
     "decode-4k": PRESETS["decode-4k"],
     "gpt2-small-layer": PRESETS["gpt2-small"],
 }

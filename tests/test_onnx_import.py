@@ -348,11 +348,11 @@ def test_unsupported_op_names_the_node(tmp_path, capsys):
 
 def test_unsupported_attribute_value_names_the_node():
     node = oh.make_node("GroupQueryAttention", ["q", "k", "v", "", "", "sl", "t"], ["y"], name="gqa",
-                        domain="com.microsoft", num_heads=2, kv_num_heads=2, smooth_softmax=1)
+                        domain="com.microsoft", num_heads=2, kv_num_heads=2, qk_output=1)
     model = _model([node], [("q", TP.FLOAT, [1, 3, 2 * D]), ("k", TP.FLOAT, [1, 3, 2 * D]),
                             ("v", TP.FLOAT, [1, 3, 2 * D]), ("sl", TP.INT32, [1]), ("t", TP.INT32, [])],
                    [("y", TP.FLOAT, [1, 3, 2 * D])], MS)
-    with pytest.raises(tvmattn.TvmAttnError, match="'gqa'.*smooth_softmax=1 is not supported"):
+    with pytest.raises(tvmattn.TvmAttnError, match="'gqa'.*qk_output=1 is not supported"):
         tvmattn.import_onnx(model)
 
 

@@ -271,16 +271,36 @@ def test_generate_script_tokens_equal_onnx_runtime(capsys):
     assert "(equal;" in capsys.readouterr().out
 
 
-def test_ms_group_query_attention_shared_buffer_total_is_refused():
-    """A constant total_sequence_length other than past + S (ORT's shared past/present buffer)."""
+def test_ms_group_query_attention_constant_total_beyond_the_cache_is_refused():
+    """A constant total_sequence_length neither past + S (a growing cache) nor within the past buffer (one
+    past and present share)."""
     node = oh.make_node("GroupQueryAttention", ["q", "k", "v", "pk", "pv", "sl", "tot"], ["y"], name="gqa",
                         domain="com.microsoft", num_heads=H, kv_num_heads=H_KV)
     graph = oh.make_graph([node], "g", [oh.make_tensor_value_info(*i) for i in (
         ("q", TP.FLOAT, [1, 1, H * 16]), ("k", TP.FLOAT, [1, 1, H_KV * 16]), ("v", TP.FLOAT, [1, 1, H_KV * 16]),
         ("pk", TP.FLOAT, [1, H_KV, 8, 16]), ("pv", TP.FLOAT, [1, H_KV, 8, 16]), ("sl", TP.INT32, [1]))],
         [oh.make_tensor_value_info("y", TP.FLOAT, [1, 1, H * 16])],
-        [onnx.numpy_helper.from_array(np.array(6, np.int32), "tot")])
+        [onnx.numpy_helper.from_array(np.array(12, np.int32), "tot")])
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid(d, v) for d, v in MS])
     model.ir_version = 10
-    with pytest.raises(TvmAttnError, match="^node 'gqa' .*total_sequence_length is 6, not the past length 8"):
+    with pytest.raises(TvmAttnError, match="^node 'gqa' .*total_sequence_length is 12: neither the past length 8"):
         tvmattn.import_onnx(model)
+
+
+def test_ms_group_query_attention_undeclared_shared_buffer_is_refused_at_run_time():
+    """Without a constant total_sequence_length or a declared present_key length, the cache is taken to grow
+    (present = past + S); a feed that uses the past as a shared buffer (total ≤ its rows) is then refused,
+    saying how to declare one."""
+    node = oh.make_node("GroupQueryAttention", ["q", "k", "v", "pk", "pv", "sl", "tot"], ["y", "pres_k", "pres_v"],
+                        name="gqa", domain="com.microsoft", num_heads=H, kv_num_heads=H_KV)
+    model = _model([node], [("q", TP.FLOAT, [1, 1, H * 16]), ("k", TP.FLOAT, [1, 1, H_KV * 16]),
+                            ("v", TP.FLOAT, [1, 1, H_KV * 16]), ("pk", TP.FLOAT, [1, H_KV, 8, 16]),
+                            ("pv", TP.FLOAT, [1, H_KV, 8, 16]), ("sl", TP.INT32, [1]), ("tot", TP.INT32, [1])],
+                   [("y", TP.FLOAT, [1, 1, H * 16])] + [(n, TP.FLOAT, [None] * 4) for n in ("pres_k", "pres_v")])
+    rng = np.random.default_rng(6)
+    feed = {"q": randn(rng, 1, 1, H * 16), "k": randn(rng, 1, 1, H_KV * 16), "v": randn(rng, 1, 1, H_KV * 16),
+            "pk": randn(rng, 1, H_KV, 8, 16), "pv": randn(rng, 1, H_KV, 8, 16), "sl": np.array([4], np.int32)}
+    imported = tvmattn.import_onnx(model)
+    assert imported.run(feed | {"tot": np.array([9], np.int32)})[1].shape == (1, H_KV, 9, 16)  # past + S
+    with pytest.raises(TvmAttnError, match="'gqa'.*total_sequence_length.*declares present_key with past_key's"):
+        imported.run(feed | {"tot": np.array([5], np.int32)})

@@ -136,10 +136,9 @@ def test_ms_rotary_embedding(interleaved, offset):
 
 
 def test_unsupported_norm_output_is_one_error():
-    node = oh.make_node("SkipLayerNormalization", ["x", "x", "gamma"], ["y", "mean"], domain="com.microsoft",
-                        name="sln")
-    model = _model(node, [X3], [("y", TP.FLOAT, 3), ("mean", TP.FLOAT, 3)], [("gamma", GAMMA)])
-    with pytest.raises(tvmattn.TvmAttnError, match="'sln'.*output 'mean'.*not supported"):
+    node = oh.make_node("SimplifiedLayerNormalization", ["x", "gamma"], ["y", "inv"], name="sln")
+    model = _model(node, [X3], [("y", TP.FLOAT, 3), ("inv", TP.FLOAT, 3)], [("gamma", GAMMA)])
+    with pytest.raises(tvmattn.TvmAttnError, match="'sln'.*output 'inv_std_var'.*not supported"):
         tvmattn.import_onnx(model)
 
 

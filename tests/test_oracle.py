@@ -64,3 +64,21 @@ def test_padding_and_rows_that_see_nothing_give_zeros():
     out = core(spec, q, k, v, kv_lens=np.array([0, 2]))
     assert np.all(out[0] == 0)
     np.testing.assert_allclose(out[1], _sdpa(q[1:], k[1:, :, :2], v[1:, :, :2])[0], rtol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sinks_scale_torch_sdpa_by_the_weight_the_keys_keep(causal):
+    """With a sink s per head, the keys' weights sum to Σexp / (Σexp + e^s) = sigmoid(logsumexp − s): the
+    output is SDPA's times that (s = 0: ONNX Runtime's smooth softmax), and a row that sees no key is 0."""
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((2, 3, 6, 4)) for _ in range(3))
+    sinks = np.array([0.0, 2.5, -1.0])
+    spec = AttentionSpec(batch=2, seq_len=6, num_heads=3, head_dim=4, causal=causal, projections=False, sinks=True)
+    scores = torch.from_numpy(q @ k.transpose(0, 1, 3, 2) / 2.0)
+    if causal:
+        scores = scores.masked_fill(torch.triu(torch.ones(6, 6, dtype=torch.bool), 1), -torch.inf)
+    kept = torch.sigmoid(torch.logsumexp(scores, -1, keepdim=True) - torch.from_numpy(sinks)[:, None, None]).numpy()
+    want = _sdpa(q, k, v, is_causal=causal) * kept
+    np.testing.assert_allclose(core(spec, q, k, v, sinks=sinks), want, rtol=1e-10, atol=1e-12)
+    padded = spec.replace(causal=False, key_padding=True)
+    assert np.all(core(padded, q, k, v, kv_lens=np.array([0, 6]), sinks=sinks)[0] == 0)

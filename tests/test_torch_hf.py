@@ -84,12 +84,38 @@ def test_greedy_generation_is_identical(name):
                        ref.generate(ids, attention_mask=mask, **settings))
 
 
-def test_set_attn_implementation_on_a_built_model():
-    ref, _ = models("llama")
+def switched(ref):
+    """A copy of the built model ``ref`` switched to "tvmattn" (set_attn_implementation), its logits on the
+    batch checked against ref's; and the batch's ids."""
     ours = copy.deepcopy(ref)
     ours.set_attn_implementation("tvmattn")
     ids, _ = batch()
     KERNELS.clear()
     with torch.no_grad():
         assert_close(ours(ids).logits, ref(ids).logits, "float32")
+    return ours, ids
+
+
+def test_set_attn_implementation_on_a_built_model():
+    switched(models("llama")[0])
     assert KERNELS.keys()
+
+
+def test_gpt_oss_sinks_and_sliding_window():
+    """gpt-oss (its attention sinks reach the backend as ``s_aux``; a sliding-window layer, a full one): the
+    logits and greedy tokens of "eager", its own attention with sinks (gpt-oss has no "sdpa")."""
+    torch.manual_seed(0)
+    cfg = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                    num_experts_per_tok=2, sliding_window=4,
+                                    layer_types=["sliding_attention", "full_attention"])
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
+    with torch.no_grad():
+        for module in ref.modules():
+            if hasattr(module, "sinks"):
+                module.sinks.normal_(1.0, 1.0)
+    ours, ids = switched(ref)
+    with torch.no_grad():
+        settings = dict(max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
+        assert torch.equal(ours.generate(ids[:1], **settings), ref.generate(ids[:1], **settings))
+    assert KERNELS.keys() and all(k.sinks for k in KERNELS.keys())

@@ -152,6 +152,7 @@ Q, K = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8)
     ((Q, torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8)), {}, "leading"),
     ((Q, Q, Q), dict(scale=-1.0), "positive"),
     ((Q.clone().requires_grad_(), Q, Q), {}, "no backward"),
+    ((Q, Q, Q), dict(sinks=torch.zeros(3)), r"sinks must be .* shape \(4,\)"),
 ])
 def test_refused_arguments(args, kwargs, message):
     with pytest.raises(tvmattn.TvmAttnError, match=message):
@@ -164,3 +165,31 @@ def test_refused_arguments(args, kwargs, message):
 def test_cuda_matches_torch_sdpa(dtype):
     q, k, v = (torch.randn(2, 8, n, 64, device="cuda", dtype=DTYPES[dtype]) for n in (100, 130, 130))
     assert_close(scaled_dot_product_attention(q, k, v, is_causal=True), reference(q, k, v, is_causal=True), dtype)
+
+
+def sinks_reference(q, k, v, sinks, mask):
+    """gpt-oss's attention with sinks, on torch's ops: the sink as one more column of the softmax, dropped."""
+    group = q.shape[1] // k.shape[1]
+    scores = q @ k.repeat_interleave(group, 1).transpose(-1, -2) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~mask, -torch.inf)
+    sink = sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    weights = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+    return weights @ v.repeat_interleave(group, 1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sinks_keyword_as_gpt_oss_computes_them(causal, dtype):
+    """``sinks=`` (h,): as gpt-oss's eager attention; a zero-weight test: without the sinks the result
+    differs by far more than the tolerance."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, n, 16, generator=g).to(DTYPES[dtype]) for n in (9, 11, 11))
+    sinks = torch.randn(4, generator=g) + 1.0
+    mask = torch.ones(9, 11, dtype=torch.bool).tril(2) if causal else torch.ones(9, 11, dtype=torch.bool)
+    want = sinks_reference(*(t.float() for t in (q, k, v)), sinks, mask)
+    kw = dict(attn_mask=mask) if causal else {}
+    assert_close(scaled_dot_product_attention(q, k[:, ::2], v[:, ::2], enable_gqa=True, sinks=sinks, **kw),
+                 sinks_reference(*(t.float() for t in (q, k[:, ::2], v[:, ::2])), sinks, mask), dtype)
+    out = scaled_dot_product_attention(q, k, v, sinks=sinks, **kw)
+    assert_close(out, want, dtype)
+    assert (scaled_dot_product_attention(q, k, v, **kw).float() - want).abs().max() > 0.1

@@ -5,6 +5,9 @@ Gather   TVM's ``take`` reads out of bounds for an index outside [-extent, exten
          Indices that are constants are checked here; the others go through a small TIR function
          that asserts the range (naming the node) and maps negative indices, before the take. The
          check is a serial CPU loop: the importer asks for it on CPU targets.
+Ranges   an index input of ONNX Runtime's attention ops (GroupQueryAttention's seqlens_k and
+         total_sequence_length, RotaryEmbedding's position_ids) checked at run time against the buffer it
+         indexes, as ONNX Runtime checks it (`in_range`, asked for on CPU targets by the converters).
 Slice    TVM's converter assumes a symbolic end (``seq``) within the sliced axis and reads past it
          (BERT's 512 position ids sliced to a longer input segfaulted); ONNX clamps it, ONNX Runtime
          then rejects the sizes. The end is checked against a static axis at run time (naming the
@@ -143,5 +146,46 @@ def _checked_end(dtype: str, extent: int, axis: int, node: str) -> tirx.PrimFunc
                 vi = T.axis.spatial(m, i)
                 assert end <= extent, message
                 out[vi] = data[vi]
+
+    return check.with_attr("op_pattern", OPAQUE).with_attr("tirx.is_scheduled", True)
+
+
+def in_range(bb: relax.BlockBuilder, where: str, values: relax.Expr, lo, hi,
+             carry: relax.Expr | None = None) -> relax.Expr:
+    """``carry`` (default ``values``) passed through a run-time check that every element of the int tensor
+    ``values`` lies in [lo, hi) (ints, or PrimExprs of the graph's sizes); otherwise the run fails with
+    ``where`` and the range. What follows must read the result, so that the check runs before it."""
+    carry = values if carry is None else carry
+    flat = bb.normalize(relax.op.reshape(values, [-1]))
+    kept = bb.normalize(relax.op.reshape(carry, [-1]))
+    bounds = [relax.prim_value(tirx.IntImm("int64", b) if isinstance(b, int) else tirx.Cast("int64", b))
+              for b in (lo, hi)]
+    message = f"{where}: a value lies outside [{_size(lo)}, {_size(hi)})"
+    checker = bb.add_func(_checked_range(str(flat.ty.dtype), str(kept.ty.dtype), message), "check_index_range")
+    out = bb.normalize(relax.call_tir(checker, [flat, *bounds, kept], relax.TensorType(kept.ty.shape, kept.ty.dtype)))
+    return bb.normalize(relax.op.reshape(out, carry.ty.shape))
+
+
+def _size(x) -> str:
+    return str(int(x.value)) if isinstance(x, tirx.IntImm) else str(x)
+
+
+def _checked_range(dtype: str, carried: str, message: str) -> tirx.PrimFunc:
+    """out = carry, asserting lo <= values[i] < hi for every i."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def check(values_h: T.handle, lo: T.int64, hi: T.int64, carry_h: T.handle, out_h: T.handle):
+        n, m = T.int64(), T.int64()
+        values = T.match_buffer(values_h, (n,), dtype)
+        carry = T.match_buffer(carry_h, (m,), carried)
+        out = T.match_buffer(out_h, (m,), carried)
+        for i in range(n):
+            with T.sblock("check"):
+                vi = T.axis.spatial(n, i)
+                assert lo <= T.Cast("int64", values[vi]) and T.Cast("int64", values[vi]) < hi, message
+        for i in range(m):
+            with T.sblock("carry"):
+                vi = T.axis.spatial(m, i)
+                out[vi] = carry[vi]
 
     return check.with_attr("op_pattern", OPAQUE).with_attr("tirx.is_scheduled", True)

@@ -34,6 +34,9 @@ def export_onnx(spec: AttentionSpec, opset: int = 23, seed: int = 0) -> tuple[on
         raise TvmAttnError(f"--opset {opset}: use 23 or later (the Attention op) or 17 (decomposed ops)")
     if spec.output != "attn":
         raise TvmAttnError(f"output={spec.output!r}: only the attention output exports")
+    if spec.sinks:
+        raise TvmAttnError("sinks=True: ONNX's Attention has no sink logits (ONNX Runtime's GroupQueryAttention "
+                           "takes them as head_sink)")
     weights = {n: a for n, a in random_inputs(spec, _sizes(spec), seed).items() if n.startswith("w_")}
     return _Builder(spec, opset).build(weights), weights
 

@@ -61,6 +61,7 @@ def load(model: Any) -> onnx.ModelProto:
                            f"onnx.checker.check_model") from None
     if not proto.graph.node:
         raise TvmAttnError("the ONNX graph has no nodes: is the file complete?")
+    _check_input_types(proto.graph)
     # ONNX Runtime rejects a graph whose shapes or types contradict each other; so do we, by name. ONNX's
     # data propagation finds more contradictions but fails on some sound graphs of its own (a Shape in
     # both branches of an If, as optimum's merged decoders have: "Data for input 0 already exists"), so
@@ -73,6 +74,16 @@ def load(model: Any) -> onnx.ModelProto:
             first = first_line(err)
     raise TvmAttnError(f"the model's shapes or types are inconsistent ({first}): re-export it, or check "
                        f"it with onnx.shape_inference.infer_shapes(model, strict_mode=True)") from None
+
+
+def _check_input_types(g: onnx.GraphProto) -> None:
+    """Every graph input of a tensor type names an ONNX element type (ONNX's checker and shape inference pass
+    one that no node reads; a corrupt file can hold any number)."""
+    known = set(onnx.TensorProto.DataType.values())
+    for info in g.input:
+        if info.type.HasField("tensor_type") and info.type.tensor_type.elem_type not in known:
+            raise TvmAttnError(f"graph input {info.name!r} has element type {info.type.tensor_type.elem_type}, "
+                               f"which is no ONNX tensor type: the file is corrupt; re-export it")
 
 
 _INFERENCE_ERRORS = (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, ValueError, RuntimeError)

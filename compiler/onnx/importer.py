@@ -31,7 +31,9 @@ from tvmattn.compiler.build import compile_model
 from tvmattn.compiler.errors import TvmAttnError, first_line, tvm_reason
 from tvmattn.compiler.kernel import host_argument, host_tensor, numpy_dtype
 from tvmattn.compiler.logs import tvm_logs_to_logging
-from tvmattn.compiler.onnx import checks, graph, ops, patterns  # noqa: F401 (ops fills the converters' table)
+
+# (gqa, ops and ort_attention fill the converters' table)
+from tvmattn.compiler.onnx import checks, gqa, graph, ops, ort_attention, patterns  # noqa: F401
 from tvmattn.compiler.onnx.converters import Node, find
 from tvmattn.compiler.onnx.kernels import Kernels, Replacement
 from tvmattn.compiler.onnx.profile import Profile, profile
@@ -39,6 +41,7 @@ from tvmattn.compiler.onnx.shape_ops import (
     BROADCASTING,
     SHAPE_FIXES,
     as_onnx_value,
+    nonempty,
     state_broadcast,
     state_shape,
     tighten_shapes,
@@ -305,6 +308,8 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
                 self._readers.setdefault(name, []).append(n.op_type)
         self._current: onnx.NodeProto | None = None
         self._shapes = graph.symbolic_shapes(model)
+        self._declared = {info.name: _dims(info) for info in (*model.graph.input, *model.graph.output,
+                                                                 *model.graph.value_info)}
         self._symbols: dict[str, tirx.Var] = {}  # the graph inputs' named sizes, as TVM's importer made them
 
     def _parse_graph_input(self, graph_proto: onnx.GraphProto) -> None:
@@ -348,6 +353,8 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
         if convert is None:
             if op_name in BROADCASTING and node is not None and len(node.output) == 1:
                 inputs = state_broadcast(self.bb, list(inputs), self._shapes.get(node.output[0]), self._symbols)
+            if op_name == "Concat":
+                inputs = nonempty(list(inputs), int(attrs.get("axis", 0)))
             fix = SHAPE_FIXES.get(op_name)
             sym = fix(list(inputs)) if fix is not None else None
             if op_name == "Gather" and node is not None and is_cpu(self.kernels.target):
@@ -364,7 +371,7 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
             if node is not None:
                 self.provenance[sym] = node.name
             return sym
-        outs = convert(Node(node, self.bb, self.kernels), list(inputs))
+        outs = convert(Node(node, self.bb, self.kernels, self._declared), list(inputs))
         outs = [o if o is not None else outs[0] for o in outs[:max(len(node.output), 1)]]
         return outs[0] if len(outs) == 1 else relax.Tuple(outs)
 
@@ -394,14 +401,14 @@ def _binding_hint(message: str, inputs: list[GraphInput]) -> str:
 
 def _graph_inputs(model: onnx.ModelProto) -> list[GraphInput]:
     initializers = {t.name for t in model.graph.initializer}
-    out = []
-    for info in model.graph.input:
-        if info.name in initializers:
-            continue
-        t = info.type.tensor_type
-        dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim)
-        out.append(GraphInput(info.name, dims, _dtype_name(t.elem_type)))
-    return out
+    return [GraphInput(info.name, _dims(info), _dtype_name(info.type.tensor_type.elem_type))
+            for info in model.graph.input if info.name not in initializers]
+
+
+def _dims(info: onnx.ValueInfoProto) -> tuple[int | str | None, ...]:
+    """A tensor's declared sizes: a number, a name, or None where unknown."""
+    return tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                 for d in info.type.tensor_type.shape.dim)
 
 
 def _dtype_name(elem_type: int) -> str:

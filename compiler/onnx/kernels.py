@@ -147,11 +147,12 @@ class Mask:
 def attend(bb: relax.BlockBuilder, kernels: Kernels, q: relax.Expr, k: relax.Expr, v: relax.Expr, *,
            layout: str, nodes: tuple[str, ...], source: str, mask: Mask | None = None,
            kv_lens: relax.Expr | None = None, outputs: tuple[str, ...] = ("attn",),
-           **options) -> list[relax.Var]:
+           sinks: relax.Expr | None = None, **options) -> list[relax.Var]:
     """Emit the attention of q, k, v (4-D, in ``layout``) as tvmattn kernels, one per requested output.
 
     ``options`` are AttentionSpec fields (causal, causal_align, window, scale, softcap); the sizes,
-    heads, dtype and mask fields come from the tensors. ``kv_lens`` is an int32 (B,) tensor.
+    heads, dtype and mask fields come from the tensors. ``kv_lens`` is an int32 (B,) tensor, ``sinks``
+    a float32 (h,) one.
     """
     sizes = Sizes()
     qs, ks, vs = (shape_of(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
@@ -174,6 +175,9 @@ def attend(bb: relax.BlockBuilder, kernels: Kernels, q: relax.Expr, k: relax.Exp
         value, dims = _broadcast_mask(bb, mask, [batch, heads, n_q, n_kv], sizes)
         fields.update(attn_mask=mask.kind, attn_mask_dims=dims)
         args.append(value)
+    if sinks is not None:
+        fields["sinks"] = True
+        args.append(_conform(bb, sinks, [heads], sizes, "the sinks"))
     spec = AttentionSpec(**fields)
     return [kernels.call(bb, spec.replace(output=o), args, sizes, nodes, source) for o in outputs]
 

@@ -86,23 +86,37 @@ def simplified_layer_normalization(node: Node, inputs: list) -> list:
 
 @converter("com.microsoft", "SkipLayerNormalization")
 def skip_layer_normalization(node: Node, inputs: list) -> list:
-    """ORT SkipLayerNormalization: S = input + skip (+ bias); output = LayerNorm(S)·γ + β; output 3 is S."""
+    """ORT SkipLayerNormalization: S = input + skip (+ bias); output = LayerNorm(S)·γ + β; outputs 1 and
+    2 are S's mean and 1/√(var + ε) over the last axis (keeping it), output 3 is S."""
     a = node.attrs({"epsilon": 1e-12})
     x, skip, gamma, beta, bias = _inputs(inputs, 5)
-    _refuse_outputs(node, {1: "mean", 2: "inv_std_var"})
     total = _sum(node, x, skip, bias)
-    return [_layer_norm(node, total, gamma, beta, float(a["epsilon"])), None, None, total]
+    epsilon = float(a["epsilon"])
+    mean = node.emit(op.mean(total, axis=[-1], keepdims=True)) if node.wants(1) or node.wants(2) else None
+    inv_std = None
+    if node.wants(2):
+        centred = node.emit(op.subtract(total, mean))
+        variance = node.emit(op.mean(op.multiply(centred, centred), axis=[-1], keepdims=True))
+        inv_std = node.emit(op.rsqrt(op.add(variance, _const(epsilon, total))))
+    return [_layer_norm(node, total, gamma, beta, epsilon), mean, inv_std, total]
 
 
 @converter("com.microsoft", "SkipSimplifiedLayerNormalization")
 def skip_simplified_layer_normalization(node: Node, inputs: list) -> list:
     """ORT SkipSimplifiedLayerNormalization: S = input + skip (+ bias); output = S / √(mean(S²) + ε)·γ;
-    output 3 is S."""
+    output 2 is 1/√(mean(S²) + ε) over the last axis (keeping it), output 1 (mean) zeros as ORT's CPU EP
+    writes them, output 3 is S."""
     a = node.attrs({"epsilon": 1e-12})
     x, skip, gamma, bias = _inputs(inputs, 4)
-    _refuse_outputs(node, {1: "mean", 2: "inv_std_var"})
     total = _sum(node, x, skip, bias)
-    return [_rms_norm(node, total, gamma, float(a["epsilon"])), None, None, total]
+    epsilon = float(a["epsilon"])
+    kept = shape_of(total, "the sum")[:-1] + [1]
+    mean = node.emit(op.zeros(relax.ShapeExpr(kept), str(total.ty.dtype))) if node.wants(1) else None
+    inv_rms = None
+    if node.wants(2):
+        mean_square = node.emit(op.mean(op.multiply(total, total), axis=[-1], keepdims=True))
+        inv_rms = node.emit(op.rsqrt(op.add(mean_square, _const(epsilon, total))))
+    return [_rms_norm(node, total, gamma, epsilon), mean, inv_rms, total]
 
 
 @converter("com.microsoft", "EmbedLayerNormalization")
@@ -223,23 +237,41 @@ def rotary_embedding(node: Node, inputs: list) -> list:
     a = node.attrs({"interleaved": 0, "rotary_embedding_dim": 0, "num_heads": 0})
     x, cos, sin, position_ids = _inputs(inputs, 4)
     if position_ids is not None:
-        cos, sin = (node.emit(op.take(c, position_ids, axis=0)) for c in (cos, sin))
+        cos, sin = _at_positions(node, position_ids, cos, sin)
     return [_rotate(node, x, cos, sin, bool(a["interleaved"]), a["rotary_embedding_dim"], a["num_heads"])]
 
 
 @converter("com.microsoft", "RotaryEmbedding")
 def ms_rotary_embedding(node: Node, inputs: list) -> list:
     """ORT RotaryEmbedding: as ONNX's, with inputs (input, position_ids, cos_cache, sin_cache); the caches
-    are (max_position, r/2) and position_ids (B, S) or (1,), an offset: positions offset + 0‥S−1."""
+    are (max_position, r/2) and position_ids (B, S) or (1,), an offset: positions offset + 0‥S−1. A 3-D
+    input without num_heads has heads of 2·(r/2) features (the head size from the cache, as ORT derives
+    it). ``scale`` and ``is_packed_batching`` change nothing on ORT's CPU EP (scale is for a cache it
+    would extend, packed batching for its CUDA kernel), nor here."""
     a = node.attrs({"interleaved": 0, "rotary_embedding_dim": 0, "num_heads": 0, "scale": 1.0,
                     "is_packed_batching": 0})
-    if a["scale"] != 1.0 or a["is_packed_batching"]:
-        raise TvmAttnError("scale ≠ 1 and is_packed_batching are not supported by tvmattn's "
-                           "com.microsoft.RotaryEmbedding converter")
     x, position_ids, cos, sin = _inputs(inputs, 4)
+    shape = shape_of(x, "the input")
+    if a["rotary_embedding_dim"] and not a["num_heads"]:
+        raise TvmAttnError("rotary_embedding_dim needs the num_heads attribute (ONNX Runtime's rule)")
+    heads = a["num_heads"]
+    if len(shape) == 3 and not heads:  # heads of the cache's width
+        head = 2 * static(shape_of(cos, "cos_cache")[-1], "cos_cache's width")
+        hidden = static(shape[2], "the hidden size")
+        if hidden % head:
+            raise TvmAttnError(f"the hidden size {hidden} is no multiple of the head size {head} that cos_cache's "
+                               f"width gives: give num_heads")
+        heads = hidden // head
     if len(shape_of(position_ids, "position_ids")) == 1:  # an offset: the positions follow it
-        seq = shape_of(x, "the input")[1 if len(shape_of(x, "the input")) == 3 else 2]
+        seq = shape[1 if len(shape) == 3 else 2]
         steps = node.emit(op.arange(seq, dtype=str(position_ids.ty.dtype)))
         position_ids = node.emit(op.expand_dims(op.add(steps, position_ids), 0))
-    cos, sin = (node.emit(op.take(c, position_ids, axis=0)) for c in (cos, sin))
-    return [_rotate(node, x, cos, sin, bool(a["interleaved"]), a["rotary_embedding_dim"], a["num_heads"])]
+    cos, sin = _at_positions(node, position_ids, cos, sin)
+    return [_rotate(node, x, cos, sin, bool(a["interleaved"]), a["rotary_embedding_dim"], heads)]
+
+
+def _at_positions(node: Node, position_ids: relax.Expr, cos: relax.Expr, sin: relax.Expr) -> tuple:
+    """The caches' rows at ``position_ids``, which are checked to lie in them (on CPU; elsewhere clamped)."""
+    rows = shape_of(cos, "cos_cache")[0]
+    position_ids = node.in_range(position_ids, "input 'position_ids' must index cos_cache's rows", 0, rows)
+    return tuple(node.emit(op.take(c, position_ids, axis=0, mode="clip")) for c in (cos, sin))

@@ -5,6 +5,8 @@ expansion of ``Attention``), every step but the two matmuls and the softmax opti
 
     scores = (q·c) @ (kᵀ·c)                    the scale on q, on kᵀ, or on the scores (· or /)
     logits = c·tanh(scores / c)                soft-capping
+    logits = (logits + bias).view(B, h, n, n_kv)   on (B·h, n, d) batches: a bias there, then the heads
+                                               split (BLOOM's baddbmm; probs.view(B·h, n, n_kv) @ v below)
     logits = logits + bias                     a float mask or bias (HF's finfo.min masks, T5 biases)
            | where(keep, logits, fill)         a bool mask; fill -inf or ≤ -1e30
            | where(hide, fill, logits)
@@ -17,7 +19,9 @@ Softmax weights the graph also uses elsewhere (an ``output_attentions`` output, 
 
 q, k, v may arrive with their head split (a permute of a (B, n, h, d) tensor: the kernel reads it in
 place, layout BSHD) and K/V with GQA's head repetition (expand_dims → broadcast_to → reshape: the
-kernel indexes K/V head i // g instead). 3-D operands (B·h, n, d) are one head per batch entry.
+kernel indexes K/V head i // g instead). 3-D operands (B·h, n, d) are one head per batch entry, or, where
+the chain splits the heads off around the softmax, (B, h) reshaped back; kᵀ may be any permutation of
+K's source (torch's MultiheadAttention writes (n_kv, B·h, d) permuted by (1, 2, 0)).
 
 A match is replaced only when the kernel provably computes the same values: scalar constant scales,
 softmax over the key axis, a mask that broadcasts to the scores, a fill that hides a key as -inf does.
@@ -95,6 +99,10 @@ class AttentionPattern:
         self.cap_in, self.cap_out = is_const(), is_const()
         tanh = _op("tanh", _op("divide", scaled, self.cap_in))
         logits = _cast(_op("multiply", tanh, self.cap_out) | _op("multiply", self.cap_out, tanh) | scaled)
+        self.batch_bias = wildcard()  # added on (B·h, n, n_kv) before the heads split
+        self.split = _op("reshape", _op("add", logits, self.batch_bias) | _op("add", self.batch_bias, logits)
+                         | logits, wildcard())
+        logits = self.split | logits
         self.bias, self.keep, self.hide = wildcard(), wildcard(), wildcard()
         self.keep_fill, self.hide_fill = is_const(), is_const()
         self.bias2 = wildcard()  # a second additive term (T5: its relative position bias, then the mask)
@@ -107,7 +115,8 @@ class AttentionPattern:
         probs = is_tuple_get_item(_op("nn.dropout", probs), 0) | probs
         self.guard, self.zero = wildcard(), is_const()
         self.weights = _op("where", self.guard, self.zero, probs) | probs
-        self.out = _op("matmul", self.weights, self.v_rep | self.v_perm | self.v)
+        self.unsplit = _op("reshape", self.weights, wildcard())  # (B, h, n, n_kv) back to (B·h, n, n_kv)
+        self.out = _op("matmul", self.unsplit | self.weights, self.v_rep | self.v_perm | self.v)
         self.root = {"merged": _op("permute_dims", self.out), "out": self.out, "weights": self.weights}[root]
         # ONNX's guard: a row whose bias is -inf everywhere gets zeros
         self.guard_bias = wildcard()
@@ -199,6 +208,12 @@ class _Operand:
     def bshd(self) -> bool:
         return self.axes == (0, 2, 1, 3)
 
+    def split(self, bb: relax.BlockBuilder, batch, heads: int) -> relax.Expr:
+        """A 3-D operand (B·h, n, d) as (B, h, n, d)."""
+        x = self.src if self.axes == (0, 1, 2) else bb.emit(relax.op.permute_dims(self.src, self.axes))
+        _, seq, width = shape_of(x, "an attention operand")
+        return bb.emit(relax.op.reshape(x, [batch, heads, seq, width]))
+
     def bhsd(self, bb: relax.BlockBuilder) -> relax.Expr:
         x = self.src if self.axes == tuple(range(self.rank)) else bb.emit(relax.op.permute_dims(self.src, self.axes))
         if self.rank == 3:  # one head per batch entry
@@ -243,11 +258,16 @@ class _Match:
         cap = self._softcap()
         if cap is not None:
             options["softcap"] = cap
+        heads = self._split(weights)
         mask, structure, keep = self._mask()
         options.update(structure)
         self._check_guard(keep)
         bshd = rank == 4 and q.bshd and k.bshd and v.bshd
-        operands = [x.src for x in (q, k, v)] if bshd else [x.bhsd(self.bb) for x in (q, k, v)]
+        if heads is not None:
+            mask = self._with_batch_bias(mask, heads)
+            operands = [x.split(self.bb, *heads) for x in (q, k, v)]
+        else:
+            operands = [x.src for x in (q, k, v)] if bshd else [x.bhsd(self.bb) for x in (q, k, v)]
         if str(self.m[self.p.root].ty.dtype) != str(operands[0].ty.dtype):
             raise _NoMatch(f"the attention output is {self.m[self.p.root].ty.dtype}, its operands "
                            f"{operands[0].ty.dtype}")
@@ -258,9 +278,54 @@ class _Match:
             keys, rule = self.empty_rows
             out = key_masks.average_empty_rows(self.bb, out, operands[2], keys, rule, "BSHD" if bshd else "BHSD",
                                                k.group)
+        if heads is not None and not weights:  # (B, h, n, d_v) as P·V's (B·h, n, d_v)
+            batch_heads, seq = shape_of(self.m[self.p.scores], "the scores")[:2]
+            out = self.bb.emit(relax.op.reshape(out, [batch_heads, 1, seq, shape_of(out, "the output")[3]]))
         return self._merge(out, rank, bshd, weights)
 
     # ---- operands --------------------------------------------------------------------------------
+    def _split(self, weights: bool) -> tuple[tirx.PrimExpr, int] | None:
+        """(B, h) where the chain views its (B·h, n, n_kv) scores as (B, h, n, n_kv) for the mask and softmax
+        (and P·V's weights back as (B·h, n, n_kv)); None where it does not."""
+        if self.p.split not in self.m:
+            return None
+        scores = shape_of(self.m[self.p.scores], "the scores")
+        split = shape_of(self.m[self.p.split], "the split scores")
+        analyzer = tvm.sym.Analyzer()
+        if len(scores) != 3 or len(split) != 4 or not isinstance(split[1], tirx.IntImm) or not all(
+                analyzer.can_prove_equal(a, b) for a, b in zip(scores, (split[0] * split[1], split[2], split[3]))):
+            raise _NoMatch("the scores are reshaped otherwise than their (B·h) batches split into (B, h)")
+        if not weights and (self.p.unsplit not in self.m or not all(analyzer.can_prove_equal(a, b) for a, b in zip(
+                shape_of(self.m[self.p.unsplit], "the weights"), scores))):
+            raise _NoMatch("the weights P·V reads are not the split ones merged back into (B·h) batches")
+        return split[0], int(split[1].value)
+
+    def _with_batch_bias(self, mask: Mask | None, heads: tuple[tirx.PrimExpr, int]) -> Mask | None:
+        """``mask`` with the bias added to the (B·h, n, n_kv) scores before their heads split (BLOOM's ALiBi),
+        as (B|1, h|1, n|1, n_kv|1)."""
+        if self.p.batch_bias not in self.m:
+            return mask
+        bias = self.leaf(self.p.batch_bias)
+        shape = shape_of(bias, "the batched bias")
+        shape = [tirx.IntImm("int64", 1)] * (3 - len(shape)) + shape
+        if len(shape) != 3:
+            raise _NoMatch(f"a bias of rank {len(shape)} on (B·h, n, n_kv) scores")
+        one = isinstance(shape[0], tirx.IntImm) and shape[0].value == 1
+        if not one and not tvm.sym.Analyzer().can_prove_equal(shape[0], heads[0] * heads[1]):
+            raise _NoMatch("the batched bias does not broadcast along the (B·h) batches")
+        lead = [1, 1] if one else list(heads)
+        bias = self.bb.emit(relax.op.astype(self.bb.emit(relax.op.reshape(bias, lead + shape[1:])), "float32"))
+        if mask is None:
+            return Mask(bias, "additive")
+        if mask.kind == "bool":
+            return Mask(self.bb.emit(relax.op.where(mask.value, bias, relax.const(-np.inf, "float32"))), "additive")
+        return Mask(self.bb.emit(relax.op.add(bias, self.bb.emit(relax.op.astype(mask.value, "float32")))),
+                    "additive")
+
+    def _logits(self) -> relax.Expr:
+        """What the mask applies to: the scores, or their (B, h, n, n_kv) view."""
+        return self.m[self.p.split] if self.p.split in self.m else self.m[self.p.scores]
+
     def _operand(self, leaf: DFPattern, perm: DFPattern, repeat: DFPattern | None) -> _Operand:
         src = self.leaf(leaf)
         rank = len(shape_of(src, "an attention operand"))
@@ -280,9 +345,11 @@ class _Match:
         rank = len(outer)
         if outer == tuple(range(rank - 2)) + (rank - 1, rank - 2):  # kᵀ = transpose(K heads)
             return self._operand(self.p.k, self.p.k_perm, self.p.k_rep)
-        if outer == (0, 2, 3, 1) and self.p.k_perm not in self.m and self.p.k_rep not in self.m:
-            return _Operand(self.leaf(self.p.k), (0, 2, 1, 3))  # kᵀ straight from (B, n_kv, h, d)
-        raise _NoMatch(f"kᵀ is a permutation {outer} the kernel cannot read as K")
+        if self.p.k_perm not in self.m and self.p.k_rep not in self.m:
+            # kᵀ straight from K's source in another order: (B, n_kv, h, d) by (0, 2, 3, 1), or torch's
+            # MultiheadAttention's (n_kv, B·h, d) by (1, 2, 0); K is the same permutation, last two swapped
+            return _Operand(self.leaf(self.p.k), outer[:-2] + (outer[-1], outer[-2]))
+        raise _NoMatch(f"kᵀ is a permutation {outer} of permuted or repeated keys the kernel cannot read as K")
 
     def _group(self, reshape: relax.Call) -> int:
         """g of a head repetition (B, h_kv, n, d) → (B, h_kv, g, n, d) → (B, h_kv·g, n, d), which makes
@@ -399,7 +466,7 @@ class _Match:
         size = keep.shape[-1]
         if not np.array_equal(keep.reshape(-1, size, size)[0], np.tri(size, dtype=bool)):
             return {}
-        *_, n, n_kv = shape_of(self.m[self.p.scores], "the scores")
+        *_, n, n_kv = shape_of(self._logits(), "the scores")
         *_, rows, cols = shape_of(cond, "a mask")
         analyzer = tvm.sym.Analyzer()
         if not (analyzer.can_prove_equal(rows, n) and analyzer.can_prove_equal(cols, n_kv)):
@@ -417,7 +484,7 @@ class _Match:
         """The spec's causal rule (and sliding window) when ``mask`` is computed from positions
         (`positions`) as that rule at every length: a bool ``keep`` (``hide`` when ``negate``), or an
         additive where(keep, 0, fill). Empty otherwise."""
-        *lead, n, n_kv = shape_of(self.m[self.p.scores], "the scores")
+        *lead, n, n_kv = shape_of(self._logits(), "the scores")
         index = [tirx.Var(f"i{axis}", "int64") for axis in range(len(lead) + 2)]  # (B, h, query, key)
         value = positions.rule(mask, positions.broadcast(index, mask), self.r.values)
         if additive:
@@ -460,7 +527,7 @@ class _Match:
         mask the kernel reads per key. Under a finite fill the rows that see no key are averaged over
         every key afterwards, as the model does (`_empty_rows`); a weights kernel or a sliding window
         keeps the whole mask then."""
-        *lead, n, n_kv = shape_of(self.m[self.p.scores], "the scores")
+        *lead, n, n_kv = shape_of(self._logits(), "the scores")
         index = [tirx.Var(f"i{axis}", "int64") for axis in range(len(lead) + 2)]
         found = key_masks.split(keep, self.r.values, index, n, n_kv)
         if found is None:
@@ -476,7 +543,7 @@ class _Match:
 
     def _scores_shape(self) -> tuple[int | None, ...]:
         return tuple(int(d.value) if isinstance(d, tirx.IntImm) else None
-                     for d in shape_of(self.m[self.p.scores], "the scores"))
+                     for d in shape_of(self._logits(), "the scores"))
 
     def _check_guard(self, keep: np.ndarray | None) -> None:
         """ONNX's where(row sees no key, 0, probs) must zero exactly the rows the kernel zeroes: those

@@ -128,6 +128,20 @@ def _int_scalar(x: relax.Expr) -> PrimExpr | None:
 
 SHAPE_FIXES: dict[str, ShapeFix] = {"Expand": expand, "Range": range_, "Reshape": reshape, "Slice": slice_}
 
+
+def nonempty(inputs: list, axis: int) -> list:
+    """A Concat's inputs without the tensors of static width 0 along ``axis`` (a rotary over the whole head
+    concatenates a zero-width q[..., rot:]): they add nothing, and what computes them is then dead code."""
+    def empty(x) -> bool:
+        ty = getattr(x, "ty", None)
+        if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+            return False
+        dims = ty.shape.values
+        return -len(dims) <= axis < len(dims) and isinstance(dims[axis], tirx.IntImm) and dims[axis].value == 0
+
+    kept = [x for x in inputs if not empty(x)]
+    return kept or inputs[:1]
+
 # The ops TVM 0.27's importer lets read a ShapeExpr (its `shape_compatible_ops`); any other raises.
 READS_SHAPES = {"Reshape", "Resize", "ConstantOfShape", "Gather", "Slice", "Shape", "Expand", "Concat", "Equal",
                 "Where", "Cast", "CastLike", "Squeeze"}

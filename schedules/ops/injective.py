@@ -37,7 +37,7 @@ def spatial(sch: Schedule, block: s_tir.schedule.SBlockRV, target: Target) -> No
     dtype = sch.get(block).writes[0].source.dtype
     lanes = vector_lanes(target, str(dtype)) if dtype.bits in (16, 32, 64) else 1
     extent = sch.get(inner).extent
-    if isinstance(extent, tirx.IntImm) and extent.value % lanes == 0 and lanes > 1:
+    if isinstance(extent, tirx.IntImm) and extent.value > 0 and extent.value % lanes == 0 and lanes > 1:
         if extent.value > lanes:
             outer.append(sch.split(inner, [None, lanes])[0])
             inner = sch.get_loops(block)[-1]
