@@ -4,9 +4,9 @@ Peers (each only if installed): PyTorch `scaled_dot_product_attention`, ONNX Run
 (opset 23), OpenVINO's `ScaledDotProductAttention` (opset 13) and NumPy. Each runs with every core,
 after a warm-up, in interleaved rounds (`interleaved`: a slow spell of the machine falls on every
 implementation alike), for the median of its runs; idle worker threads are told not to spin so that
-one implementation does not steal the next one's cores (TVM_THREAD_POOL_SPIN_COUNT=0,
-OMP_WAIT_POLICY=PASSIVE, ORT allow_spinning=0). OpenVINO's TBB workers have no such switch: the pause
-before each turn lets them go idle.
+one implementation does not steal the next one's cores (OMP_WAIT_POLICY=PASSIVE, ORT allow_spinning=0;
+TVM's workers yield a few tens of microseconds before they sleep, tvmattn's default). OpenVINO's TBB
+workers have no such switch: the pause before each turn lets them go idle.
 
 16-bit specs: torch takes the bf16/fp16 arrays as they are, ONNX Runtime fp16 (it has no CPU bf16
 `Attention`: skipped), OpenVINO fp32 tensors holding the same rounded values with a bf16/f16 inference
@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 
 # Before any runtime starts its thread pool (the CLI imports this module before running anything).
-os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import ctypes  # noqa: E402

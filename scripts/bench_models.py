@@ -22,8 +22,6 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
-os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")  # before TVM's thread pool starts
-
 from tvmattn.compiler.errors import first_line  # noqa: E402
 from tvmattn.compiler.onnx.bench import CLASSES, bench_model  # noqa: E402
 from tvmattn.compiler.onnx.check import compare_with_ort  # noqa: E402

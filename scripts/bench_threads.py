@@ -21,7 +21,6 @@ import threading
 import time
 from pathlib import Path
 
-os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import export_hf  # noqa: E402
