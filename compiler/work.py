@@ -1,8 +1,9 @@
 """What a compiled function computes, as a function of its arguments' shapes: the FLOPs a profile
 divides by its time (`compiler.onnx.profile`).
 
-`tir_work`: two FLOPs per multiply-add of each reduction block whose body multiplies (a GEMM, a
-batched matmul, a convolution), its iteration extents in terms of the parameters' size variables.
+`tir_work`: two FLOPs per multiply-add of each reduction block whose body multiplies two different
+operands (a GEMM, a batched matmul, a convolution; not a variance's x·x), its iteration extents in
+terms of the parameters' size variables.
 `attention_work`: an attention kernel's useful FLOPs as FlashAttention counts them
 (`explain.useful_flops`: only the (query, key) pairs a query may see).
 """
@@ -67,6 +68,7 @@ def tir_work(func: tirx.PrimFunc) -> TirWork | None:
 
 
 def _multiplies(store: tirx.BufferStore) -> bool:
+    """A product of two different operands (a variance's x·x is no matrix product's work)."""
     found = []
     tvm_ffi.structural_walk(store.value, [(tirx.Mul, lambda n: found.append(n))])
-    return bool(found)
+    return any(not tvm.ir.structural_equal(m.a, m.b) for m in found)

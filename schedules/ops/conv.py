@@ -68,11 +68,11 @@ class _ConvAsGemm(relax.PyExprMutator):
         if n_out == groups:  # one column per group (depthwise): a GEMM of width 1; the taps summed in place
             return self.builder_.emit_te(_per_channel, x, relax.const(w), strides, padding[:dims], dilation,
                                          out_sizes, primfunc_name_hint="conv_per_channel")
-        cols = self.builder_.emit_te(_im2col, x, kernel, strides, padding[:dims], dilation, out_sizes,
-                                     primfunc_name_hint="im2col")
         batch = shape[0]
         positions = out_sizes[0] if dims == 1 else out_sizes[0] * out_sizes[1]
         k = c_group * int(np.prod(kernel))
+        cols = self.builder_.emit_te(_im2col, x, kernel, strides, padding[:dims], dilation, out_sizes,
+                                     primfunc_name_hint="im2col")
         if groups == 1:
             flat = self.builder_.emit(relax.op.reshape(cols, [batch, positions, k]))
             panel = w.reshape(n_out, k).T  # (C·KH·KW, N): the GEMM's (reduction, columns)
