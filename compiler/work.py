@@ -71,4 +71,4 @@ def _multiplies(store: tirx.BufferStore) -> bool:
     """A product of two different operands (a variance's x·x is no matrix product's work)."""
     found = []
     tvm_ffi.structural_walk(store.value, [(tirx.Mul, lambda n: found.append(n))])
-    return any(not tvm.ir.structural_equal(m.a, m.b) for m in found)
+    return any(not tvm_ffi.structural_equal(m.a, m.b) for m in found)
