@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import tvm
+from tvm import relax
 from tvm.target import Target
 
 from tvmattn import schedules
@@ -130,35 +131,49 @@ def _producers_unfused(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
 def compile_model(mod: tvm.IRModule, target: Target) -> tuple[tvm.runtime.Executable, ScheduleFunctions | None]:
     """A Relax module (an imported model) compiled for ``target``, and on the CPU what scheduled its
     PrimFuncs (``rule_of``: function name → rule; ``tuned_functions``: those built from a tuning
-    record; ``work``: their FLOPs as a function of their shapes). CPU: Relax's CPU
-    pipeline with `schedules.ops` after operator fusion (TVM's schedules none); CUDA: Relax's, which
-    applies dlight's GPU rules. Both keep symbolic-size producers unfused (`_producers_unfused`)."""
+    record; ``work``: their FLOPs as a function of their shapes). CPU: Relax's CPU pipeline with
+    `schedules.ops` after operator fusion (TVM's schedules none); CUDA: Relax's, which applies dlight's
+    GPU rules."""
     if is_cpu(target):
         from tvm.relax.backend.cpu_generic import pipeline as backend
 
         from tvmattn.compiler.tuning.model import tuned_knobs  # it builds candidates with this module
 
         scheduler = ScheduleFunctions(target, tuned_knobs(target))
-        before_legalize, after_fusion = list(BEFORE_LEGALIZE), [scheduler]
+        after_fusion = [scheduler]
     else:
         from tvm.relax.backend.cuda import pipeline as backend
 
-        before_legalize, after_fusion = [], []
-    legalize = backend.legalize_passes(target)
-    fuse = [p.info.name for p in legalize].index("FuseOps")
-    legalize = legalize[:fuse] + [_producers_unfused] + legalize[fuse:]
+        after_fusion = []
 
     @tvm.transform.module_pass(opt_level=0, name="tvmattn.RelaxModelPipeline")
     def pipeline(m: tvm.IRModule, _ctx) -> tvm.IRModule:
         with target:
             return tvm.transform.Sequential(
-                backend.library_dispatch_passes(target) + before_legalize + legalize + after_fusion
+                until_scheduling(target) + after_fusion
                 + backend.dataflow_lower_passes(target) + backend.finalize_passes(target))(m)
 
     if not is_cpu(target):
         return compile_cuda(mod, target, relax_pipeline=pipeline), None
     executable = tvm.compile(mod, target, relax_pipeline=pipeline, tir_pipeline=CPU_PIPELINE)
     return executable, scheduler
+
+
+def until_scheduling(target: Target) -> list[tvm.transform.Pass]:
+    """Relax's passes up to the fused PrimFuncs the schedule rules take. CPU: convolutions and x**2
+    rewritten first (`schedules.ops.BEFORE_LEGALIZE`), and a reshape kept a view (legalised, one of a
+    symbolic flattening was a copy). Both keep symbolic-size producers unfused (`_producers_unfused`)."""
+    if is_cpu(target):
+        from tvm.relax.backend.cpu_generic import pipeline as backend
+    else:
+        from tvm.relax.backend.cuda import pipeline as backend
+    legalize = backend.legalize_passes(target)
+    if is_cpu(target):
+        legalize = [relax.transform.LegalizeOps(skip_ops=["relax.reshape"]) if p.info.name == "LegalizeOps" else p
+                    for p in legalize]
+    fuse = [p.info.name for p in legalize].index("FuseOps")
+    legalize = legalize[:fuse] + [_producers_unfused] + legalize[fuse:]
+    return backend.library_dispatch_passes(target) + (list(BEFORE_LEGALIZE) if is_cpu(target) else []) + legalize
 
 
 def build_module(mod: tvm.IRModule, spec: AttentionSpec, target: Target,

@@ -33,7 +33,7 @@ from tvmattn.compiler.passes import polynomial_math
 from tvmattn.compiler.target import resolve_target, vector_lanes
 from tvmattn.compiler.verify import errors
 from tvmattn.models.onnx_models import BUILDERS
-from tvmattn.schedules.ops import BEFORE_LEGALIZE, RULES, ScheduleFunctions, is_scheduled
+from tvmattn.schedules.ops import RULES, ScheduleFunctions, is_scheduled
 from tvmattn.schedules.ops.matmul import CONSTANT_PARAMS, Matmul, gemm_operands, pack
 
 CPU = resolve_target("cpu")
@@ -326,20 +326,13 @@ MODELS = {"tiny": tiny_model, "gpt2": BUILDERS["gpt2"]}
 def legalized(model: onnx.ModelProto, target) -> tvm.IRModule:
     """The importer's Relax module (as `import_onnx` makes it) after the target's Relax legalisation and
     fusion: CPU as `compile_model` runs it before `ScheduleFunctions`; CUDA's includes dlight's rules."""
-    if target.kind.name == "cuda":
-        from tvm.relax.backend.cuda import pipeline
-    else:
-        from tvm.relax.backend.cpu_generic import pipeline
     proto = graph.name_nodes(graph.name_dims(graph.load(model)))
     proto = graph.fold_static(proto, keep=[(n.domain, n.op_type) for n in proto.graph.node if find(n)])
     kernels = Kernels(target)
     importer = _Importer(proto, kernels)
     mod = patterns.rewrite(importer.convert(), kernels, importer.provenance, {})
-    if target.kind.name != "cuda":
-        mod = tvm.transform.Sequential(list(BEFORE_LEGALIZE))(mod)
     with target:
-        return tvm.transform.Sequential(pipeline.library_dispatch_passes(target)
-                                        + pipeline.legalize_passes(target))(mod)
+        return tvm.transform.Sequential(build.until_scheduling(target))(mod)
 
 
 def prim_funcs(mod: tvm.IRModule) -> dict[str, tirx.PrimFunc]:

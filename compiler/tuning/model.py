@@ -30,7 +30,7 @@ from tvm import tirx
 from tvm.sym import Analyzer
 from tvm.target import Target
 
-from tvmattn.compiler.build import CPU_PIPELINE
+from tvmattn.compiler.build import CPU_PIPELINE, until_scheduling
 from tvmattn.compiler.errors import TvmAttnError, tvm_reason
 from tvmattn.compiler.passes import polynomial_math, substitute
 from tvmattn.compiler.target import resolve_target, target_key
@@ -66,14 +66,11 @@ class TaskReport:
 
 def tasks(model: Any, target: Target, shapes: Mapping[str, Sequence[int | str]] | None = None) -> list[OpTask]:
     """The distinct GEMM functions of ``model`` that a tuned rule takes, as `ScheduleFunctions` gives them."""
-    from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
-
     from tvmattn.compiler.onnx.importer import relax_module
 
     mod = relax_module(model, target, shapes)
-    with target:
-        mod = tvm.transform.Sequential(cpu_generic.library_dispatch_passes(target)
-                                       + cpu_generic.legalize_passes(target))(mod)
+    with target:  # the passes `build.compile_model` runs before scheduling: the functions it schedules
+        mod = tvm.transform.Sequential(until_scheduling(target))(mod)
     found: dict[str, OpTask] = {}
     for gvar, func in unscheduled(mod):
         for name, rule in RULES:

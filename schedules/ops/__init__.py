@@ -76,9 +76,7 @@ class ScheduleFunctions:
         mod = mod.clone()  # a pass leaves its input as it was
         packed, rule_of, tuned, work = {}, {}, [], {}
         for gvar, func in unscheduled(mod):
-            named = named_sizes(func)
-            if not named.same_as(func):  # (the packing below compares against the module's function)
-                mod[gvar] = func = named
+            mod[gvar] = func.without_attr(CONSTANT_PARAMS)  # its sizes named: the packing compares with it
             work[gvar] = tir_work(func)
             for name, rule in RULES:
                 knobs = self.tuned(func, name) if self.tuned and isinstance(rule, Matmul) else None
@@ -107,12 +105,14 @@ class ScheduleFunctions:
 
 
 def unscheduled(mod: tvm.IRModule) -> list[tuple[tvm.ir.GlobalVar, tirx.PrimFunc]]:
-    """The PrimFuncs a rule is to schedule, as the rules get them: marked with the parameters that every
-    call passes a constant (``CONSTANT_PARAMS``)."""
+    """The PrimFuncs a rule is to schedule, as the rules get them (and the tuner measures them): their
+    composite sizes named (`sizes.named_sizes`), marked with the parameters that every call passes a
+    constant (``CONSTANT_PARAMS``)."""
     constants = _constant_params(mod)
     out = []
     for gvar, func in mod.functions_items():
         if isinstance(func, tirx.PrimFunc) and not is_scheduled(func):
+            func = named_sizes(func)
             marked = func.with_attr(CONSTANT_PARAMS, sorted(constants[gvar])) if constants.get(gvar) else func
             out.append((gvar, marked))
     return out
