@@ -190,6 +190,8 @@ def check(family: str, exporter: str) -> None:
     if family in CAUSAL:
         for r in imported.report.replacements:
             assert (r.spec.causal, r.spec.window, r.spec.attn_mask) == (True, CAUSAL[family], None), r.spec.describe()
+    if family == "bert":  # its padding mask, expanded to (B, 1, n, n) by the export, read once per key
+        assert all(r.spec.attn_mask_dims == "bt" for r in imported.report.replacements if r.spec.attn_mask)
 
 
 @pytest.mark.parametrize("family, exporter", [("gpt2", "dynamo"), ("llama", "dynamo23"), ("bert", "ort")])

@@ -26,7 +26,7 @@ from tvmattn.compiler.onnx.kernels import shape_of
 
 @dataclass
 class Split:
-    rule: dict  # the spec's position fields (causal, causal_align, window)
+    rule: dict  # the spec's position fields (causal, causal_align, window); empty: the keys alone
     keys: list[relax.Expr]  # the per-key conjuncts (as the original function names them), each (…, 1, n_kv)
 
 
@@ -49,8 +49,21 @@ def split(keep: relax.Expr, values: dict, index: list[tirx.Var], n, n_kv) -> Spl
     combined = rules[0]
     for r in rules[1:]:
         combined = tirx.And(combined, r)
+    if _always(combined, index, n, n_kv):  # (an encoder's "query ≥ 0"): the keys alone
+        return Split({}, keys)
     rule = positions.key_rule(combined, index, n, n_kv)
     return Split(rule, keys) if rule else None
+
+
+def _always(rule, index: list[tirx.Var], n, n_kv) -> bool:
+    """Whether ``rule`` holds for every query i < n and key j < n_kv."""
+    analyzer = tvm.sym.Analyzer()
+    for var, extent in zip(index[-2:], (n, n_kv)):
+        analyzer.bind(var, tvm.ir.Range(tirx.IntImm("int64", 0), extent))
+    for var in index[:-2]:
+        analyzer.update(var, tvm.sym.ConstIntBound(0, tvm.sym.ConstIntBound.POS_INF))
+    value = analyzer.simplify(rule)
+    return isinstance(value, tirx.IntImm) and bool(value.value)
 
 
 def average_empty_rows(bb: relax.BlockBuilder, out: relax.Expr, v: relax.Expr, key_keep: relax.Expr,
@@ -89,3 +102,42 @@ def _conjuncts(expr: relax.Expr, values: dict) -> list[relax.Expr]:
 
 def _is_one(d) -> bool:
     return isinstance(d, tirx.IntImm) and d.value == 1
+
+
+# elementwise ops a mask is computed with: rebuilt on narrowed operands by `per_key`
+_ELEMENTWISE = {f"relax.{op}": getattr(relax.op, op) for op in (
+    "add", "subtract", "multiply", "divide", "where", "logical_not", "logical_and", "logical_or", "equal",
+    "not_equal", "less", "less_equal", "greater", "greater_equal", "negative", "maximum", "minimum")}
+
+
+def per_key(bb: relax.BlockBuilder, mask: relax.Expr, values: dict, visit) -> relax.Expr | None:
+    """``mask`` (as the original function writes it; (…, n, n_kv) after broadcasting) computed without
+    its broadcast along the queries, where nothing in it varies by query: an encoder's padding mask
+    (1 - m[:, None, None, :]) · finfo.min that the export expanded to (B, 1, n, n_kv) before the
+    arithmetic, read by the kernel once per key instead of per (query, key). None where it varies by
+    query. ``visit`` gives an original expression's value in the function being built."""
+    dims = shape_of(mask, "a mask")
+    if len(dims) < 2 or _is_one(dims[-2]):
+        return visit(mask)
+    value = values.get(mask, mask)
+    if not isinstance(value, relax.Call):
+        return None
+    name = getattr(value.op, "name", "")
+    if name == "relax.broadcast_to":
+        return per_key(bb, value.args[0], values, visit)
+    if name == "relax.astype":
+        inner = per_key(bb, value.args[0], values, visit)
+        return None if inner is None else bb.emit(relax.op.astype(inner, str(value.attrs.dtype)))
+    op = _ELEMENTWISE.get(name)
+    if op is None:
+        return None
+    args = []
+    for a in value.args:
+        if isinstance(a, tvm.ir.GenericConst) and a.value.numpy().ndim < 2:
+            args.append(a)
+            continue
+        narrowed = per_key(bb, a, values, visit) if isinstance(a, relax.Expr) and hasattr(a, "ty") else None
+        if narrowed is None:
+            return None
+        args.append(narrowed)
+    return bb.emit(op(*args))

@@ -406,7 +406,7 @@ class _Match:
                     return None, causal, None
                 keep, fill = self._where_keep(self.m[self.p.bias])
                 split = self._split_keys(keep, fill) if keep is not None else None
-                return split or (Mask(bias, "additive"), {}, None)
+                return split or (Mask(_either(self._per_key(self.p.bias), bias), "additive"), {}, None)
             values = bias.value.numpy().astype(np.float64)
             keep = values == 0
             if np.all(keep | (values <= _HUGE_NEGATIVE)) and _hides_only(keep, values):
@@ -435,7 +435,8 @@ class _Match:
         split = None if negate else self._split_keys(self.m[self.p.keep], fill)
         if split:
             return split
-        keep = self.bb.emit(relax.op.logical_not(cond)) if negate else cond
+        keep = _either(self._per_key(self.p.keep if not negate else self.p.hide), cond)
+        keep = self.bb.emit(relax.op.logical_not(keep)) if negate else keep
         if fill == -np.inf:
             return Mask(keep, "bool"), {}, None
         zero, hidden = relax.const(0.0, "float32"), relax.const(fill, "float32")
@@ -511,6 +512,10 @@ class _Match:
                 return {}
         return rule or {}
 
+    def _per_key(self, leaf: DFPattern) -> relax.Expr | None:
+        """The matched mask without its broadcast along the queries, where it does not vary by query."""
+        return key_masks.per_key(self.bb, self.m[leaf], self.r.values, self.r.visit_expr)
+
     def _where_keep(self, bias: relax.Expr) -> tuple[relax.Expr | None, float]:
         """(keep, fill) of an additive mask written where(keep, 0, fill), fill hiding a key; else (None, 0)."""
         value = self.r.values.get(bias, bias)
@@ -533,13 +538,19 @@ class _Match:
         if found is None:
             return None
         finite = fill != -np.inf
-        if finite and (self.p.root is self.p.weights or "window" in found.rule):
+        if finite and found.rule and (self.p.root is self.p.weights or "window" in found.rule):
             return None
         mask = functools.reduce(lambda a, b: self.bb.emit(relax.op.logical_and(a, b)),
-                                [self.r.visit_expr(term) for term in found.keys])
+                                [self._per_key_term(term) for term in found.keys])
+        if finite and not found.rule:  # the fill added as the model adds it: a row of no key averages them all
+            zero, hidden = relax.const(0.0, "float32"), relax.const(fill, "float32")
+            return Mask(self.bb.emit(relax.op.where(mask, zero, hidden)), "additive"), {}, None
         if finite:
             self.empty_rows = (mask, found.rule)
         return Mask(mask, "bool"), found.rule, None
+
+    def _per_key_term(self, term: relax.Expr) -> relax.Expr:
+        return _either(key_masks.per_key(self.bb, term, self.r.values, self.r.visit_expr), self.r.visit_expr(term))
 
     def _scores_shape(self) -> tuple[int | None, ...]:
         return tuple(int(d.value) if isinstance(d, tirx.IntImm) else None
@@ -593,6 +604,10 @@ class _Match:
 
 class _NoMatch(Exception):
     """The chain matched the pattern but is not provably what the kernel computes."""
+
+
+def _either(expr: relax.Expr | None, otherwise: relax.Expr) -> relax.Expr:
+    return otherwise if expr is None else expr
 
 
 def _scalar(const: tvm.ir.GenericConst) -> float:
