@@ -238,9 +238,9 @@ def test_injective_symbolic_length(n):
     assert check([x, y], data * 2.0 + 1.0, data, tol=0)[0] == "injective"
 
 
-@pytest.mark.parametrize("mean, rule", [(False, "fallback"), (True, "reduction")])
+@pytest.mark.parametrize("mean, rule", [(False, "reduce"), (True, "reduction")])
 def test_row_sum_and_mean(mean, rule):
-    """The reduction rule wants an elementwise last block (the mean's division); a bare sum is the fallback's."""
+    """The reduction rule wants an elementwise last block (the mean's division); a bare sum is `reduce`'s."""
     x = te.placeholder((tirx.Var("m", "int64"), i64(100)), name="x")  # (m, 100) → (m,)
     r = te.reduce_axis((i64(0), i64(100)), name="k")
     s = te.compute((x.shape[0],), lambda i: te.sum(x[i, r], axis=r), name="row_sum")
@@ -248,6 +248,23 @@ def test_row_sum_and_mean(mean, rule):
         s = te.compute(s.shape, lambda i: s[i] / 100.0, name="row_mean")
     data = randn(np.random.default_rng(7), 50, 100)
     assert check([x, s], data.astype(np.float64).sum(1) / (100 if mean else 1), data)[0] == rule
+
+
+def test_min_over_a_stacked_axis():
+    """T5's relative position buckets: min over a leading axis of size 2 (a stack), spatial axes after."""
+    x = te.placeholder((i64(2), tirx.Var("m", "int64"), i64(37)), name="x")
+    r = te.reduce_axis((i64(0), i64(2)), name="k")
+    s = te.compute(x.shape[1:], lambda i, j: te.min(x[r, i, j], axis=r), name="stack_min")
+    data = randn(np.random.default_rng(8), 2, 9, 37)
+    assert check([x, s], data.astype(np.float64).min(0), data, tol=0)[0] == "reduce"
+
+
+def test_cumsum_keeps_tvms_parallel_scan():
+    """cumsum (RoBERTa's and OPT's positions from the attention mask), as TOPI writes it: kept."""
+    x = te.placeholder((tirx.Var("b", "int64"), i64(40)), name="x")
+    func = te.create_prim_func([x, topi.cumsum(x, axis=1)])
+    rule = next(name for name, r in RULES if r.apply(func, CPU, False) is not None)
+    assert rule == "scan"
 
 
 @pytest.mark.parametrize("rows", [(1, 1), (3, 5), "symbolic"])

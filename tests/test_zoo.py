@@ -71,6 +71,14 @@ def test_zoo_model_attention_on_kernels(name):
     assert report.softmaxes_on_kernels == len(report.softmaxes) and not report.left_to_tvm, str(report)
 
 
+@pytest.mark.parametrize("name", _cases(NOT_IMPORTED))
+def test_zoo_model_has_nothing_on_the_fallback_rule(name):
+    """Every function of the import is a rule's own (GEMMs, convolutions, norms, elementwise chains,
+    transpositions): none left to the fallback's parallel loops."""
+    rules = _imported(name).report.rule_of
+    assert rules and "fallback" not in rules.values(), sorted(f for f, r in rules.items() if r == "fallback")
+
+
 def test_zoo_catalogue_spans_the_families():
     """What the benchmark promises: ≥ 15 families, ≥ 3 exporters, every kind, widths over 128–1024."""
     models = zoo.MODELS

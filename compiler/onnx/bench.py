@@ -33,7 +33,7 @@ from tvmattn.compiler.target import cpu_cores
 ROUNDS = 20  # turns of a few runs each: the implementations alternate closely
 PAUSE_S = 0.01  # before each turn: OpenVINO's TBB workers spin a few ms after a run
 CLASSES = ("attention", "matmul", "norm", "elementwise", "other")
-RULE_CLASS = {"matmul": "matmul", "gemv": "matmul", "dlight-gemv": "matmul", "reduction": "norm",
+RULE_CLASS = {"matmul": "matmul", "gemv": "matmul", "dlight-gemv": "matmul", "reduction": "norm", "reduce": "norm",
               "injective": "elementwise"}
 PEER_NAMES = {"onnxruntime": "ONNX Runtime", "openvino": "OpenVINO"}
 

@@ -11,6 +11,9 @@ gives every function not scheduled yet (tvmattn's attention kernels are) the fir
     dlight-gemv TVM dlight's CPU GEMV: the reduction runs along contiguous memory
     reduction   row reductions (LayerNorm, RMSNorm, softmax) with their neighbours: parallel rows, vector lanes
     injective   elementwise, broadcasts, transposes, gathers, concat: inlined, parallel, vectorised
+    reduce      any other reduction (an integer mask's row sums, a min over a stacked axis): parallel over
+                its output, producers inlined
+    scan        TVM's own loops (cumsum's scan), already parallel over rows: kept as written
     fallback    whatever is left: parallel over each block's outermost spatial loop
 
 CUDA models take TVM's dlight GPU rules (Relax's CUDA pipeline applies them).
@@ -28,12 +31,12 @@ from tvm.target import Target
 from tvmattn.compiler.passes import polynomial_math
 from tvmattn.compiler.work import TirWork, tir_work
 from tvmattn.schedules.ops.conv import conv_as_gemm
-from tvmattn.schedules.ops.fallback import Fallback
+from tvmattn.schedules.ops.fallback import Fallback, Scan
 from tvmattn.schedules.ops.gemv import Gemv
 from tvmattn.schedules.ops.injective import Injective
 from tvmattn.schedules.ops.matmul import CONSTANT_PARAMS, Matmul, pack
 from tvmattn.schedules.ops.powers import small_powers
-from tvmattn.schedules.ops.reduction import RowReduction
+from tvmattn.schedules.ops.reduction import Reduce, RowReduction
 from tvmattn.schedules.ops.sizes import named_sizes
 
 RULES: tuple[tuple[str, dlight.ScheduleRule], ...] = (
@@ -42,6 +45,8 @@ RULES: tuple[tuple[str, dlight.ScheduleRule], ...] = (
     ("dlight-gemv", dlight.cpu.GEMV()),
     ("reduction", RowReduction()),
     ("injective", Injective()),
+    ("reduce", Reduce()),
+    ("scan", Scan()),
     ("fallback", Fallback()),
 )
 

@@ -129,3 +129,33 @@ def _work(info) -> int:
             return PARALLEL_GRAIN
         total *= _static(it.dom)
     return total
+
+
+class Reduce(ScheduleRule):
+    """Any reduction `RowReduction` leaves (a sum of an integer mask per row, the min over a stacked
+    axis): its producers inlined, parallel over its output's elements, the reduction inside each."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> Schedule | None:
+        if target.kind.name != "llvm":
+            return None
+        sch = Schedule(func)
+        infos = normalize_prim_func(sch)
+        if not infos or infos[-1].is_injective() or any(not i.is_injective() for i in infos[:-1]):
+            return None
+        for info in infos[:-1]:
+            try:
+                sch.compute_inline(info.block_rv)
+            except Exception:  # s_tir.ScheduleError: not inlinable, so not this rule's
+                return None
+        block = infos[-1].block_rv
+        kinds = [iv.iter_type for iv in sch.get(block).iter_vars]
+        loops = sch.get_loops(block)
+        spatial = [lp for lp, k in zip(loops, kinds) if k == tirx.IterVar.DataPar]
+        reduce = [lp for lp, k in zip(loops, kinds) if k != tirx.IterVar.DataPar]
+        if not spatial:
+            return sch
+        sch.reorder(*spatial, *reduce)
+        row = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
+        if _work(infos[-1]) >= PARALLEL_GRAIN:
+            sch.parallel(row)
+        return sch
