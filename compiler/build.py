@@ -25,6 +25,7 @@ from tvmattn.compiler.te_attention import attention_te
 from tvmattn.compiler.tuning.lookup import tuned_schedule
 from tvmattn.schedules import x86_amx, x86_bf16
 from tvmattn.schedules.ops import BEFORE_LEGALIZE, ScheduleFunctions
+from tvmattn.schedules.ops.precision import matmuls_in
 
 
 def compile(spec: AttentionSpec, target: Any = "cpu", *, arch: str | None = None,
@@ -128,12 +129,14 @@ def _producers_unfused(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     return mod
 
 
-def compile_model(mod: tvm.IRModule, target: Target) -> tuple[tvm.runtime.Executable, ScheduleFunctions | None]:
+def compile_model(mod: tvm.IRModule, target: Target,
+                  dtype: str | None = None) -> tuple[tvm.runtime.Executable, ScheduleFunctions | None]:
     """A Relax module (an imported model) compiled for ``target``, and on the CPU what scheduled its
     PrimFuncs (``rule_of``: function name → rule; ``tuned_functions``: those built from a tuning
     record; ``work``: their FLOPs as a function of their shapes). CPU: Relax's CPU pipeline with
     `schedules.ops` after operator fusion (TVM's schedules none); CUDA: Relax's, which applies dlight's
-    GPU rules."""
+    GPU rules. ``dtype`` ("bfloat16", "float16"): the constant-weight matmuls in that precision
+    (`schedules.ops.precision`)."""
     if is_cpu(target):
         from tvm.relax.backend.cpu_generic import pipeline as backend
 
@@ -150,7 +153,7 @@ def compile_model(mod: tvm.IRModule, target: Target) -> tuple[tvm.runtime.Execut
     def pipeline(m: tvm.IRModule, _ctx) -> tvm.IRModule:
         with target:
             return tvm.transform.Sequential(
-                until_scheduling(target) + after_fusion
+                until_scheduling(target, dtype) + after_fusion
                 + backend.dataflow_lower_passes(target) + backend.finalize_passes(target))(m)
 
     if not is_cpu(target):
@@ -159,10 +162,11 @@ def compile_model(mod: tvm.IRModule, target: Target) -> tuple[tvm.runtime.Execut
     return executable, scheduler
 
 
-def until_scheduling(target: Target) -> list[tvm.transform.Pass]:
+def until_scheduling(target: Target, dtype: str | None = None) -> list[tvm.transform.Pass]:
     """Relax's passes up to the fused PrimFuncs the schedule rules take. CPU: convolutions and x**2
-    rewritten first (`schedules.ops.BEFORE_LEGALIZE`), and a reshape kept a view (legalised, one of a
-    symbolic flattening was a copy). Both keep symbolic-size producers unfused (`_producers_unfused`)."""
+    rewritten first (`schedules.ops.BEFORE_LEGALIZE`), then the matmuls in ``dtype`` where given, and
+    a reshape kept a view (legalised, one of a symbolic flattening was a copy). Both keep symbolic-size
+    producers unfused (`_producers_unfused`)."""
     if is_cpu(target):
         from tvm.relax.backend.cpu_generic import pipeline as backend
     else:
@@ -173,7 +177,10 @@ def until_scheduling(target: Target) -> list[tvm.transform.Pass]:
                     for p in legalize]
     fuse = [p.info.name for p in legalize].index("FuseOps")
     legalize = legalize[:fuse] + [_producers_unfused] + legalize[fuse:]
-    return backend.library_dispatch_passes(target) + (list(BEFORE_LEGALIZE) if is_cpu(target) else []) + legalize
+    rewrites = list(BEFORE_LEGALIZE) if is_cpu(target) else []
+    if dtype is not None:
+        rewrites.append(matmuls_in(dtype))
+    return backend.library_dispatch_passes(target) + rewrites + legalize
 
 
 def build_module(mod: tvm.IRModule, spec: AttentionSpec, target: Target,

@@ -174,7 +174,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     from tvmattn.compiler.onnx.importer import import_onnx
 
     model = load(args.model)
-    imported = import_onnx(model, args.target, arch=args.arch, shapes=parse_shapes(args.shape))
+    imported = import_onnx(model, args.target, arch=args.arch, shapes=parse_shapes(args.shape), dtype=args.dtype)
     print(imported.report)
     if args.output:
         out = Path(args.output)
@@ -322,7 +322,7 @@ def _bench_model(args: argparse.Namespace) -> int:
     from tvmattn.compiler.onnx.importer import import_onnx
 
     model = load(args.model)
-    imported = import_onnx(model, args.target, arch=args.arch, shapes=parse_shapes(args.shape))
+    imported = import_onnx(model, args.target, arch=args.arch, shapes=parse_shapes(args.shape), dtype=args.dtype)
     print(imported.report, flush=True)
     feed = random_feed(imported.inputs, parse_sizes(args.at), args.seed)
     print(bench_model(model, imported, feed, args.budget, Path(args.model).name).table())
@@ -404,6 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--at", action="append", help="sizes of named dimensions for --check, e.g. --at seq=128 (default 4)")
     p.add_argument("--shape", action="append", help="bind an input's dimensions (sizes or names), e.g. "
                    "--shape input_ids=1xn (repeatable)")
+    p.add_argument("--dtype", help="bf16 | fp16: the matmuls by the model's weights in that precision "
+                   "(fp32 accumulation; inputs and outputs keep the model's dtypes)")
     p.set_defaults(run=cmd_import)
 
     p = sub.add_parser("export-onnx", help="write the attention layer as a standard ONNX model with its weights")

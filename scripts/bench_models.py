@@ -30,7 +30,7 @@ from tvmattn.compiler.target import cpu_cores  # noqa: E402
 from tvmattn.compiler.tuning.model import tune_model  # noqa: E402
 from tvmattn.models import zoo  # noqa: E402
 
-FLAG = 1e-3  # an error relative to the output's scale above this is flagged in the table
+FLAG = {None: 1e-3, "bf16": 5e-2, "bfloat16": 5e-2, "fp16": 1e-2, "float16": 1e-2}  # error flagged above, per dtype
 FIXED_SIZE = (zoo.VISION, zoo.AUDIO)  # kinds whose n is the model's own (image side, audio length)
 HEADER = ["model", "family", "exporter", "shape", "tvmattn ms", "ORT ms", "× ORT", "OpenVINO ms", "× OV", "error",
           "import s", "softmax on kernels", *CLASSES]
@@ -58,6 +58,8 @@ class Row:
     ov_note: str = ""
     failure: str = ""  # what failed (export, import, run), with the error's first line
     tuned_ms: float | None = None
+    fp32_ms: float | None = None  # the fp32 import, where the row runs in 16 bits (``--dtype``)
+    dtype: str | None = None
 
     def speedup(self, peer_ms: float | None, ours: float | None = None) -> float | None:
         ours = ours or self.tvmattn_ms
@@ -67,11 +69,13 @@ class Row:
         cells = [self.model, self.family, self.exporter, self.shape]
         if self.failure:
             return "| " + " | ".join(cells + [f"**{self.failure}**"] + [""] * (len(HEADER) - 5 + 2 * tuned)) + " |"
-        error = "—" if self.error is None else f"{self.error:.1e}" + (" ⚠" if self.error > FLAG else "")
+        error = "—" if self.error is None else f"{self.error:.1e}" + (" ⚠" if self.error > FLAG[self.dtype] else "")
         total = sum(self.by_class.values()) or 1.0
         cells += [_num(self.tvmattn_ms), _num(self.ort_ms), _num(self.speedup(self.ort_ms)), _num(self.ov_ms),
                   _num(self.speedup(self.ov_ms)), error, _num(self.import_s, 1), self.on_kernels]
         cells += [f"{100 * self.by_class.get(c, 0) / total:.0f} %" for c in CLASSES]
+        if self.fp32_ms is not None:
+            cells += [_num(self.fp32_ms), _num(self.speedup(self.fp32_ms))]
         if tuned:
             cells += [_num(self.tuned_ms), _num(self.speedup(self.ort_ms, self.tuned_ms))]
         return "| " + " | ".join(cells) + " |"
@@ -93,8 +97,9 @@ def shapes_of(m: zoo.ZooModel, choice: str) -> tuple[tuple[int, int], ...]:
     return tuple(tuple(int(x) for x in s.split("x")) for s in choice.split(","))
 
 
-def bench_one(m: zoo.ZooModel, shapes: tuple[tuple[int, int], ...], budget: float, tune: int | None) -> list[Row]:
-    rows = [Row(m.name, m.family, m.exporter, m.kind, m.width, m.describe(s), *s) for s in shapes]
+def bench_one(m: zoo.ZooModel, shapes: tuple[tuple[int, int], ...], budget: float, tune: int | None,
+              dtype: str | None = None) -> list[Row]:
+    rows = [Row(m.name, m.family, m.exporter, m.kind, m.width, m.describe(s), *s, dtype=dtype) for s in shapes]
 
     def fail(stage: str, err: Exception, which: list[Row] = rows) -> list[Row]:
         for r in which:
@@ -108,7 +113,8 @@ def bench_one(m: zoo.ZooModel, shapes: tuple[tuple[int, int], ...], budget: floa
         return fail("export", err)
     export_s = None if cached else time.perf_counter() - start
     try:
-        imported = import_onnx(proto, "cpu")
+        imported = import_onnx(proto, "cpu", dtype=dtype)
+        baseline = import_onnx(proto, "cpu") if dtype else None
     except Exception as err:
         return fail("import", err)
     report = imported.report
@@ -126,8 +132,9 @@ def bench_one(m: zoo.ZooModel, shapes: tuple[tuple[int, int], ...], budget: floa
             r.error = max(c.max_rel for c in checks)
         except Exception:  # ONNX Runtime cannot run it: its note in the timing says why
             pass
-        b = bench_model(proto, imported, feed, budget, m.name)
+        b = bench_model(proto, imported, feed, budget, m.name, baseline)
         r.tvmattn_ms, r.ort_ms, r.ov_ms, r.by_class = b.tvmattn_ms, b.ort_ms, b.ov_ms, b.by_class
+        r.fp32_ms = b.baseline_ms
         r.ort_note, r.ov_note = b.ort_note, b.ov_note
     if tune:
         _tuned(m, proto, rows, budget, tune)
@@ -157,7 +164,8 @@ def geomeans(rows: list[Row]) -> dict[str, dict[str, float | int | None]]:
         chosen = [r for r in rows if kind in ("all", r.kind) and not r.failure]
         if chosen:
             out[kind] = {"rows": len(chosen), "x_ort": _geomean([r.speedup(r.ort_ms) for r in chosen]),
-                         "x_ov": _geomean([r.speedup(r.ov_ms) for r in chosen])}
+                         "x_ov": _geomean([r.speedup(r.ov_ms) for r in chosen]),
+                         "x_fp32": _geomean([r.speedup(r.fp32_ms) for r in chosen])}
     return out
 
 
@@ -173,20 +181,22 @@ def main() -> None:
     p.add_argument("--shapes", default="all", help="all, first, or (batch)x(n) pairs: 2x128,1x512")
     p.add_argument("--json", help="write every row's numbers to this JSON file")
     p.add_argument("--tune", type=int, metavar="TRIALS", help="also tune each model and bench it from its records")
+    p.add_argument("--dtype", help="bf16 | fp16: import each model with its matmuls in that precision (OpenVINO "
+                   "at the same precision; tvmattn's fp32 import in the same rounds)")
     args = p.parse_args()
     models = zoo.select(args.models)
-    tuned = ["tuned ms", "tuned × ORT"] if args.tune else []
-    print("| " + " | ".join(HEADER + tuned) + " |")
-    print("|" + "---|" * (len(HEADER) + len(tuned)), flush=True)
+    extra = (["tvmattn fp32 ms", "× fp32"] if args.dtype else []) + (["tuned ms", "tuned × ORT"] if args.tune else [])
+    print("| " + " | ".join(HEADER + extra) + " |")
+    print("|" + "---|" * (len(HEADER) + len(extra)), flush=True)
     rows: list[Row] = []
     for m in models:
-        for r in bench_one(m, shapes_of(m, args.shapes), args.budget, args.tune):
+        for r in bench_one(m, shapes_of(m, args.shapes), args.budget, args.tune, args.dtype):
             print(r.markdown(bool(args.tune)), flush=True)
             rows.append(r)
     means = geomeans(rows)
-    print("\n| kinds | rows | × ORT (geomean) | × OV (geomean) |\n|---|---|---|---|")
+    print("\n| kinds | rows | × ORT (geomean) | × OV (geomean) | × our fp32 (geomean) |\n|---|---|---|---|---|")
     for kind, g in means.items():
-        print(f"| {kind} | {g['rows']} | {_num(g['x_ort'])} | {_num(g['x_ov'])} |")
+        print(f"| {kind} | {g['rows']} | {_num(g['x_ort'])} | {_num(g['x_ov'])} | {_num(g['x_fp32'])} |")
     print()
     peers = [(r, name, ms, note) for r in rows if not r.failure
              for name, ms, note in (("ONNX Runtime", r.ort_ms, r.ort_note), ("OpenVINO", r.ov_ms, r.ov_note))]

@@ -14,6 +14,7 @@ took it (`schedules.ops`): matmul (matmul, gemv), norm (reduction), elementwise 
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections import defaultdict
@@ -33,8 +34,9 @@ from tvmattn.compiler.target import cpu_cores
 ROUNDS = 20  # turns of a few runs each: the implementations alternate closely
 PAUSE_S = 0.01  # before each turn: OpenVINO's TBB workers spin a few ms after a run
 CLASSES = ("attention", "matmul", "norm", "elementwise", "other")
-RULE_CLASS = {"matmul": "matmul", "gemv": "matmul", "dlight-gemv": "matmul", "reduction": "norm", "reduce": "norm",
-              "injective": "elementwise"}
+RULE_CLASS = {"matmul": "matmul", "matmul-bf16": "matmul", "gemv": "matmul", "dlight-gemv": "matmul",
+              "reduction": "norm", "reduce": "norm", "injective": "elementwise"}
+OV_PRECISION = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # tvmattn's matmuls → OpenVINO's hint
 PEER_NAMES = {"onnxruntime": "ONNX Runtime", "openvino": "OpenVINO"}
 
 
@@ -48,6 +50,7 @@ class ModelBench:
     by_class: dict[str, float] = field(default_factory=dict)  # ms of one run per class (instrumented run)
     ov_ms: float | None = None
     ov_note: str = ""
+    baseline_ms: float | None = None  # the model imported in fp32, where ``tvmattn`` ran it in 16 bits
 
     def ratio(self, peer_ms: float | None) -> float | None:
         """The peer's time over tvmattn's (above 1: tvmattn is faster)."""
@@ -58,6 +61,9 @@ class ModelBench:
         peers = [("onnxruntime", self.ort_ms, self.ort_note), ("openvino", self.ov_ms, self.ov_note)]
         ratios = ", ".join(f"{self.ratio(ms):.2f}× {PEER_NAMES[name]}" for name, ms, _ in peers if ms)
         lines.append(f"  tvmattn       {self.tvmattn_ms:9.2f} ms" + (f"  → tvmattn {ratios}" if ratios else ""))
+        if self.baseline_ms:
+            lines.append(f"  tvmattn fp32  {self.baseline_ms:9.2f} ms  ({self.baseline_ms / self.tvmattn_ms:.2f}× "
+                         f"in 16 bits)")
         lines += [f"  {name:<13} {ms:9.2f} ms  ({note})" if ms else f"  {name:<13} not run: {note}"
                   for name, ms, note in peers]
         total = sum(self.by_class.values()) or 1.0
@@ -67,20 +73,24 @@ class ModelBench:
 
 
 def bench_model(model: onnx.ModelProto, imported: ImportedModel, feed: dict[str, np.ndarray],
-                budget_s: float = 2.0, name: str = "model") -> ModelBench:
-    """Time ``imported``, ONNX Runtime and OpenVINO on ``feed`` in interleaved rounds for about
-    ``budget_s`` each."""
+                budget_s: float = 2.0, name: str = "model", baseline: ImportedModel | None = None) -> ModelBench:
+    """Time ``imported``, ONNX Runtime and OpenVINO (at the precision of ``imported``'s matmuls) on
+    ``feed`` in interleaved rounds for about ``budget_s`` each; and ``baseline`` (the same model
+    imported in fp32) where given."""
     shapes = ", ".join(f"{k} {'×'.join(map(str, v.shape))}" for k, v in feed.items())
     runs = {"tvmattn": lambda: imported.run(feed)}
+    if baseline is not None:
+        runs["tvmattn fp32"] = lambda: baseline.run(feed)
     notes = {}
-    for peer, make in (("onnxruntime", _ort_run), ("openvino", _openvino_run)):
+    precision = OV_PRECISION.get(imported.report.dtype or "float32", "f32")  # OpenVINO's for the same matmuls
+    for peer, make in (("onnxruntime", _ort_run), ("openvino", functools.partial(_openvino_run, precision=precision))):
         run, notes[peer] = _try_peer(make, model, feed)
         if run is not None:
             runs[peer] = run
     times = interleaved(runs, budget_s, rounds=ROUNDS, pause_s=PAUSE_S)
     ms = {peer: statistics.median(t) * 1e3 for peer, t in times.items()}
     return ModelBench(name, shapes, ms["tvmattn"], ms.get("onnxruntime"), notes["onnxruntime"],
-                      by_class(imported, feed), ms.get("openvino"), notes["openvino"])
+                      by_class(imported, feed), ms.get("openvino"), notes["openvino"], ms.get("tvmattn fp32"))
 
 
 def _try_peer(make: Callable, model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> tuple[Callable | None, str]:
@@ -106,16 +116,18 @@ def _ort_run(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> tuple[Calla
     return (lambda: session.run(None, feed)), f"onnxruntime {ort.__version__}, default graph optimisations"
 
 
-def _openvino_run(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> tuple[Callable, str]:
+def _openvino_run(model: onnx.ModelProto, feed: dict[str, np.ndarray], precision: str = "f32") -> tuple[Callable, str]:
     import openvino as ov
 
     core = ov.Core()
     ov_model = core.read_model(model.SerializeToString())
     ov_model.reshape({name: list(a.shape) for name, a in feed.items()})
     compiled = core.compile_model(ov_model, "CPU", {"INFERENCE_NUM_THREADS": cpu_cores(), "PERFORMANCE_HINT": "LATENCY",
-                                                    "INFERENCE_PRECISION_HINT": "f32"})
+                                                    "INFERENCE_PRECISION_HINT": precision})
     request = compiled.create_infer_request()
-    note = f"openvino {ov.__version__.split('-')[0]}, f32 inference precision, compiled at these shapes"
+    hint = compiled.get_property("INFERENCE_PRECISION_HINT")  # what the CPU plugin took (f32 without bf16)
+    actual = hint.get_type_name() if hasattr(hint, "get_type_name") else str(hint)
+    note = f"openvino {ov.__version__.split('-')[0]}, {actual} inference precision, compiled at these shapes"
     return (lambda: request.infer(feed, share_inputs=True)), note
 
 

@@ -46,6 +46,7 @@ from tvmattn.compiler.onnx.shape_ops import (
     state_shape,
     tighten_shapes,
 )
+from tvmattn.compiler.spec import DTYPES
 from tvmattn.compiler.target import is_cpu, resolve_target
 from tvmattn.compiler.work import AttentionWork
 
@@ -82,6 +83,7 @@ class ImportReport:
     rule_of: dict[str, str] = field(default_factory=dict)  # the other functions: name → the schedule rule it took
     tuned: list[str] = field(default_factory=list)  # those built from a tuning record (`tvmattn tune model.onnx`)
     work: dict[str, Any] = field(default_factory=dict, repr=False)  # function → its FLOPs by shape (`compiler.work`)
+    dtype: str | None = None  # the matmuls' precision where the import was asked for one (`import_onnx(dtype=…)`)
 
     @property
     def scheduled(self) -> dict[str, int]:
@@ -94,7 +96,8 @@ class ImportReport:
 
     def __str__(self) -> str:
         lines = [f"{self.model}: {len(self.replacements)} attention(s) on tvmattn kernels, target {self.target}, "
-                 f"imported and compiled in {self.seconds:.2f} s"]
+                 f"imported and compiled in {self.seconds:.2f} s"
+                 + (f"; matmuls by the weights in {self.dtype}, accumulated in float32" if self.dtype else "")]
         lines += [f"  {i}. {r.line()}" for i, r in enumerate(self.replacements, 1)]
         if self.softmaxes:
             lines.append(f"  {self.softmaxes_on_kernels} of {len(self.softmaxes)} Softmax node(s) on tvmattn kernels:")
@@ -218,28 +221,34 @@ class ImportedModel:
 
 
 def import_onnx(model: Any, target: Any = "cpu", *, arch: str | None = None,
-                shapes: Mapping[str, Sequence[int | str]] | None = None) -> ImportedModel:
+                shapes: Mapping[str, Sequence[int | str]] | None = None, dtype: str | None = None) -> ImportedModel:
     """Import an ONNX model (a path, bytes or ModelProto), compile it for ``target``, attention on tvmattn.
 
     ``shapes`` binds graph inputs' dimensions (input name → sizes or names, e.g. ``{"input_ids": (1, "n")}``):
     a size makes it static, a name keeps it symbolic. Dimensions the model leaves dynamic stay symbolic.
+    ``dtype`` ("bfloat16" or "float16"): matrix products by the model's weights in that precision,
+    accumulated in fp32 (`schedules.ops.precision`); inputs and outputs keep the model's dtypes.
     """
+    if dtype is not None and dtype not in DTYPES:
+        raise TvmAttnError(f"dtype={dtype!r}: use 'bfloat16' or 'float16' (or None: the model's own)")
+    precision = None if dtype is None or DTYPES[dtype] == "float32" else DTYPES[dtype]
     try:
         with tvm_logs_to_logging():
-            return _import(model, target, arch, shapes or {})
+            return _import(model, target, arch, shapes or {}, precision)
     except UnicodeDecodeError:  # protobuf decodes string fields when they are first read
         raise TvmAttnError("the ONNX model is corrupt: one of its names or string attributes is not valid "
                            "UTF-8; re-export it") from None
 
 
-def _import(model: Any, target: Any, arch: str | None, shapes: Mapping[str, Sequence[int | str]]) -> ImportedModel:
+def _import(model: Any, target: Any, arch: str | None, shapes: Mapping[str, Sequence[int | str]],
+            dtype: str | None = None) -> ImportedModel:
     start = time.perf_counter()
     tgt = resolve_target(target, arch)
     c = _convert(model, tgt, shapes)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            executable, scheduler = compile_model(c.mod, tgt)
+            executable, scheduler = compile_model(c.mod, tgt, dtype)
         except Exception as err:
             raise TvmAttnError(f"TVM could not compile the imported model for {tgt.kind.name}: "
                                f"{tvm_reason(err)}") from err
@@ -249,7 +258,7 @@ def _import(model: Any, target: Any, arch: str | None, shapes: Mapping[str, Sequ
                           time.perf_counter() - start,
                           _softmax_fates(c.softmax_nodes, c.kernels.replacements, remaining, c.reasons),
                           scheduler.rule_of if scheduler else {}, scheduler.tuned_functions if scheduler else [],
-                          (scheduler.work if scheduler else {}) | work)
+                          (scheduler.work if scheduler else {}) | work, dtype)
     return ImportedModel(tgt, executable, _graph_inputs(c.proto), [o.name for o in c.proto.graph.output], report)
 
 

@@ -6,6 +6,7 @@ TVM's stock CPU pipeline leaves these functions unscheduled: single-threaded sca
 legalisation and operator fusion (a MatMul with its bias and GELU is one function), `ScheduleFunctions`
 gives every function not scheduled yet (tvmattn's attention kernels are) the first rule that applies:
 
+    matmul-bf16 a bf16 GEMM (``import_onnx(dtype="bfloat16")``) on the bf16 dot products, in the same tiles
     matmul      a fused GEMM / batch GEMM: the attention layer's register-tiled micro-kernel (`cpu.gemm`)
     gemv        the same with one row (a decode step): column tiles of vectors (`cpu.gemv`)
     dlight-gemv TVM dlight's CPU GEMV: the reduction runs along contiguous memory
@@ -35,11 +36,13 @@ from tvmattn.schedules.ops.fallback import Fallback, Scan
 from tvmattn.schedules.ops.gemv import Gemv
 from tvmattn.schedules.ops.injective import Injective
 from tvmattn.schedules.ops.matmul import CONSTANT_PARAMS, Matmul, pack
+from tvmattn.schedules.ops.matmul_bf16 import MatmulPairs
 from tvmattn.schedules.ops.powers import small_powers
 from tvmattn.schedules.ops.reduction import Reduce, RowReduction
 from tvmattn.schedules.ops.sizes import named_sizes
 
 RULES: tuple[tuple[str, dlight.ScheduleRule], ...] = (
+    ("matmul-bf16", MatmulPairs()),
     ("matmul", Matmul()),
     ("gemv", Gemv()),
     ("dlight-gemv", dlight.cpu.GEMV()),

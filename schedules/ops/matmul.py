@@ -33,7 +33,10 @@ CONSTANT_PARAMS = "tvmattn.constant_params"  # function attribute: the parameter
 
 def pack(w: np.ndarray, shape: list[int]) -> np.ndarray:
     """A weight (c, m) in the micro-kernel's layout (m // width, c, m % width), zero-padded to whole
-    column tiles: each register tile then streams one contiguous panel."""
+    column tiles: each register tile then streams one contiguous panel; or, bf16 for the dot
+    products (`matmul_bf16`), in pairs of its rows (c / 2, m, 2)."""
+    if shape[-1] == 2 and shape[0] * 2 == w.shape[0] and shape[1] == w.shape[1]:
+        return np.ascontiguousarray(w.reshape(shape[0], 2, w.shape[1]).transpose(0, 2, 1))
     tiles, c, width = shape
     padded = np.zeros((c, tiles * width), w.dtype)
     padded[:, :w.shape[1]] = w

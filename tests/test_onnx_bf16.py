@@ -1,0 +1,138 @@
+"""Whole imported models in 16 bits: ``import_onnx(model, dtype="bfloat16" | "float16")`` (its matmuls by
+the weights in that precision, fp32 accumulation, the rest fp32: `schedules.ops.precision`), the bf16
+GEMM on the bf16 dot products (`schedules.ops.matmul_bf16`), and graphs exported in fp16 or bf16.
+
+References: float64 NumPy for one GEMM; ONNX Runtime in fp32 for whole models, at the dtype's
+tolerance on max|out − ref| / max|ref| (bf16 5e-2, fp16 1e-2: `compiler.verify`'s)."""
+
+from __future__ import annotations
+
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tvm
+from onnx_testing import ort_run
+from tvm import te, tirx
+
+import tvmattn
+from tvmattn.compiler import build
+from tvmattn.compiler.kernel import host_tensor
+from tvmattn.compiler.passes import polynomial_math
+from tvmattn.compiler.target import resolve_target
+from tvmattn.compiler.verify import TOLERANCE, errors
+from tvmattn.models import zoo
+from tvmattn.schedules.ops import RULES
+from tvmattn.schedules.ops.matmul import CONSTANT_PARAMS, pack
+from tvmattn.schedules.x86_bf16 import has_bf16_dot
+
+HOST = resolve_target("cpu")
+ZEN4 = resolve_target({"kind": "llvm", "mcpu": "znver4"})  # AVX512-BF16
+ZEN3 = resolve_target({"kind": "llvm", "mcpu": "znver3"})  # AVX2
+
+
+def i64(n: int) -> tirx.IntImm:
+    return tirx.IntImm("int64", n)
+
+
+def bf16_gemm(rows, k: int, n: int) -> tirx.PrimFunc:
+    """y = x · W + 1 with bf16 x and W, fp32 accumulation: a projection as the bf16 import writes it."""
+    x = te.placeholder((rows, i64(k)), "bfloat16", name="x")
+    w = te.placeholder((i64(k), i64(n)), "bfloat16", name="w")
+    r = te.reduce_axis((i64(0), i64(k)), name="c")
+    y = te.compute((rows, i64(n)), lambda i, j: te.sum(x[i, r].astype("float32") * w[r, j].astype("float32"),
+                                                       axis=r), name="matmul")
+    out = te.compute(y.shape, lambda i, j: y[i, j] + 1.0, name="bias")
+    return te.create_prim_func([x, w, out]).with_attr(CONSTANT_PARAMS, [1])
+
+
+def schedule(func: tirx.PrimFunc, target) -> tuple[str, tvm.IRModule]:
+    name, rule, sch = next((n, r, s) for n, r in RULES if (s := r.apply(func, target, False)) is not None)
+    return name, tvm.transform.Sequential([*getattr(rule, "passes", ()), polynomial_math()])(sch.mod)
+
+
+@pytest.mark.parametrize("rows, k, n", [(64, 256, 128), ("symbolic", 96, 64), (130, 64, 48)])
+def test_bf16_gemm_matches_float64(rows, k, n):
+    m = tirx.Var("m", "int64") if rows == "symbolic" else i64(rows)
+    rule, mod = schedule(bf16_gemm(m, k, n), HOST)
+    assert rule == ("matmul-bf16" if has_bf16_dot(HOST) and n % 16 == 0 else "matmul")
+    count = 37 if rows == "symbolic" else rows
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((count, k)).astype(ml_dtypes.bfloat16)
+    w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(ml_dtypes.bfloat16)
+    shape = [int(d) for d in mod["main"].params[1].ty.shape]
+    out = np.zeros((count, n), np.float32)
+    fn = tvm.compile(mod, HOST, tir_pipeline=build.CPU_PIPELINE)["main"]
+    fn(host_tensor(x), host_tensor(np.ascontiguousarray(pack(w, shape) if shape != [k, n] else w)), host_tensor(out))
+    want = x.astype(np.float64) @ w.astype(np.float64) + 1.0  # the bf16 values' exact products
+    assert errors(out, want)[1] <= 1e-5  # fp32 accumulation of exact bf16 products
+
+
+@pytest.mark.parametrize("target, instruction", [(ZEN4, True), (ZEN3, False)])
+def test_bf16_gemm_assembly(target, instruction):
+    """On AVX512-BF16 the GEMM's inner loop is vdpbf16ps; on AVX2 it widens to FMAs (none)."""
+    rule, mod = schedule(bf16_gemm(i64(64), 128, 64), target)
+    assert rule == ("matmul-bf16" if instruction else "matmul")
+    asm = tvm.compile(mod, target, tir_pipeline=build.CPU_PIPELINE).mod.inspect_source("asm")
+    assert bool(re.search(r"vdpbf16ps", asm)) == instruction
+    assert re.search(r"vfmadd\d+ps", asm) or instruction
+
+
+MODELS = ["bert", "falcon-decode", pytest.param("vit-ort", marks=pytest.mark.slow),
+          pytest.param("t5", marks=pytest.mark.slow), pytest.param("qwen3", marks=pytest.mark.slow),
+          pytest.param("whisper-encoder", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_zoo_model_in_16_bits(name, dtype):
+    """The import in 16 bits against ONNX Runtime in fp32, at the dtype's tolerance; inputs and outputs
+    keep the model's dtypes."""
+    m = zoo.get(name)
+    imported = tvmattn.import_onnx(m.export(), dtype=dtype)
+    assert imported.report.dtype == dtype
+    if dtype == "bfloat16" and has_bf16_dot(HOST) and m.kind != zoo.DECODE:  # (a decode step's are GEMVs)
+        assert "matmul-bf16" in imported.report.rule_of.values()
+    feed = m.feed(m.shapes[0])
+    for got, want in zip(imported.run(feed), ort_run(m.export(), feed)):
+        assert got.dtype == want.dtype
+        assert errors(got, want)[1] <= TOLERANCE[dtype], (name, dtype, errors(got, want))
+
+
+def test_bad_dtype_is_one_error():
+    with pytest.raises(tvmattn.TvmAttnError, match="dtype='int8'"):
+        tvmattn.import_onnx(zoo.get("bert").export(), dtype="int8")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_graph_exported_in_16_bits(dtype):
+    """A Llama exported after ``.to(dtype)`` (every tensor 16-bit) imports and runs, against PyTorch in
+    that dtype."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch_dtype = getattr(torch, dtype)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval().to(torch_dtype)
+
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return self.model(input_ids=ids, use_cache=False).logits
+
+    ids = torch.randint(0, 128, (2, 8))
+    with torch.no_grad():
+        program = torch.onnx.export(Logits().eval(), (ids,), dynamo=True, input_names=["input_ids"],
+                                    output_names=["logits"],
+                                    dynamic_shapes=({0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC},))
+        imported = tvmattn.import_onnx(program.model_proto)
+        feed = np.random.default_rng(1).integers(0, 128, (2, 11)).astype(np.int64)
+        want = Logits()(torch.from_numpy(feed)).float().numpy()
+    got = imported.run({"input_ids": feed})[0]
+    assert str(got.dtype) == dtype
+    assert errors(got.astype(np.float32), want)[1] <= TOLERANCE[dtype]
