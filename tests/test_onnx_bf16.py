@@ -92,6 +92,7 @@ def test_zoo_model_in_16_bits(name, dtype):
     m = zoo.get(name)
     imported = tvmattn.import_onnx(m.export(), dtype=dtype)
     assert imported.report.dtype == dtype
+    assert all(r.spec.dtype == dtype for r in imported.report.replacements)  # the attention kernels too
     if dtype == "bfloat16" and has_bf16_dot(HOST) and m.kind != zoo.DECODE:  # (a decode step's are GEMVs)
         assert "matmul-bf16" in imported.report.rule_of.values()
     feed = m.feed(m.shapes[0])

@@ -244,7 +244,7 @@ def _import(model: Any, target: Any, arch: str | None, shapes: Mapping[str, Sequ
             dtype: str | None = None) -> ImportedModel:
     start = time.perf_counter()
     tgt = resolve_target(target, arch)
-    c = _convert(model, tgt, shapes)
+    c = _convert(model, tgt, shapes, dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -277,7 +277,8 @@ class _Converted:
     softmax_nodes: list[str]
 
 
-def _convert(model: Any, tgt: Target, shapes: Mapping[str, Sequence[int | str]]) -> _Converted:
+def _convert(model: Any, tgt: Target, shapes: Mapping[str, Sequence[int | str]],
+             precision: str | None = None) -> _Converted:
     proto = graph.load(model)
     if shapes:
         proto = graph.bind_shapes(proto, shapes)
@@ -290,7 +291,7 @@ def _convert(model: Any, tgt: Target, shapes: Mapping[str, Sequence[int | str]])
     softmax_nodes = [n.name for n in graph.all_nodes(proto.graph)
                      if n.op_type == "Softmax" and n.domain in graph.DEFAULT_DOMAINS]
     proto = graph.fold_static(proto, keep=[(n.domain, n.op_type) for n in proto.graph.node if find(n)])
-    kernels = Kernels(tgt)
+    kernels = Kernels(tgt, precision=precision)
     importer = _Importer(proto, kernels)
     reasons: dict[str, str] = {}
     try:

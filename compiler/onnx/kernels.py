@@ -44,6 +44,7 @@ class Kernels:
     target: Target
     replacements: list[Replacement] = field(default_factory=list)
     _funcs: dict[AttentionSpec, tuple[relax.GlobalVar, str]] = field(default_factory=dict)
+    precision: str | None = None  # fp32 attention computed in this 16-bit dtype (`import_onnx(dtype=…)`)
 
     def call(self, bb: relax.BlockBuilder, spec: AttentionSpec, args: list[relax.Expr], sizes: "Sizes",
              nodes: tuple[str, ...], source: str) -> relax.Var:
@@ -154,6 +155,12 @@ def attend(bb: relax.BlockBuilder, kernels: Kernels, q: relax.Expr, k: relax.Exp
     heads, dtype and mask fields come from the tensors. ``kv_lens`` is an int32 (B,) tensor, ``sinks``
     a float32 (h,) one.
     """
+    if kernels.precision and str(q.ty.dtype) == "float32" and outputs == ("attn",):
+        # the kernel in 16 bits on q, k, v cast where they are produced, its output back in fp32
+        q, k, v = (bb.emit(relax.op.astype(x, kernels.precision)) for x in (q, k, v))
+        out = attend(bb, kernels, q, k, v, layout=layout, nodes=nodes, source=source, mask=mask, kv_lens=kv_lens,
+                     outputs=outputs, **options)
+        return [bb.emit(relax.op.astype(o, "float32")) for o in out]
     sizes = Sizes()
     qs, ks, vs = (shape_of(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     if layout == "BSHD":
