@@ -60,6 +60,7 @@ class Row:
     tuned_ms: float | None = None
     fp32_ms: float | None = None  # the fp32 import, where the row runs in 16 bits (``--dtype``)
     dtype: str | None = None
+    greedy: float | None = None  # a decoder in 16 bits: the share of positions whose argmax token is fp32's
 
     def speedup(self, peer_ms: float | None, ours: float | None = None) -> float | None:
         ours = ours or self.tvmattn_ms
@@ -75,7 +76,8 @@ class Row:
                   _num(self.speedup(self.ov_ms)), error, _num(self.import_s, 1), self.on_kernels]
         cells += [f"{100 * self.by_class.get(c, 0) / total:.0f} %" for c in CLASSES]
         if self.fp32_ms is not None:
-            cells += [_num(self.fp32_ms), _num(self.speedup(self.fp32_ms))]
+            cells += [_num(self.fp32_ms), _num(self.speedup(self.fp32_ms)),
+                      "—" if self.greedy is None else f"{100 * self.greedy:.1f} %"]
         if tuned:
             cells += [_num(self.tuned_ms), _num(self.speedup(self.ort_ms, self.tuned_ms))]
         return "| " + " | ".join(cells) + " |"
@@ -132,6 +134,9 @@ def bench_one(m: zoo.ZooModel, shapes: tuple[tuple[int, int], ...], budget: floa
             r.error = max(c.max_rel for c in checks)
         except Exception:  # ONNX Runtime cannot run it: its note in the timing says why
             pass
+        if baseline is not None and m.kind in (zoo.PREFILL, zoo.DECODE):
+            tokens, reference = imported.run(feed)[0].argmax(-1), baseline.run(feed)[0].argmax(-1)
+            r.greedy = float((tokens == reference).mean())
         b = bench_model(proto, imported, feed, budget, m.name, baseline)
         r.tvmattn_ms, r.ort_ms, r.ov_ms, r.by_class = b.tvmattn_ms, b.ort_ms, b.ov_ms, b.by_class
         r.fp32_ms = b.baseline_ms
@@ -185,7 +190,8 @@ def main() -> None:
                    "at the same precision; tvmattn's fp32 import in the same rounds)")
     args = p.parse_args()
     models = zoo.select(args.models)
-    extra = (["tvmattn fp32 ms", "× fp32"] if args.dtype else []) + (["tuned ms", "tuned × ORT"] if args.tune else [])
+    extra = ((["tvmattn fp32 ms", "× fp32", "greedy = fp32"] if args.dtype else [])
+             + (["tuned ms", "tuned × ORT"] if args.tune else []))
     print("| " + " | ".join(HEADER + extra) + " |")
     print("|" + "---|" * (len(HEADER) + len(extra)), flush=True)
     rows: list[Row] = []
