@@ -79,13 +79,13 @@ def test_bf16_gemm_assembly(target, instruction):
     assert re.search(r"vfmadd\d+ps", asm) or instruction
 
 
-MODELS = ["bert", "falcon-decode", pytest.param("vit-ort", marks=pytest.mark.slow),
-          pytest.param("t5", marks=pytest.mark.slow), pytest.param("qwen3", marks=pytest.mark.slow),
-          pytest.param("whisper-encoder", marks=pytest.mark.slow)]
+QUICK = {("bert", "bfloat16"), ("falcon-decode", "float16")}  # the default run's; -m slow: every pair
+MODELS = [pytest.param(name, dtype, marks=[] if (name, dtype) in QUICK else [pytest.mark.slow])
+          for name in ("bert", "falcon-decode", "vit-ort", "t5", "qwen3", "whisper-encoder")
+          for dtype in ("bfloat16", "float16")]
 
 
-@pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name, dtype", MODELS)
 def test_zoo_model_in_16_bits(name, dtype):
     """The import in 16 bits against ONNX Runtime in fp32, at the dtype's tolerance; inputs and outputs
     keep the model's dtypes."""
@@ -106,7 +106,7 @@ def test_bad_dtype_is_one_error():
         tvmattn.import_onnx(zoo.get("bert").export(), dtype="int8")
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", [pytest.param("float16", marks=pytest.mark.slow), "bfloat16"])
 def test_graph_exported_in_16_bits(dtype):
     """A Llama exported after ``.to(dtype)`` (every tensor 16-bit) imports and runs, against PyTorch in
     that dtype."""
