@@ -37,7 +37,7 @@ from tvmattn.compiler.target import resolve_target, target_key
 from tvmattn.compiler.tuning.lookup import search_dirs, user_dir
 from tvmattn.compiler.tuning.progress import Progress
 from tvmattn.compiler.tuning.records import CONFIRM_ROUNDS, FINALISTS, SUFFIX, Record, append, chosen, read_dirs
-from tvmattn.schedules.ops import RULES, unscheduled
+from tvmattn.schedules.ops import RULES, first_rule, unscheduled
 from tvmattn.schedules.ops.matmul import KNOBS, Matmul
 
 TUNED_RULES = tuple(name for name, rule in RULES if isinstance(rule, Matmul))
@@ -73,10 +73,9 @@ def tasks(model: Any, target: Target, shapes: Mapping[str, Sequence[int | str]] 
         mod = tvm.transform.Sequential(until_scheduling(target))(mod)
     found: dict[str, OpTask] = {}
     for gvar, func in unscheduled(mod):
-        for name, rule in RULES:
-            if name in TUNED_RULES and rule.default_knobs(func, target) is not None:
-                found.setdefault(workload_key(func), OpTask(gvar.name_hint, name, func, workload_key(func)))
-                break
+        chosen = first_rule(func, target)  # the rule the build gives it: a task only where that one is tuned
+        if chosen is not None and chosen[0] in TUNED_RULES and dict(RULES)[chosen[0]].default_knobs(func, target):
+            found.setdefault(workload_key(func), OpTask(gvar.name_hint, chosen[0], func, workload_key(func)))
     return list(found.values())
 
 

@@ -86,30 +86,42 @@ class ScheduleFunctions:
         for gvar, func in unscheduled(mod):
             mod[gvar] = func.without_attr(CONSTANT_PARAMS)  # its sizes named: the packing compares with it
             work[gvar] = tir_work(func)
-            for name, rule in RULES:
-                knobs = self.tuned(func, name) if self.tuned and isinstance(rule, Matmul) else None
-                try:
-                    sch = rule.apply(func, self.target, False, knobs) if knobs else rule.apply(func, self.target, False)
-                except RuntimeError:  # TVM refused a step of the rule (ScheduleError, InternalError): the next rule
-                    continue
-                if sch is not None:
-                    lowering = [*getattr(rule, "passes", ()), polynomial_math()]
-                    scheduled = tvm.transform.Sequential(lowering)(sch.mod)["main"]
-                    scheduled = scheduled.without_attr(CONSTANT_PARAMS).with_attr("tirx.is_scheduled", True)
-                    if _signature(scheduled) == _signature(func):
-                        mod[gvar] = scheduled
-                    else:
-                        packed[gvar] = scheduled
-                    rule_of[gvar] = name
-                    if knobs:
-                        tuned.append(gvar)
-                    break
+            chosen = first_rule(func, self.target, self.tuned)
+            if chosen is None:
+                continue
+            name, sch, knobs = chosen
+            rule = dict(RULES)[name]
+            lowering = [*getattr(rule, "passes", ()), polynomial_math()]
+            scheduled = tvm.transform.Sequential(lowering)(sch.mod)["main"]
+            scheduled = scheduled.without_attr(CONSTANT_PARAMS).with_attr("tirx.is_scheduled", True)
+            if _signature(scheduled) == _signature(func):
+                mod[gvar] = scheduled
+            else:
+                packed[gvar] = scheduled
+            rule_of[gvar] = name
+            if knobs:
+                tuned.append(gvar)
         packer = _PackConstants(mod, packed)
         mod = packer.run()
         self.rule_of = {packer.new.get(g, g).name_hint: name for g, name in rule_of.items()}
         self.tuned_functions = [packer.new.get(g, g).name_hint for g in tuned]
         self.work = {packer.new.get(g, g).name_hint: w for g, w in work.items() if w is not None}
         return mod
+
+
+def first_rule(func: tirx.PrimFunc, target: Target,
+               tuned: Callable[[tirx.PrimFunc, str], dict | None] | None = None):
+    """The first rule of `RULES` that schedules ``func``: (its name, the schedule, the tuned knobs it was
+    given or None), or None. The one place a function's rule is chosen (the build and the tuner ask it)."""
+    for name, rule in RULES:
+        knobs = tuned(func, name) if tuned and isinstance(rule, Matmul) else None
+        try:
+            sch = rule.apply(func, target, False, knobs) if knobs else rule.apply(func, target, False)
+        except RuntimeError:  # TVM refused a step of the rule (ScheduleError, InternalError): the next rule
+            continue
+        if sch is not None:
+            return name, sch, knobs
+    return None
 
 
 def unscheduled(mod: tvm.IRModule) -> list[tuple[tvm.ir.GlobalVar, tirx.PrimFunc]]:
