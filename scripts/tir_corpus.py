@@ -103,6 +103,14 @@ def _gemm_funcs() -> dict[str, object]:
         bias = te.placeholder((i64(n),), name="bias")
         return [a, b, bias, te.compute(c.shape, lambda i, j: c[i, j] + bias[j], name="add")]
 
+    def half(m, k: int, n: int, dtype: str, accumulate: str):
+        a = te.placeholder((m, i64(k)), name="A", dtype=dtype)
+        b = te.placeholder((i64(k), i64(n)), name="B", dtype=dtype)
+        r = te.reduce_axis((i64(0), i64(k)), name="k")
+        c = te.compute((m, i64(n)), lambda i, j: te.sum(a[i, r].astype(accumulate) * b[r, j].astype(accumulate),
+                                                          axis=r), name="matmul")
+        return [a, b, te.compute(c.shape, lambda i, j: c[i, j].astype(dtype), name="cast")]
+
     rows = tirx.Var("m", "int64")
     funcs = {
         "gemm-bias-gelu": (bias_gelu(i64(19), 96, 80), ()),
@@ -112,6 +120,9 @@ def _gemm_funcs() -> dict[str, object]:
         "gemm-batch": (list(gemm(i64(13), 64, 72, (3,))), ()),
         "gemm-wide": (list(gemm(i64(37), 32, 8200)), (1,)),
         "gemv-packed": (list(gemm(i64(1), 64, 48)), (1,)),
+        "gemm-f16-in-f32-acc": (half(i64(19), 96, 80, "float16", "float32"), ()),
+        "gemm-bf16-in-f32-acc-sym": (half(rows, 96, 80, "bfloat16", "float32"), ()),
+        "gemm-f16-acc": (half(i64(40), 64, 96, "float16", "float16"), (1,)),
     }
     out = {}
     for name, (args, constants) in funcs.items():
