@@ -20,10 +20,9 @@ from tvmattn.compiler.kernel import CompiledAttention
 from tvmattn.compiler.layer import layer_around
 from tvmattn.compiler.logs import tvm_logs_to_logging
 from tvmattn.compiler.spec import AttentionSpec
-from tvmattn.compiler.target import host_target, is_cpu, resolve_target
+from tvmattn.compiler.target import host_target, is_cpu, isa_of, resolve_target
 from tvmattn.compiler.te_attention import attention_te
 from tvmattn.compiler.tuning.lookup import tuned_schedule
-from tvmattn.schedules import x86_amx, x86_bf16
 from tvmattn.schedules.ops import BEFORE_LEGALIZE, ScheduleFunctions
 
 
@@ -73,7 +72,8 @@ def lowering_passes(spec: AttentionSpec, target: Target) -> tvm.transform.Pass:
     if is_cpu(target):
         exp2 = passes.EXP2_P_BF16 if spec.dtype == "bfloat16" else passes.EXP2_P
         seq += [passes.pad_query_tiles(), passes.peel_key_tails(), passes.polynomial_math(exp2),
-                passes.exact_widenings(), x86_bf16.keep_operands_16bit(), x86_amx.tile_configuration()]
+                passes.exact_widenings(), passes.keep_operands_16bit(isa_of(target).packed_readers),
+                *isa_of(target).passes]
     return tvm.transform.Sequential(seq)
 
 

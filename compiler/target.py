@@ -6,15 +6,18 @@ TVM 0.27 builds targets from dicts; a dict or a ``tvm.target.Target`` passes str
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import os
 import platform
 from typing import Any
 
-import tvm
 from tvm.target import Target, codegen
 
 from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.isa import RECORDS
+from tvmattn.compiler.isa.record import Isa
+from tvmattn.compiler.isa.x86_amx import AMX_FEATURES, ARCH_REQ_XCOMP_PERM, SYS_ARCH_PRCTL, XFEATURE_XTILEDATA
 
 DEFAULT_CUDA_ARCH = "sm_90"
 CPU_NAMES = ("cpu", "llvm")
@@ -38,9 +41,6 @@ CPUINFO_FEATURES = {
     "avx512_vpopcntdq": "avx512vpopcntdq", "avx512_bf16": "avx512bf16", "avx512_fp16": "avx512fp16",
     "amx_tile": "amx-tile", "amx_bf16": "amx-bf16", "amx_int8": "amx-int8", "amx_fp16": "amx-fp16",
 }
-AMX_FEATURES = ("amx-tile", "amx-bf16", "amx-int8", "amx-fp16")
-ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 0x1023, 18  # Linux's arch_prctl: the AMX tile data state
-SYS_ARCH_PRCTL = 158  # x86-64
 
 
 def host_target() -> Target:
@@ -127,32 +127,27 @@ def is_cpu(target: Target) -> bool:
     return target.kind.name == "llvm"
 
 
-# CPUs (LLVM's names) whose AVX-512 FMAs are a full 512 bits wide, two per core, where Zen 4 splits each
-# into two 256-bit halves: an fp32 kernel can then feed the larger register tiles the 16-bit ones take.
-# Only those measured: Zen 5 (an Intel server core may belong here too; its tuning records would say).
-FULL_WIDTH_AVX512 = ("znver5",)
+_ISAS: dict[str, Isa] = {}  # target (as text) → its record
 
 
-def full_width_avx512(target: Target) -> bool:
-    """Whether ``target``'s CPU retires a 512-bit FMA in one pass (`FULL_WIDTH_AVX512`)."""
-    return is_cpu(target) and str(target.attrs.get("mcpu", "")) in FULL_WIDTH_AVX512
+def isa_of(target: Target) -> Isa | None:
+    """The instruction set a CPU target's kernels use (`tvmattn.compiler.isa`): the first record whose
+    features LLVM says the target's CPU (``mcpu``, ``mattr``) has, chosen once per target; None for a GPU."""
+    if not is_cpu(target):
+        return None
+    key = str(target)
+    if key not in _ISAS:
+        isa = next(r for r in RECORDS if all(has_feature(target, f) for f in r.requires))
+        if str(target.attrs.get("mcpu", "")) in isa.full_width_cpus:
+            isa = dataclasses.replace(isa, full_width=True)
+        _ISAS[key] = isa
+    return _ISAS[key]
 
 
 def vector_lanes(target: Target, dtype: str = "float32") -> int:
-    """fp32 lanes of one SIMD register the schedule should fill: AVX-512 16, AVX2 8, else 4.
-
-    AVX-512 pays even where the core splits it into two 256-bit halves (Zen 4): twice the work per
-    instruction and 32 registers for the accumulators (measured +13–20% on the attention core).
-    """
-    if not is_cpu(target):
-        return 1
-    if has_feature(target, "avx512f"):
-        bits = 512
-    elif has_feature(target, "avx2") or has_feature(target, "avx"):
-        bits = 256
-    else:
-        bits = 128
-    return bits // tvm.DataType(dtype).bits
+    """Lanes of ``dtype`` in one vector register of ``target``'s CPU (`isa_of`); 1 for a GPU."""
+    isa = isa_of(target)
+    return 1 if isa is None else isa.vector_lanes(dtype)
 
 
 def has_feature(target: Target, feature: str) -> bool:

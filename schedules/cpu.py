@@ -52,35 +52,42 @@ from tvm.s_tir import Schedule
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
-from tvmattn.compiler.passes import KEY_BLOCKS
-from tvmattn.compiler.spec import AttentionSpec
-from tvmattn.compiler.target import full_width_avx512, vector_lanes
-from tvmattn.compiler.te_attention import KEY_STAGE, attention_te
-from tvmattn.schedules.knobs import Knob, KnobValue
-from tvmattn.schedules.rule import AttentionRule
-from tvmattn.schedules.x86_amx import (
+from tvmattn.compiler.isa.lane_sums import lane_sum_intrinsic
+from tvmattn.compiler.isa.panels import query_panel_intrinsic
+from tvmattn.compiler.isa.x86_amx import (
     BLOCK,
     STEP,
     STORE,
     configure_tiles,
     dot_intrinsic,
-    has_amx,
-    import_amx,
     transposed_values_intrinsic,
     zero_intrinsic,
 )
-from tvmattn.schedules.x86_bf16 import (
-    KEEP_16BIT,
+from tvmattn.compiler.isa.x86_bf16 import (
     LANES,
     PAIR,
     DOT_16x2,
     DOT_16x2_PAIR_FIRST,
-    has_bf16_dot,
-    import_dot,
     pairs_intrinsic,
 )
-from tvmattn.schedules.x86_panels import query_panel_intrinsic
-from tvmattn.schedules.x86_sums import lane_sum_intrinsic
+from tvmattn.compiler.passes import KEEP_16BIT, KEY_BLOCKS
+from tvmattn.compiler.spec import AttentionSpec
+from tvmattn.compiler.target import isa_of, vector_lanes
+from tvmattn.compiler.te_attention import KEY_STAGE, attention_te
+from tvmattn.schedules.knobs import Knob, KnobValue
+from tvmattn.schedules.rule import AttentionRule
+
+
+def has_amx(target):
+    return isa_of(target).tiles is not None
+
+
+def has_bf16_dot(target):
+    return isa_of(target).dot is not None
+
+
+def full_width_avx512(target):
+    return isa_of(target).full_width
 
 KNOBS = (
     Knob("q_tile", (8, 16, 24, 32, 48, 64), 16, "queries per parallel task (a multiple of the vector width)"),
@@ -255,7 +262,8 @@ class CpuAttention(AttentionRule):
             step()
         if amx or (steps and spec.dtype == "bfloat16" and has_bf16_dot(target)):  # the instructions' LLVM IR
             first = sch.get_loops(sch.get_sblock("attn" if spec.projections else spec.output))[0]
-            (import_amx if amx else import_dot)(sch, first)
+            isa = isa_of(target)
+            sch.annotate(first, "pragma_import_llvm", isa.tiles.llvm if amx else isa.dot.llvm)
         return sch
 
 

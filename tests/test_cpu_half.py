@@ -16,13 +16,13 @@ from strategies import specs
 
 import tvmattn
 from tvmattn import AttentionSpec
+from tvmattn.compiler.target import isa_of
 from tvmattn.compiler.verify import check
-from tvmattn.schedules.x86_amx import has_amx
-from tvmattn.schedules.x86_bf16 import has_bf16_dot
 
-HOST_HAS_BF16_DOT = has_bf16_dot(HOST)
+HOST_HAS_BF16_DOT = isa_of(HOST).dot is not None
+HOST_HAS_AMX = isa_of(HOST).tiles is not None
 needs_bf16_dot = pytest.mark.skipif(not HOST_HAS_BF16_DOT, reason="this CPU has no AVX512-BF16")
-needs_amx = pytest.mark.skipif(not has_amx(HOST), reason="this CPU has no AMX-BF16 (or Linux does not grant it)")
+needs_amx = pytest.mark.skipif(not HOST_HAS_AMX, reason="this CPU has no AMX-BF16 (or Linux does not grant it)")
 
 
 @st.composite
@@ -243,7 +243,7 @@ def test_layer_projections_on_amx_tiles(seq_len, dtype):
     kernel = tvmattn.compile(spec, {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2}, knobs={})
     assert ("tdpbf16ps" in kernel.source()) == (seq_len != 1)
     assert ("W_Q, W_K, W_V and W_O on AMX tiles" in kernel.schedule) == (seq_len != 1)
-    if has_amx(HOST):
+    if HOST_HAS_AMX:
         for n in (1, 17, 40) if seq_len == "n" else (None,):
             assert_matches_oracle(kernel, {"n": n} if n else None)
 

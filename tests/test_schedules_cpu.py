@@ -197,7 +197,7 @@ def _own_assembly(kernel) -> str:
                                                   "bf16-symbolic"])
 def test_query_panel_is_transposed_in_registers(target, spec):
     """QKᵀ's query panel, (d_k, q_tile) or the bf16 dot products' (d_k/2, q_tile, 2), copied in blocks
-    of lanes × lanes words shuffled in registers (`x86_panels`): with AVX-512, no scatter (fp32) nor
+    of lanes × lanes words shuffled in registers (`isa.panels`): with AVX-512, no scatter (fp32) nor
     16-bit extract per element (bf16 pairs) is left; and the kernel matches the oracle (symbolic
     lengths: rows in whole blocks, `_padding`, the last one clamped)."""
     kernel = tvmattn.compile(spec, target)
@@ -321,7 +321,7 @@ def test_schedule_names_the_knobs_its_kernel_reads(spec, target):
     (DECODE[0].replace(kv_seq_len="L"), AVX2, 8),  # a symbolic KV cache
 ])
 def test_decode_scores_sum_their_lanes_in_a_tree(spec, target, lanes):
-    """A decode key's partial sums along d_k are added by halves (`x86_sums`): log2(lanes) rounds
+    """A decode key's partial sums along d_k are added by halves (`isa.lane_sums`): log2(lanes) rounds
     of shuffles in the scheduled TIR, no serial reduction over the lanes; and the oracle's result."""
     target = resolve_target(target)
     lanes = lanes or min(vector_lanes(target), max(w for w in (16, 8, 4, 2) if spec.d_k % w == 0))
