@@ -12,9 +12,10 @@ from tvm.tirx import For, ForKind
 import tvmattn
 from tvmattn import AttentionSpec
 from tvmattn.compiler.build import lower, schedule_attention
-from tvmattn.compiler.target import resolve_target, vector_lanes
+from tvmattn.compiler.target import isa_of, resolve_target, vector_lanes
 from tvmattn.models.presets import PRESETS
 from tvmattn.schedules import cpu, default_knobs
+from tvmattn.schedules.micro_kernels import PANEL_BYTES
 
 EXTREMES = [
     dict(q_tile=8, qk_keys=1, pv_rows=1, pv_vecs=1),
@@ -217,10 +218,11 @@ def test_projection_defaults_fit_registers_and_l2(target, preset):
     spec, tgt = PRESETS[preset], resolve_target(target)
     lanes = vector_lanes(tgt)
     knobs = default_knobs(spec, tgt)
-    registers = 32 if lanes == 16 else 16
+    registers = isa_of(tgt).registers
+    assert registers == (32 if lanes == 16 else 16)
     assert knobs["gemm_rows"] * knobs["gemm_vecs"] + knobs["gemm_vecs"] + 1 <= registers
     panel = spec.d_model * knobs["gemm_block_cols"] * knobs["gemm_vecs"] * lanes * 4
-    assert panel <= cpu.PANEL_BYTES or knobs["gemm_block_cols"] == 1
+    assert panel <= PANEL_BYTES or knobs["gemm_block_cols"] == 1
 
 
 @pytest.mark.parametrize("mcpu, dense_tile, masked_tile, pv_vecs", [("znver5", 64, 32, 4), ("znver4", 16, 16, 2)])

@@ -36,7 +36,9 @@ class Tiles:
     """Tile registers of 16-bit products: a ``block`` × ``block`` fp32 accumulator, ``step`` of the
     reduction per product."""
 
-    instruction: str  # its mnemonic, for descriptions
+    name: str  # the tiles' name, for descriptions
+    instruction: str  # the product's mnemonic, for descriptions
+    rows: int  # rows of one tile register
     block: int  # rows and columns of an accumulator block
     step: int  # 16-bit elements of the reduction per tile row
     dot: Callable[..., str]  # (heads_between, gemm, parts) → the product intrinsic

@@ -335,9 +335,9 @@ def transposed_values_intrinsic(heads_between: bool = False) -> str:
     return name
 
 
-AMX_TILES = Tiles("tdpbf16ps", BLOCK, STEP, dot_intrinsic, zero_intrinsic, STORE, transposed_values_intrinsic,
-                  configure_tiles, "llvm.x86.tileloadd64",
-                  DOT_LLVM + AMX_LLVM)  # (P's pairs are rounded by `x86_bf16`'s PAIRS_FUNCTION)
+# (the LLVM IR links the dot product's too: P's pairs are rounded by `x86_bf16`'s PAIRS_FUNCTION)
+AMX_TILES = Tiles("AMX", "tdpbf16ps", ROWS, BLOCK, STEP, dot_intrinsic, zero_intrinsic, STORE,
+                  transposed_values_intrinsic, configure_tiles, "llvm.x86.tileloadd64", DOT_LLVM + AMX_LLVM)
 # Sapphire Rapids and later (bf16 tile products; the dot products round P into its pairs)
 AMX = dataclasses.replace(AVX512_BF16, name="amx", requires=(*AVX512_BF16.requires, "amx-tile", "amx-bf16"),
                           tiles=AMX_TILES, passes=(*AVX512_BF16.passes, tile_configuration()))
