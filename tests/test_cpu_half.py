@@ -93,7 +93,7 @@ def test_bf16_dot_products_skip_hidden_key_tiles(causal, window, key_padding):
 
 @st.composite
 def amx_specs(draw, symbolic: bool = False) -> AttentionSpec:
-    """A bf16 core spec whose QKᵀ and P·V take AMX's tiles (`CpuPlan.amx`): head widths in whole
+    """A bf16 core spec whose QKᵀ and P·V take AMX's tiles (`CpuPlan.on_tiles`): head widths in whole
     tiles; lengths whole blocks of 32 or padded to them (other static ones, and symbolic ones);
     every other axis drawn."""
     spec = draw(specs(dtype="bfloat16", symbolic=symbolic, intermediate=False, projections=False, max_len=100))
@@ -160,7 +160,7 @@ def test_bf16_instructions_exactly_where_the_target_has_them(mcpu, has_dot, has_
     target = resolve_target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2})
     kernel = tvmattn.compile(SPEC, target, knobs={})
     plan = plan_of(SPEC, target)
-    assert (plan.qk_pairs and plan.pv_pairs) == has_dot and plan.amx == has_tiles
+    assert (plan.qk_pairs and plan.pv_pairs) == has_dot and plan.on_tiles == has_tiles
     asm = kernel.source()
     assert ("vdpbf16ps" in asm) == (has_dot and not has_tiles)
     assert all((op in asm) == has_tiles for op in ("tdpbf16ps", "tileloadd", "tilestored", "ldtilecfg", "tilerelease"))

@@ -15,6 +15,7 @@ from typing import Callable
 
 import tvm
 from tvm.ir.expr import Expr as PrimExpr
+from tvm.target import Target, codegen
 
 
 @dataclass(frozen=True)
@@ -83,3 +84,11 @@ class Isa:
 
 # Any other LLVM CPU: 128-bit vectors (SSE, NEON's width), 16 of them, fp32 FMAs only
 GENERIC = Isa("generic", "generic", bits=128, registers=16)
+
+
+def has_feature(target: Target, feature: str) -> bool:
+    """Whether LLVM says ``target``'s CPU (``mcpu``, ``mattr``) has ``feature`` (LLVM's name for it)."""
+    try:
+        return bool(codegen.llvm_cpu_has_features(feature, target))
+    except Exception:  # an LLVM without that query: assume the baseline
+        return False

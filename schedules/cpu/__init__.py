@@ -6,7 +6,7 @@ and the knobs) and tries its kernel families on it in order, TVM dlight's way:
     decode.SplitKDecode       one query, few (batch, head) pairs: keys in parallel chunks (split-K)
     query_tiles.QueryTiles    a task per query tile (decode: the dot products along d_k)
 
-after a full layer's projections (`projections`: GEMMs on `micro_kernels`, AMX's tiles or the bf16
+after a full layer's projections (`projections`: GEMMs on `micro_kernels`, tile registers or the bf16
 dot products). `packing` copies operands into the layouts the micro-kernels read; `tiles` puts
 products on tile registers. Every tensor intrinsic is applied last (`micro_kernels.register_tile`'s
 ``later``): a tensorized stage can leave the root scope no "stage pipeline" for other primitives.
@@ -106,7 +106,7 @@ def describe(plan: CpuPlan, knobs: Mapping[str, KnobValue]) -> str:
             used = ["pv_rows", "pv_vecs"] if plan.q_tile > 1 else ["pv_vecs"]
             queries = "1 query" if plan.q_tile == 1 else f"{plan.q_tile} queries"
             what = f"{queries} per task × {lanes}-lane dot products along d_k"
-        if plan.amx:
+        if plan.on_tiles:
             used = ["q_tile"]
             parts = ", fp16 as bf16 hi + lo" if plan.fp16_parts else ""
             what += f", QKᵀ and P·V on {isa.tiles.name} tiles ({isa.tiles.instruction}{parts})"

@@ -1,6 +1,6 @@
 """Packing for the CPU kernels' micro-kernels: operands copied, once, into the layouts their register
 tiles and instructions read: the query panel (d_k-major, a transposition in registers), a mask's
-tile, P's and V's pair panels for the bf16 dot products (and Vᵀ for AMX's tiles), fp16's bf16 parts,
+tile, P's and V's pair panels for the bf16 dot products (and Vᵀ for tile products), fp16's bf16 parts,
 and 16-bit operands widened to fp32; in a pass before the tasks, or inside a head's task."""
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def pack_pairs(sch: Schedule, spec: AttentionSpec, pair_loop, step: int | None =
     (``pair_loop``), and V once: in a pass before the tasks (a copy per query tile would be a pass
     over V per tile; the price is a workspace the size of V), or ``head``, a head task's loop
     (`CpuPlan.per_head`), its head's rows in each task, kept in its cache for the head's tiles (no
-    pass of its own, no barrier). ``step``: V's keys in blocks of AMX's reduction step (its Vᵀ).
+    pass of its own, no barrier). ``step``: V's keys in blocks of the tiles' reduction step (their Vᵀ).
     Both with keys 2t, 2t+1 side by side: P (t/2, q_tile, 2), V (t/2, d_v, 2). Their copies' names, for
     `tensorize_pairs`."""
     pv = sch.get_sblock("pv")
@@ -133,7 +133,7 @@ def widened_once(sch: Schedule, reader: str, names: tuple[str, ...], width: int,
 
 def in_blocks(sch: Schedule, name: str, lanes: int, own_pass: bool) -> None:
     """k_rows or v_rows, K or V with its keys in whole blocks: with ``own_pass`` (an intrinsic reads
-    its rows: V's pair panels, AMX's K, a clamped row being no block of rows), one parallel pass
+    its rows: V's pair panels, the tiles' K, a clamped row being no block of rows), one parallel pass
     before the tasks, else inlined into its reader."""
     if own_pass:
         before_tasks(sch, (name,), lanes)
@@ -153,7 +153,7 @@ def before_tasks(sch: Schedule, names: tuple[str, ...], lanes: int) -> None:
 
 
 def pack_query_parts(sch: Schedule, task, q_tile: int, lanes: int, later: list) -> None:
-    """fp16 queries on AMX's tiles (`fp16_parts`): each task computes its rows' bf16 parts, q_hi and
+    """fp16 queries on tile products (`CpuPlan.fp16_parts`): each task computes its rows' bf16 parts, q_hi and
     q_lo, and turns each into QKᵀ's pair panel (d_k/2, q_tile, 2) as `pack_queries` does a bf16 one."""
     scores = sch.get_sblock("scores")
     for name in ("q_hi", "q_lo"):
@@ -171,7 +171,7 @@ def pack_query_parts(sch: Schedule, task, q_tile: int, lanes: int, later: list) 
 
 
 def pack_parts(sch: Schedule, pair_loop, q_tile: int, step: int) -> tuple[list[str], list[str]]:
-    """fp16's P·V on AMX's tiles (`fp16_parts`): P's bf16 parts, p_hi and p_lo, packed into pairs of
+    """fp16's P·V on tile products (`CpuPlan.fp16_parts`): P's bf16 parts, p_hi and p_lo, packed into pairs of
     keys as probs computes them (`pack_pairs`' P panel, twice), and Vᵀ panels of V's parts, once
     before the tasks. Their names, for `tensorize_parts`."""
     pv = sch.get_sblock("pv")
@@ -203,15 +203,15 @@ def tensorize_parts(sch: Schedule, isa: Isa, panels: tuple[list[str], list[str]]
 
 
 def tensorize_pairs(sch: Schedule, isa: Isa, spec: AttentionSpec, panels: tuple[str, str], q_tile: int,
-                     amx: bool = False, per_head: bool = False) -> None:
+                    on_tiles: bool = False, per_head: bool = False) -> None:
     """`pack_pairs`' copies as the dot product's pair packing, one block per pair of rows, and with
-    ``amx`` V's as the tiles' transposed values (a deferred step, `register_tile`'s
+    ``on_tiles`` V's as the tiles' transposed values (a deferred step, `register_tile`'s
     ``later``); V's a parallel pass of its own unless ``per_head`` (in the head tasks)."""
     p_name, v_name = panels
     # V's loops (b, t, h, c), else (…, t, c) (v_rows is BHSD)
     bshd = not spec.projections and spec.layout == "BSHD" and not has_block(sch, "v_rows")
     _in_pairs(sch, isa.dot, p_name, -2, q_tile, "float32")
-    if amx:
+    if on_tiles:
         _transposed_values(sch, isa.tiles, v_name, bshd)
     else:
         # (a layer's v_proj: a head at a time)

@@ -3,17 +3,17 @@
 The rules of `schedules.cpu` (`CpuAttention`'s defaults, workload, apply and description) read a
 plan and decide nothing themselves. A decision is made here, in order, from the ones before it:
 
-    instruction set      `Isa` of the target: lanes, registers, bf16 dot product, AMX tiles
-    fp16_parts           an fp16 core on AMX's bf16 tiles as two bf16 parts per operand
+    instruction set      `Isa` of the target: lanes, registers, bf16 dot product, tile registers
+    fp16_parts           an fp16 core on bf16 tile products as two bf16 parts per operand
     padding              the block symbolic (or, on the tiles, ragged) lengths run in
-    projections          each projection's path: AMX tiles, bf16 pairs, widened 16-bit, fp32 FMAs;
+    projections          each projection's path: tiles, bf16 pairs, widened 16-bit, fp32 FMAs;
                          its rows padded, its W copied into register-tile panels
     head_tasks           parallel tasks of whole (batch, KV head) pairs
     defaults             the knobs' defaults for this spec and CPU
     key_chunks           split-K decode: keys in parallel chunks (1: the query-tile kernel)
     q_tile, qk_keys      the query tile and keys per QKᵀ register tile the knobs give, made whole
     along_head_dim       decode's dot products along d_k (no vector of queries)
-    amx, qk/pv_pairs     QKᵀ and P·V on AMX's tiles, or on the bf16 dot products, or on fp32 FMAs
+    on_tiles, qk/pv_pairs  QKᵀ and P·V on tile registers, or on the bf16 dot products, or on fp32 FMAs
     widen_k, widen_v     16-bit K and V widened to fp32 once (in head tasks where `per_head`)
     v_pairs              V's pair panel packed in its head's task
 """
@@ -49,11 +49,11 @@ KNOBS = (
 MIN_PAIR_ROWS = 16
 # Rows (B·n) from which a projection's W copied into register-tile panels pays for the copy.
 MIN_PANEL_ROWS = 128
-# Keys a query sees (about half of them where causal) from which an fp16 core's bf16 parts on AMX's
+# Keys a query sees (about half of them where causal) from which an fp16 core's bf16 parts on the
 # tiles beat its widened fp32 FMAs: the parts' passes cost a task what three tile products save it.
 PARTS_MIN_KEYS = 128
 PROJECTIONS = {"q_proj": "w_q", "k_proj": "w_k", "v_proj": "w_v", "out": "w_o"}  # the layer's GEMMs: block → W
-PATHS = ("tiles", "pairs", "widened", "fp32")  # a projection's: AMX tiles, bf16 dot products, 16-bit on FMAs, fp32
+PATHS = ("tiles", "pairs", "widened", "fp32")  # a projection's: tiles, bf16 dot products, 16-bit on FMAs, fp32
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Projection:
     name: str  # its block: q_proj, k_proj, v_proj, out
     weight: str  # its W: w_q, w_k, w_v, w_o
     path: str  # one of `PATHS`
-    parts: bool  # fp16 on AMX's tiles as two bf16 parts (x's and W's)
+    parts: bool  # fp16 on the tiles as two bf16 parts (x's and W's)
     padded: bool  # rows computed in whole blocks (symbolic ones; ragged ones on the tiles)
     panels: bool  # W read from a copy in panels of the register tile's columns (fp32 FMAs)
 
@@ -89,7 +89,7 @@ class CpuPlan:
     qk_keys_is_knob: bool
     pv_rows: int
     along_head_dim: bool
-    amx: bool
+    on_tiles: bool  # QKᵀ and P·V on tile registers
     qk_pairs: bool
     pv_pairs: bool
     widen_k: bool
@@ -107,8 +107,8 @@ class CpuPlan:
 
     @property
     def tiles_used(self) -> bool:
-        """Whether any product of the kernel runs on AMX's tiles."""
-        return (self.amx and not self.split_k) or any(p.path == "tiles" for p in self.projections)
+        """Whether any product of the kernel runs on tile registers."""
+        return (self.on_tiles and not self.split_k) or any(p.path == "tiles" for p in self.projections)
 
     @property
     def exp2(self) -> tuple[float, ...]:
@@ -168,9 +168,9 @@ def _plan(spec: AttentionSpec, target: Target, given: Mapping[str, KnobValue] | 
         qk_keys_is_knob = not (isinstance(spec.n_kv, int) and spec.n_kv < knobs["qk_keys"])
     s_lanes = lanes_for(q_tile, isa.lanes)
     along_head_dim = s_lanes == 1 and lanes_for(spec.d_k, isa.lanes) > 1
-    amx = (_amx_widths(spec, isa, parts_core) and padding in (1, isa.tiles.block) and q_tile % isa.tiles.block == 0
-           and n_q % q_tile == 0 and n_kv % isa.tiles.block == 0)
-    qk_pairs, pv_pairs = (True, True) if amx else _bf16_dots(spec, isa, n_q, n_kv, q_tile, qk_keys)
+    on_tiles = (_tile_widths(spec, isa, parts_core) and padding in (1, isa.tiles.block)
+                and q_tile % isa.tiles.block == 0 and n_q % q_tile == 0 and n_kv % isa.tiles.block == 0)
+    qk_pairs, pv_pairs = (True, True) if on_tiles else _bf16_dots(spec, isa, n_q, n_kv, q_tile, qk_keys)
     # 16-bit K and V widened once for fp32 FMAs; not fp16's V with 16 registers, where P·V's conversion
     # per vector of V, shared by the tile's rows, costs less than the copy; not decode's K, read along
     # d_k; a layer's only in head tasks (elsewhere its register tiles widen k_proj, P·V converts V)
@@ -179,16 +179,16 @@ def _plan(spec: AttentionSpec, target: Target, given: Mapping[str, KnobValue] | 
     widen_v = widened and not pv_pairs and s_lanes > 1 and (isa.registers >= 32 or spec.dtype == "bfloat16")
     # V's pair panel packed in its head's task: not from a layer's v_proj, nor from keys padded to
     # whole blocks (TVM 0.27 cannot bind the pairs' view of the clamped rows there)
-    v_pairs = pv_pairs and not amx and not spec.projections and n_kv == spec.n_kv
+    v_pairs = pv_pairs and not on_tiles and not spec.projections and n_kv == spec.n_kv
     per_head = (widen_k or widen_v or v_pairs) and head_tasks
     return CpuPlan(spec, isa, cores, knobs, defaults, parts_core, padding, parts, projections, head_tasks, chunks,
                    q_tile, q_tile_is_knob, qk_keys, qk_keys_is_knob, divisor_at_most(q_tile, knobs["pv_rows"]),
-                   along_head_dim, amx, qk_pairs, pv_pairs, widen_k, widen_v, v_pairs and per_head, per_head)
+                   along_head_dim, on_tiles, qk_pairs, pv_pairs, widen_k, widen_v, v_pairs and per_head, per_head)
 
 
 def _fp16_parts(spec: AttentionSpec, isa: Isa) -> bool:
-    """An fp16 core on AMX's bf16 tiles, each operand the sum of two bf16 parts (exact for fp16;
-    three tile products where bf16 takes one): CPUs have no fp16 tile products before AMX-FP16, and
+    """An fp16 core on bf16 tile products, each operand the sum of two bf16 parts (exact for fp16;
+    three tile products where bf16 takes one): the records have no fp16 tile products, and
     fp32 FMAs of widened fp16 run at fp32's speed. Not for one query (a decode step: its dot products
     along d_k read half fp32's bytes) nor where a query sees fewer than `PARTS_MIN_KEYS` static keys."""
     seen = spec.n_kv // 2 if spec.causal and isinstance(spec.n_kv, int) else spec.n_kv
@@ -198,15 +198,15 @@ def _fp16_parts(spec: AttentionSpec, isa: Isa) -> bool:
             and spec.d_k % isa.tiles.step == 0 and spec.d_v % isa.tiles.block == 0)
 
 
-def _amx_widths(spec: AttentionSpec, isa: Isa, parts: bool) -> bool:
-    """Widths AMX's tiles take: bf16 (fp16 in parts), d_k and d_v multiples of 32."""
+def _tile_widths(spec: AttentionSpec, isa: Isa, parts: bool) -> bool:
+    """Widths the tiles take: bf16 (fp16 in parts), d_k and d_v whole steps and blocks."""
     return ((spec.dtype == "bfloat16" or parts) and isa.tiles is not None
             and spec.d_k % isa.tiles.step == 0 and spec.d_v % isa.tiles.block == 0)
 
 
 def _padding(spec: AttentionSpec, isa: Isa, parts: bool) -> int:
     """The block the core's lengths run in (`te_attention._core`; 1: none), for the 16-bit products,
-    which take no tail: AMX's blocks (symbolic lengths and ragged static ones, but for one query,
+    which take no tail: the tiles' blocks (symbolic lengths and ragged static ones, but for one query,
     which keeps its dot products along d_k), else the dot product's lanes for symbolic lengths, which
     QKᵀ then always takes (TVM 0.27 cannot build the widened key tiles over padded keys)."""
     n_q, n_kv = spec.n_q, spec.n_kv
@@ -214,7 +214,7 @@ def _padding(spec: AttentionSpec, isa: Isa, parts: bool) -> int:
         return isa.tiles.block if any(isinstance(x, str) or x % isa.tiles.block for x in (n_q, n_kv)) else 1
     if not (spec.dtype == "bfloat16" and isa.dot is not None and spec.d_k % PAIR == 0):
         return 1
-    if _amx_widths(spec, isa, parts) and n_q != 1 and any(isinstance(x, str) or x % isa.tiles.block
+    if _tile_widths(spec, isa, parts) and n_q != 1 and any(isinstance(x, str) or x % isa.tiles.block
                                                           for x in (n_q, n_kv)):
         return isa.tiles.block
     symbolic = any(isinstance(x, str) for x in (n_q, n_kv))
@@ -222,7 +222,7 @@ def _padding(spec: AttentionSpec, isa: Isa, parts: bool) -> int:
 
 
 def _dot_tile(spec: AttentionSpec, isa: Isa, parts: bool, padding: int, q_tile: int) -> int | None:
-    """The query tile for the dot products or AMX's tiles at most ``q_tile``: the largest power of two
+    """The query tile for the dot products or the tiles at most ``q_tile``: the largest power of two
     from 16 dividing a static n_q (padded), or the block a symbolic one runs in; None: no such tile,
     or no such instruction."""
     if not parts and (spec.dtype != "bfloat16" or isa.dot is None):
@@ -261,7 +261,7 @@ def _rows(spec: AttentionSpec, projection: str) -> Dim:
 
 
 def _projection(spec: AttentionSpec, isa: Isa, name: str, weight: str, padding: int) -> Projection:
-    """A projection on AMX's tiles where bf16 (fp16 in parts) has static rows from `MIN_PAIR_ROWS`
+    """A projection on tile registers where bf16 (fp16 in parts) has static rows from `MIN_PAIR_ROWS`
     (any symbolic ones) and the reduction and columns in whole blocks (W_O's within one head); else
     on the bf16 dot products (pairs of W packed once) with whole pairs and columns in whole vectors;
     else widened to fp32 FMAs. Rows padded to whole blocks where symbolic (on the tiles: where

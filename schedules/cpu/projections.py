@@ -1,5 +1,5 @@
 """A full layer's projections (W_Q, W_K, W_V, W_O): each a GEMM on the register-tile micro-kernel
-(`micro_kernels.gemm`), on AMX's tiles (`tiles.amx_gemm`), or on the bf16 dot products from a pair
+(`micro_kernels.gemm`), on tile registers (`tiles.tile_gemm`), or on the bf16 dot products from a pair
 panel of W packed once, as `CpuPlan.projections` says; symbolic rows padded to whole blocks, 16-bit
 x widened once where the products are fp32 FMAs."""
 
@@ -44,9 +44,9 @@ def _widen_projection_inputs(sch: Schedule, plan: CpuPlan) -> None:
 
 
 def _gemm(sch: Schedule, plan: CpuPlan, projection: Projection, k: Mapping[str, KnobValue], later: list) -> None:
-    """A projection of the layer: `gemm` (`tiles.amx_gemm` on AMX's tiles) on its block, and its cast
-    to the storage dtype, if any: in `gemm`'s register-tile store, after AMX's tile stores. On the
-    bf16 dot products and AMX's tiles W is packed into pairs first, once, before the tasks (fp16: its
+    """A projection of the layer: `gemm` (`tiles.tile_gemm` on tile registers) on its block, and its cast
+    to the storage dtype, if any: in `gemm`'s register-tile store, after the tiles' stores. On the
+    bf16 dot products and the tiles W is packed into pairs first, once, before the tasks (fp16: its
     two parts' panels); the tensorize steps of the register tile and of that copy go to ``later``."""
     isa, lanes, name = plan.isa, plan.lanes, projection.name
     acc_name = name + "_acc" if has_block(sch, name + "_acc") else name
@@ -57,7 +57,7 @@ def _gemm(sch: Schedule, plan: CpuPlan, projection: Projection, k: Mapping[str, 
     if projection.padded:
         _pad_rows(sch, blk, lanes, cast=acc_name != name, block=isa.tiles.block if on_tiles else PADDED_ROW_BLOCK,
                   widen=projection.path == "widened")
-    if pairs:  # AMX: blocks of 32 columns, (m/32, c/2, 32, 2), each B operand's rows 128 bytes apart
+    if pairs:  # tiles: blocks of 32 columns, (m/32, c/2, 32, 2), each B operand's rows 128 bytes apart
         block = isa.tiles.block if on_tiles else None
         at = (lambda c, m: (m // block, c // PAIR, m % block, c % PAIR)) if on_tiles else (  # noqa: E731
             lambda c, m: (c // PAIR, m, c % PAIR))
@@ -67,12 +67,12 @@ def _gemm(sch: Schedule, plan: CpuPlan, projection: Projection, k: Mapping[str, 
             sch.transform_layout(panel, ("write", 0), at, assume_injective_transform=True)
     elif projection.panels:
         _pack_panels(sch, blk, projection.weight, knob_int(sch, k["gemm_vecs"]) * lanes, lanes)
-    # the cast to the storage dtype as each register tile is stored, but after AMX's tile stores (of
+    # the cast to the storage dtype as each register tile is stored, but after the tiles' stores (of
     # fp32 rows) and padded rows' tiles (which run past the rows it stores)
     fused = acc_name != name and not on_tiles and not projection.padded
     left = []
     if on_tiles:
-        tiles.amx_gemm(sch, isa.tiles, lanes, blk, k, later, parts)
+        tiles.tile_gemm(sch, isa.tiles, lanes, blk, k, later, parts)
     else:
         left = gemm(sch, blk, lanes, k, (sch.get_sblock(name),) if fused else (),
                     dot=isa.dot if pairs else None, later=later if pairs else None)
@@ -90,7 +90,7 @@ def _gemm(sch: Schedule, plan: CpuPlan, projection: Projection, k: Mapping[str, 
 def _pad_rows(sch: Schedule, blk, lanes: int, cast: bool, block: int, widen: bool = False) -> None:
     """A projection's rows computed in whole blocks (``pad_einsum``: x copied with zero rows past its
     end, in a parallel pass, widened to fp32 with ``widen``; the accumulator's extra rows are never
-    stored): symbolic ones in blocks of `PADDED_ROW_BLOCK`, and on AMX's tiles any in its blocks, so
+    stored): symbolic ones in blocks of `PADDED_ROW_BLOCK`, and on tile registers any in their blocks, so
     that `gemm`'s tiles divide them: no tail predicate in the micro-kernel (where the 16-bit products
     cannot take one at all)."""
     sch.pad_einsum(blk, [1, block, 1, 1])

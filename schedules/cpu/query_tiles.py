@@ -18,7 +18,7 @@ that every stage vectorises over queries:
 
 Each stage reads what the one before wrote while it is in L1: the q_tile × n_kv tile streams through
 L2 once per stage. On the bf16 dot products (`CpuPlan.qk_pairs`, `pv_pairs`) P's pair panel is
-packed from each pair of keys as probs computes it, and V's once. On tile registers (`CpuPlan.amx`,
+packed from each pair of keys as probs computes it, and V's once. On tile registers (`CpuPlan.on_tiles`,
 `tiles`) the same stages keep their layout:
 
     scores  acc[32 keys][32 queries] += k[t:t+32, e:e+32] · panel[e/2, s:s+32, 2]    (K in place)
@@ -75,7 +75,7 @@ def _attention_core(sch: Schedule, plan: CpuPlan, k: Mapping[str, KnobValue], la
     q_tile = plan.q_tile
     s_lanes = lanes_for(q_tile, lanes)  # queries per vector
     qk_keys = k["qk_keys"] if plan.qk_keys_is_knob else plan.qk_keys
-    amx, parts = plan.amx, plan.fp16_parts
+    on_tiles, parts = plan.on_tiles, plan.fp16_parts
     if plan.along_head_dim:
         scores_rf = split_head_dim(sch, lanes_for(spec.d_k, lanes))
     # Tile-local buffers are laid out (query tile, key, query in tile): vectors run along queries, and
@@ -83,8 +83,8 @@ def _attention_core(sch: Schedule, plan: CpuPlan, k: Mapping[str, KnobValue], la
     by_tile = lambda b, i, s, *rest: (b, i, s // q_tile, *rest, s % q_tile)  # noqa: E731
     for name in ("scores", "probs", "row_max", "row_sum"):
         sch.transform_layout(sch.get_sblock(name), ("write", 0), by_tile, assume_injective_transform=True)
-    # (AMX: pvᵀ, d_v-major, as its tiles compute it: `tiles.amx_stage`)
-    pv_at = (lambda b, i, s, c: (b, i, s // q_tile, c, s % q_tile)) if amx else (  # noqa: E731
+    # (tiles: pvᵀ, d_v-major, as they compute it: `tiles.tile_stage`)
+    pv_at = (lambda b, i, s, c: (b, i, s // q_tile, c, s % q_tile)) if on_tiles else (  # noqa: E731
         lambda b, i, s, c: (b, i, s // q_tile, s % q_tile, c))
     sch.transform_layout(sch.get_sblock("pv"), ("write", 0), pv_at, assume_injective_transform=True)
 
@@ -103,14 +103,14 @@ def _attention_core(sch: Schedule, plan: CpuPlan, k: Mapping[str, KnobValue], la
         head = None  # (16-bit K and V widened in a pass before the tasks)
         task = sch.fuse(loops["b"], head_kv, s_tile, head_in_group)
         sch.parallel(task)
-    if amx:
+    if on_tiles:
         isa.tiles.configure(sch, task)
     vectorize(sch, loops["c"], spec.d_v, lanes)
     for name in PER_TILE[:1] + (("p_hi", "p_lo") if parts else ()) + PER_TILE[1:]:  # consumers first
         sch.compute_at(sch.get_sblock(name), task, preserve_unit_loops=True)
     if has_block(sch, "v_rows"):  # keys in whole blocks (`CpuPlan.padding`): P·V's panels are packed from them
         packing.in_blocks(sch, "v_rows", lanes, plan.pv_pairs)
-        packing.in_blocks(sch, "k_rows", lanes, amx)
+        packing.in_blocks(sch, "k_rows", lanes, on_tiles)
     if parts:  # K's and V's parts, once before the tasks, in one pass
         packing.before_tasks(sch, ("k_hi", "k_lo", "v_hi", "v_lo"), lanes)
 
@@ -136,18 +136,18 @@ def _attention_core(sch: Schedule, plan: CpuPlan, k: Mapping[str, KnobValue], la
     if plan.pv_pairs and parts:
         panels = packing.pack_parts(sch, t, q_tile, isa.tiles.step)
     elif plan.pv_pairs:
-        panels = packing.pack_pairs(sch, spec, t, isa.tiles.step if amx else None, head if plan.v_pairs else None)
+        panels = packing.pack_pairs(sch, spec, t, isa.tiles.step if on_tiles else None, head if plan.v_pairs else None)
     if plan.widen_v:
         packing.widened_once(sch, "pv", ("v_rows", "v", "v_proj"), spec.d_v, lanes, at=head)
-    if amx:
-        tiles.amx_stage(sch, isa.tiles, "pv", False, parts, later)
+    if on_tiles:
+        tiles.tile_stage(sch, isa.tiles, "pv", False, parts, later)
         tiles.pv_rows(sch, lanes, later)
     else:  # whole row groups per tile: a partial group's accumulator has a loop-dependent size
         _weights_v(sch, spec, lanes, plan.pv_rows, k["pv_vecs"], isa.dot if plan.pv_pairs else None, later)
     if panels and parts:
         later.append(functools.partial(packing.tensorize_parts, sch, isa, panels, q_tile))
     elif panels:
-        later.append(functools.partial(packing.tensorize_pairs, sch, isa, spec, panels, q_tile, amx, plan.v_pairs))
+        later.append(functools.partial(packing.tensorize_pairs, sch, isa, spec, panels, q_tile, on_tiles, plan.v_pairs))
 
 
 def _scores_and_row_max(sch: Schedule, plan: CpuPlan, task, head, qk_keys: KnobValue, later: list) -> None:
@@ -161,9 +161,9 @@ def _scores_and_row_max(sch: Schedule, plan: CpuPlan, task, head, qk_keys: KnobV
         packing.pack_queries(sch, spec, task, q_tile, lanes, plan.qk_pairs, later)
     if plan.widen_k:
         packing.widened_once(sch, "scores", ("k", "k_proj"), spec.d_k, lanes, at=head)
-    if plan.amx:
+    if plan.on_tiles:
         in_place = not (plan.fp16_parts or spec.projections or has_block(sch, "k_rows"))  # K read as it is given
-        tile_keys = tiles.amx_stage(sch, plan.isa.tiles, "scores", in_place and spec.layout == "BSHD",
+        tile_keys = tiles.tile_stage(sch, plan.isa.tiles, "scores", in_place and spec.layout == "BSHD",
                                     plan.fp16_parts, later)
     else:
         # (a layer's k_proj outside head tasks)

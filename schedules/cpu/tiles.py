@@ -1,6 +1,6 @@
-"""Products on tile registers (AMX): QKᵀ and P·V of the query-tile kernel and a layer's projections,
-a 32 × 32 block of fp32 accumulators per tile product, the intrinsics the instruction set's `Tiles`
-record gives."""
+"""Products on tile registers: QKᵀ and P·V of the query-tile kernel and a layer's projections, a
+32 × 32 block of fp32 accumulators per tile product, with the intrinsics of the instruction set's
+`Tiles` record."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tvmattn.schedules.knobs import KnobValue
 from tvmattn.schedules.primitives import copy_of, divisor_at_most, knob_int, tensorize
 
 
-def amx_stage(sch: Schedule, tiles: Tiles, name: str, heads_between: bool, parts: bool, later: list):
+def tile_stage(sch: Schedule, tiles: Tiles, name: str, heads_between: bool, parts: bool, later: list):
     """QKᵀ or P·V on the tiles (``tiles.dot``), a 32 × 32 accumulator block per (m, n), 32 steps of
     the reduction per product; both stages' loops run (queries n, m, reduction):
 
@@ -58,9 +58,9 @@ def _block(sch: Schedule, tiles: Tiles, block, outer, reduction, gemm: bool, key
     later.append(functools.partial(tensorize, sch, sch.get_loops(acc)[-2], tiles.store))
 
 
-def amx_gemm(sch: Schedule, tiles: Tiles, lanes: int, blk, k: Mapping[str, KnobValue], later: list,
+def tile_gemm(sch: Schedule, tiles: Tiles, lanes: int, blk, k: Mapping[str, KnobValue], later: list,
              parts: bool = False) -> None:
-    """y[…, s, m] = Σ_c x[…, s, c]·w[c, m] on AMX's tiles (loops: batch…, s, m, c; rows and columns
+    """y[…, s, m] = Σ_c x[…, s, c]·w[c, m] on the tiles (loops: batch…, s, m, c; rows and columns
     in whole blocks of 32, w a (m/32, c/2, 32, 2) pair panel): parallel over (batch, row block,
     column block) tasks of ``gemm_rows × gemm_block_rows`` rows (one block of 32 where they are
     symbolic) × ``gemm_vecs × lanes × gemm_block_cols`` columns, the x and W panels a task streams, as

@@ -3,9 +3,9 @@
 
 The GEMM block goes on the register-tile micro-kernel of the attention layer's projections
 (`schedules.micro_kernels.gemm`): parallel (row block × column block) tasks, register tiles of rows ×
-vectors of columns accumulated over c, the epilogue applied to each tile as it is stored. Prologues are inlined into the GEMM's loads.
-Rows may be symbolic (batch · sequence of a dynamic export): `passes.clamp_row_tails` keeps the row
-tail's test off the micro-kernel.
+vectors of columns accumulated over c, the epilogue applied to each tile as it is stored. Prologues
+are inlined into the GEMM's loads. Rows may be symbolic (batch · sequence of a dynamic export):
+`passes.clamp_row_tails` keeps the row tail's test off the micro-kernel.
 """
 
 from __future__ import annotations
