@@ -1,5 +1,5 @@
 """A full layer's projections (W_Q, W_K, W_V, W_O): each a GEMM on the register-tile micro-kernel
-(`micro_kernels.gemm`), on tile registers (`tiles.tile_gemm`), or on the bf16 dot products from a pair
+(`micro_kernels.gemm`), on tile registers (`tile_gemm`), or on the bf16 dot products from a pair
 panel of W packed once, as `CpuPlan.projections` says; symbolic rows padded to whole blocks, 16-bit
 x widened once where the products are fp32 FMAs."""
 
@@ -12,8 +12,13 @@ from tvm.s_tir import Schedule
 
 from tvmattn.compiler.isa.panels import PAIR
 from tvmattn.compiler.passes import KEEP_16BIT
-from tvmattn.schedules.cpu import packing, tiles
+from tvmattn.schedules.cpu.packing import (
+    before_tasks,
+    tensorize_weight_pairs,
+    widened_once,
+)
 from tvmattn.schedules.cpu.plan import CpuPlan, Projection
+from tvmattn.schedules.cpu.tiles import tile_gemm
 from tvmattn.schedules.knobs import KnobValue
 from tvmattn.schedules.micro_kernels import PADDED_ROW_BLOCK, gemm
 from tvmattn.schedules.primitives import copy_of, has_block, knob_int, vectorize
@@ -27,12 +32,12 @@ def schedule_projections(sch: Schedule, plan: CpuPlan, k: Mapping[str, KnobValue
             _gemm(sch, plan, projection, k, later)
     for x in ("x", "x_kv", "merged"):  # fp16 projections' operand parts (`CpuPlan.parts`): a pass each
         if has_block(sch, x + "_hi"):
-            packing.before_tasks(sch, (x + "_hi", x + "_lo"), plan.lanes)
+            before_tasks(sch, (x + "_hi", x + "_lo"), plan.lanes)
 
 
 def _widen_projection_inputs(sch: Schedule, plan: CpuPlan) -> None:
     """The 16-bit x of the projections that widen to fp32 FMAs (path "widened"), x_kv's and W_O's
-    merged heads too, each widened once before the tasks (`packing.widened_once`): a register tile's
+    merged heads too, each widened once before the tasks (`widened_once`): a register tile's
     row then broadcasts plain fp32, where it took a broadcast and a conversion per element, a row of
     the tile each. Padded rows are widened in the pass that pads them (`_pad_rows`)."""
     spec = plan.spec
@@ -40,11 +45,11 @@ def _widen_projection_inputs(sch: Schedule, plan: CpuPlan) -> None:
     for x, width in (("x", spec.d), ("x_kv", spec.d), ("attn", spec.d_v)):  # (W_O reads attn)
         readers = [blk for blk in widened if x in (r.source.name for r in sch.get(blk).reads)]
         if readers:
-            packing.widened_once(sch, sch.get(readers[0]).name_hint, (x,), width, plan.lanes, readers)
+            widened_once(sch, sch.get(readers[0]).name_hint, (x,), width, plan.lanes, readers)
 
 
 def _gemm(sch: Schedule, plan: CpuPlan, projection: Projection, k: Mapping[str, KnobValue], later: list) -> None:
-    """A projection of the layer: `gemm` (`tiles.tile_gemm` on tile registers) on its block, and its cast
+    """A projection of the layer: `gemm` (`tile_gemm` on tile registers) on its block, and its cast
     to the storage dtype, if any: in `gemm`'s register-tile store, after the tiles' stores. On the
     bf16 dot products and the tiles W is packed into pairs first, once, before the tasks (fp16: its
     two parts' panels); the tensorize steps of the register tile and of that copy go to ``later``."""
@@ -72,13 +77,13 @@ def _gemm(sch: Schedule, plan: CpuPlan, projection: Projection, k: Mapping[str, 
     fused = acc_name != name and not on_tiles and not projection.padded
     left = []
     if on_tiles:
-        tiles.tile_gemm(sch, isa.tiles, lanes, blk, k, later, parts)
+        tile_gemm(sch, isa.tiles, lanes, blk, k, later, parts)
     else:
         left = gemm(sch, blk, lanes, k, (sch.get_sblock(name),) if fused else (),
                     dot=isa.dot if pairs else None, later=later if pairs else None)
     if pairs:
         names = [sch.get(panel).name_hint for panel in panels]
-        later.append(functools.partial(packing.tensorize_weight_pairs, sch, isa.dot, names,
+        later.append(functools.partial(tensorize_weight_pairs, sch, isa.dot, names,
                                        plan.spec.dtype if parts else "bfloat16"))
     if acc_name != name and (not fused or left):  # the cast in a pass of its own, per output element
         cast = sch.get_sblock(name)

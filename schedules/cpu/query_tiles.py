@@ -23,7 +23,7 @@ packed from each pair of keys as probs computes it, and V's once. On tile regist
 
     scores  acc[32 keys][32 queries] += k[t:t+32, e:e+32] · panel[e/2, s:s+32, 2]    (K in place)
     pv      accᵀ[32 of d_v][32 queries] += vᵀ[c:c+32, t:t+32] · P[t/2, s:s+32, 2]  (Vᵀ before the tasks)
-    attn    pvᵀ turned into rows (`tiles.pv_rows`), then / row_sum
+    attn    pvᵀ turned into rows (`pv_rows`), then / row_sum
 
 with lengths padded to whole blocks (`CpuPlan.padding`) and fp16 as bf16 parts (`fp16_parts`). A
 query tile no vector of queries fits (one query, a decode step) runs its dot products along d_k
@@ -40,9 +40,21 @@ from tvm.s_tir import Schedule
 from tvmattn.compiler.isa.panels import PAIR
 from tvmattn.compiler.isa.record import Dot
 from tvmattn.compiler.spec import AttentionSpec
-from tvmattn.schedules.cpu import packing, tiles
 from tvmattn.schedules.cpu.decode import scores_along_head_dim, split_head_dim
+from tvmattn.schedules.cpu.packing import (
+    before_tasks,
+    in_blocks,
+    pack_mask,
+    pack_pairs,
+    pack_parts,
+    pack_queries,
+    pack_query_parts,
+    tensorize_pairs,
+    tensorize_parts,
+    widened_once,
+)
 from tvmattn.schedules.cpu.plan import CpuPlan
+from tvmattn.schedules.cpu.tiles import pv_rows, tile_stage
 from tvmattn.schedules.knobs import KnobValue
 from tvmattn.schedules.micro_kernels import register_tile
 from tvmattn.schedules.primitives import (
@@ -83,7 +95,7 @@ def _attention_core(sch: Schedule, plan: CpuPlan, k: Mapping[str, KnobValue], la
     by_tile = lambda b, i, s, *rest: (b, i, s // q_tile, *rest, s % q_tile)  # noqa: E731
     for name in ("scores", "probs", "row_max", "row_sum"):
         sch.transform_layout(sch.get_sblock(name), ("write", 0), by_tile, assume_injective_transform=True)
-    # (tiles: pvᵀ, d_v-major, as they compute it: `tiles.tile_stage`)
+    # (tiles: pvᵀ, d_v-major, as they compute it: `tile_stage`)
     pv_at = (lambda b, i, s, c: (b, i, s // q_tile, c, s % q_tile)) if on_tiles else (  # noqa: E731
         lambda b, i, s, c: (b, i, s // q_tile, s % q_tile, c))
     sch.transform_layout(sch.get_sblock("pv"), ("write", 0), pv_at, assume_injective_transform=True)
@@ -109,10 +121,10 @@ def _attention_core(sch: Schedule, plan: CpuPlan, k: Mapping[str, KnobValue], la
     for name in PER_TILE[:1] + (("p_hi", "p_lo") if parts else ()) + PER_TILE[1:]:  # consumers first
         sch.compute_at(sch.get_sblock(name), task, preserve_unit_loops=True)
     if has_block(sch, "v_rows"):  # keys in whole blocks (`CpuPlan.padding`): P·V's panels are packed from them
-        packing.in_blocks(sch, "v_rows", lanes, plan.pv_pairs)
-        packing.in_blocks(sch, "k_rows", lanes, on_tiles)
+        in_blocks(sch, "v_rows", lanes, plan.pv_pairs)
+        in_blocks(sch, "k_rows", lanes, on_tiles)
     if parts:  # K's and V's parts, once before the tasks, in one pass
-        packing.before_tasks(sch, ("k_hi", "k_lo", "v_hi", "v_lo"), lanes)
+        before_tasks(sch, ("k_hi", "k_lo", "v_hi", "v_lo"), lanes)
 
     if plan.along_head_dim:
         scores_along_head_dim(sch, scores_rf, later)
@@ -134,20 +146,20 @@ def _attention_core(sch: Schedule, plan: CpuPlan, k: Mapping[str, KnobValue], la
         _row_reduction(sch, "row_sum", s_lanes)
     panels = None
     if plan.pv_pairs and parts:
-        panels = packing.pack_parts(sch, t, q_tile, isa.tiles.step)
+        panels = pack_parts(sch, t, q_tile, isa.tiles.step)
     elif plan.pv_pairs:
-        panels = packing.pack_pairs(sch, spec, t, isa.tiles.step if on_tiles else None, head if plan.v_pairs else None)
+        panels = pack_pairs(sch, spec, t, isa.tiles.step if on_tiles else None, head if plan.v_pairs else None)
     if plan.widen_v:
-        packing.widened_once(sch, "pv", ("v_rows", "v", "v_proj"), spec.d_v, lanes, at=head)
+        widened_once(sch, "pv", ("v_rows", "v", "v_proj"), spec.d_v, lanes, at=head)
     if on_tiles:
-        tiles.tile_stage(sch, isa.tiles, "pv", False, parts, later)
-        tiles.pv_rows(sch, lanes, later)
+        tile_stage(sch, isa.tiles, "pv", False, parts, later)
+        pv_rows(sch, lanes, later)
     else:  # whole row groups per tile: a partial group's accumulator has a loop-dependent size
         _weights_v(sch, spec, lanes, plan.pv_rows, k["pv_vecs"], isa.dot if plan.pv_pairs else None, later)
     if panels and parts:
-        later.append(functools.partial(packing.tensorize_parts, sch, isa, panels, q_tile))
+        later.append(functools.partial(tensorize_parts, sch, isa, panels, q_tile))
     elif panels:
-        later.append(functools.partial(packing.tensorize_pairs, sch, isa, spec, panels, q_tile, on_tiles, plan.v_pairs))
+        later.append(functools.partial(tensorize_pairs, sch, isa, spec, panels, q_tile, on_tiles, plan.v_pairs))
 
 
 def _scores_and_row_max(sch: Schedule, plan: CpuPlan, task, head, qk_keys: KnobValue, later: list) -> None:
@@ -156,21 +168,21 @@ def _scores_and_row_max(sch: Schedule, plan: CpuPlan, task, head, qk_keys: KnobV
     spec, lanes, q_tile = plan.spec, plan.lanes, plan.q_tile
     s_lanes = lanes_for(q_tile, lanes)
     if plan.fp16_parts:
-        packing.pack_query_parts(sch, task, q_tile, lanes, later)
+        pack_query_parts(sch, task, q_tile, lanes, later)
     else:
-        packing.pack_queries(sch, spec, task, q_tile, lanes, plan.qk_pairs, later)
+        pack_queries(sch, spec, task, q_tile, lanes, plan.qk_pairs, later)
     if plan.widen_k:
-        packing.widened_once(sch, "scores", ("k", "k_proj"), spec.d_k, lanes, at=head)
+        widened_once(sch, "scores", ("k", "k_proj"), spec.d_k, lanes, at=head)
     if plan.on_tiles:
         in_place = not (plan.fp16_parts or spec.projections or has_block(sch, "k_rows"))  # K read as it is given
-        tile_keys = tiles.tile_stage(sch, plan.isa.tiles, "scores", in_place and spec.layout == "BSHD",
+        tile_keys = tile_stage(sch, plan.isa.tiles, "scores", in_place and spec.layout == "BSHD",
                                     plan.fp16_parts, later)
     else:
         # (a layer's k_proj outside head tasks)
         widen = spec.dtype != "float32" and not plan.qk_pairs and not plan.widen_k
         tile_keys = _scores(sch, s_lanes, qk_keys, plan.isa.dot if plan.qk_pairs else None, later, widen=widen)
     if spec.attn_mask is not None and {"s", "t"} <= set(spec.attn_mask_dims):
-        packing.pack_mask(sch, task, q_tile)  # (row_max then reads the mask's tile: a pass of its own)
+        pack_mask(sch, task, q_tile)  # (row_max then reads the mask's tile: a pass of its own)
         _row_reduction(sch, "row_max", s_lanes)
     else:  # of each register tile as it is stored
         _row_reduction(sch, "row_max", s_lanes, tile_keys)
@@ -232,7 +244,7 @@ def _widen_keys(sch: Schedule, scores, t_out, lanes: int) -> None:
 def _weights_v(sch: Schedule, spec: AttentionSpec, lanes: int, rows: int, vecs: KnobValue, dot: Dot | None,
                later: list) -> None:
     """acc[pv_rows queries][pv_vecs·lanes of d_v] += probs[t, s] · v[t, c], over t, in registers;
-    with ``dot``, two keys per instruction (``dot.pair_first`` on `packing.pack_pairs`' panels)."""
+    with ``dot``, two keys per instruction (``dot.pair_first`` on `pack_pairs`' panels)."""
     pv = sch.get_sblock("pv")
     s, c, t = sch.get_loops(pv)[-3:]
     s_out, s_in = sch.split(s, [None, rows])
