@@ -99,12 +99,11 @@ class Matmul(ScheduleRule):
     tiles = staticmethod(gemm)
 
     def defaults(self, d_in: int, width: int, lanes: int, bits: int) -> dict[str, int]:
-        """The projections' tiles; for a wide output (an LM head) with AVX-512, 8 rows × 2 vectors: the
-        same 16 accumulators read half as much of the weight panel from L2 per FMA (50257 columns:
-        46.7 ms against 49.9 for 4 × 4; on 768–3072 columns the two are within 2 %). With AVX2, 4 × 3
-        (its columns padded to whole tiles where the weight is packed) and 32 tiles of rows per task,
-        so that each panel of the weight streams once per 128 rows (a 2-layer GPT-2 ONNX model on Zen
-        3, 97 % of it the LM head: 0.89× ONNX Runtime with 4 × 2 and 16, 0.95–1.09× so)."""
+        """The projections' tiles; for a wide output (an LM head; measured: the README's "Default
+        tiles") with 16-lane vectors 8 rows × 2 vectors, the same 16 accumulators reading half as much
+        of the weight panel from L2 per FMA; with narrower ones 4 × 3 (its columns padded to whole
+        tiles where the weight is packed) and 32 tiles of rows per task, so that each panel of the
+        weight streams once per 128 rows."""
         knobs = gemm_defaults(d_in, lanes, bits, (width,))
         if width >= WIDE and lanes >= 16:
             knobs.update(gemm_rows=8, gemm_vecs=2)
