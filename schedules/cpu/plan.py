@@ -28,7 +28,6 @@ from tvm.target import Target
 
 from tvmattn.compiler.isa.panels import PAIR
 from tvmattn.compiler.isa.record import Isa
-from tvmattn.compiler.passes import EXP2_P, EXP2_P_BF16
 from tvmattn.compiler.spec import AttentionSpec, Dim
 from tvmattn.compiler.target import isa_of
 from tvmattn.schedules.knobs import Knob, KnobValue, resolve
@@ -110,27 +109,20 @@ class CpuPlan:
         """Whether any product of the kernel runs on tile registers."""
         return (self.on_tiles and not self.split_k) or any(p.path == "tiles" for p in self.projections)
 
-    @property
-    def exp2(self) -> tuple[float, ...]:
-        """The exp2 polynomial's coefficients: a shorter one where every result is rounded to bf16."""
-        return EXP2_P_BF16 if self.spec.dtype == "bfloat16" else EXP2_P
-
     def projection(self, name: str) -> Projection:
         return next(p for p in self.projections if p.name == name)
 
-    def whole(self, length: Dim) -> Dim:
-        """A length as the kernel's stages run it: in whole blocks where padded (a symbolic one: any
-        multiple of the block stands for it)."""
-        return whole(length, self.padding)
-
 
 def whole(length: Dim, block: int) -> Dim:
+    """A length as the kernel's stages run it: in whole blocks where padded (a symbolic one: any
+    multiple of the block stands for it)."""
     if block == 1:
         return length
     return block if not isinstance(length, int) else -(-length // block) * block
 
 
 _PLANS: dict[tuple, CpuPlan] = {}
+_MOST_PLANS = 4096  # (a model import plans a few per attention shape)
 
 
 def plan_of(spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue] | None = None) -> CpuPlan:
@@ -138,6 +130,8 @@ def plan_of(spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue] 
     once per (spec, target, knobs)."""
     key = (spec, str(target), tuple(sorted((knobs or {}).items())))
     if key not in _PLANS:
+        if len(_PLANS) >= _MOST_PLANS:
+            _PLANS.clear()
         _PLANS[key] = _plan(spec, target, knobs)
     return _PLANS[key]
 
@@ -147,7 +141,7 @@ def _plan(spec: AttentionSpec, target: Target, given: Mapping[str, KnobValue] | 
     cores = int(target.attrs.get("num-cores", 1))
     parts_core = _fp16_parts(spec, isa)
     padding = _padding(spec, isa, parts_core)
-    projections = tuple(_projection(spec, isa, name, weight, padding) for name, weight in PROJECTIONS.items()) \
+    projections = tuple(_projection(spec, isa, name, weight) for name, weight in PROJECTIONS.items()) \
         if spec.projections else ()
     parts = frozenset((["core"] if parts_core else []) + [p.name for p in projections if p.path == "tiles"]) \
         if spec.dtype == "float16" else frozenset()
@@ -260,7 +254,7 @@ def _rows(spec: AttentionSpec, projection: str) -> Dim:
     return rows * spec.batch if isinstance(spec.batch, int) and isinstance(rows, int) else rows
 
 
-def _projection(spec: AttentionSpec, isa: Isa, name: str, weight: str, padding: int) -> Projection:
+def _projection(spec: AttentionSpec, isa: Isa, name: str, weight: str) -> Projection:
     """A projection on tile registers where bf16 (fp16 in parts) has static rows from `MIN_PAIR_ROWS`
     (any symbolic ones) and the reduction and columns in whole blocks (W_O's within one head); else
     on the bf16 dot products (pairs of W packed once) with whole pairs and columns in whole vectors;
