@@ -23,7 +23,6 @@ from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import host_target, is_cpu, resolve_target
 from tvmattn.compiler.te_attention import attention_te
 from tvmattn.compiler.tuning.lookup import tuned_schedule
-from tvmattn.schedules import x86_amx, x86_bf16
 from tvmattn.schedules.ops import BEFORE_LEGALIZE, ScheduleFunctions
 from tvmattn.schedules.ops.precision import matmuls_in
 
@@ -69,13 +68,9 @@ def schedule_attention(spec: AttentionSpec, target: Target, knobs: Mapping[str, 
 
 
 def lowering_passes(spec: AttentionSpec, target: Target) -> tvm.transform.Pass:
-    """tvmattn's own passes, run on the scheduled module before TVM's pipeline."""
-    seq = [passes.skip_masked_key_tiles(spec)]
-    if is_cpu(target):
-        exp2 = passes.EXP2_P_BF16 if spec.dtype == "bfloat16" else passes.EXP2_P
-        seq += [passes.pad_query_tiles(), passes.peel_key_tails(), passes.polynomial_math(exp2),
-                passes.exact_widenings(), x86_bf16.keep_operands_16bit(), x86_amx.tile_configuration()]
-    return tvm.transform.Sequential(seq)
+    """The passes the schedule rule of ``spec`` declares (`AttentionRule.passes`), run on the scheduled
+    module before TVM's pipeline."""
+    return tvm.transform.Sequential(schedules.rule_for(spec, target).passes(spec, target))
 
 
 def lower(mod: tvm.IRModule, target: Target) -> tvm.IRModule:

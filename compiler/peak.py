@@ -26,8 +26,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvmattn.compiler.bench import measure
-from tvmattn.compiler.target import cpu_cores, resolve_target, vector_lanes
-from tvmattn.schedules.x86_bf16 import DOT_FUNCTION, DOT_LLVM, has_bf16_dot
+from tvmattn.compiler.target import cpu_cores, isa_of, resolve_target, vector_lanes
 
 # Chains in flight: at least latency × pipes (vdpbf16ps on Zen 5: 12 chains ran at 0.84× the rate of 24), in the
 # registers with the 2 operands (AVX-512: 32; AVX2: 16, and FMAs of latency 4 on 2 pipes need 8).
@@ -59,7 +58,8 @@ class PeakLoop:
 def peak_loop(target: tvm.target.Target, dtype: str, tasks: int) -> PeakLoop:
     """The peak loop of ``dtype`` for ``target``, ``tasks`` in parallel: bf16 dot products where the
     target has them and ``dtype`` is bfloat16, else fp32 FMAs."""
-    dots = dtype == "bfloat16" and has_bf16_dot(target)
+    dot = isa_of(target).dot if dtype == "bfloat16" else None
+    dots = dot is not None
     lanes = vector_lanes(target)
     chains = ACCUMULATORS.get(lanes, 8)
     vec = f"float32x{lanes}"
@@ -67,7 +67,7 @@ def peak_loop(target: tvm.target.Target, dtype: str, tasks: int) -> PeakLoop:
 
     def step(acc, x, y):  # DEPTH instructions, each on the one before (bf16: acc + x·y; fp32: acc·y + x = acc + STEP)
         for _ in range(DEPTH):
-            acc = T.call_extern(vec, DOT_FUNCTION, acc, x, y) if dots else T.call_intrin(vec, "tirx.fma", acc, y, x)
+            acc = T.call_extern(vec, dot.function, acc, x, y) if dots else T.call_intrin(vec, "tirx.fma", acc, y, x)
         return acc
 
     @T.prim_func
@@ -86,7 +86,7 @@ def peak_loop(target: tvm.target.Target, dtype: str, tasks: int) -> PeakLoop:
 
     func = main.with_attr("global_symbol", "main")
     if dots:  # the dot product's LLVM function linked into the module; both operands bf16 pairs of 2⁻¹⁰
-        body = tirx.AttrStmt(tvm.ir.StringImm("dot"), "pragma_import_llvm", tvm.ir.StringImm(DOT_LLVM), func.body)
+        body = tirx.AttrStmt(tvm.ir.StringImm("dot"), "pragma_import_llvm", tvm.ir.StringImm(dot.llvm), func.body)
         func = func.with_body(body)
         a = b = np.full(lanes, BF16_HALF_STEP * 0x10001, np.uint32).view(np.int32)
     else:

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from typing import Mapping
 
+import tvm
 from tvm.s_tir import Schedule, dlight
 from tvm.target import Target
 
 from tvmattn.compiler.spec import AttentionSpec
+from tvmattn.compiler.target import is_cpu
+from tvmattn.schedules.cpu import lowering
 from tvmattn.schedules.knobs import KnobValue
 from tvmattn.schedules.rule import AttentionRule
 
@@ -28,6 +31,9 @@ class IntermediateOutput(AttentionRule):
         if target.kind.name == "cuda":
             return "dlight fallback rules"
         return "every stage parallel over (batch, head)"
+
+    def passes(self, spec: AttentionSpec, target: Target) -> list[tvm.transform.Pass]:
+        return super().passes(spec, target) + (lowering(spec, target) if is_cpu(target) else [])
 
     def apply(self, sch: Schedule, spec: AttentionSpec, target: Target,
               knobs: Mapping[str, KnobValue]) -> Schedule | None:

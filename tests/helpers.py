@@ -6,11 +6,15 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import tvm_ffi
+from tvm.s_tir import SBlock
 from tvm.target import Target
 
 import tvmattn
 from tvmattn.compiler.build import build_serial
 from tvmattn.compiler.flash import FlashTiles
+from tvmattn.compiler.isa.x86_amx import AMX_TILES
+from tvmattn.compiler.isa.x86_bf16 import BF16_DOT
 from tvmattn.compiler.kernel import CompiledAttention
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import AMX_FEATURES, CPUINFO_FEATURES, has_feature, host_target
@@ -45,3 +49,37 @@ def assert_matches_oracle(kernel: CompiledAttention, sizes: dict[str, int] | Non
     (its symbolic lengths) and compare with `tvmattn.reference` within the dtype's tolerance."""
     result = check(kernel, sizes, seed, inputs)
     assert result.ok, f"{result.line()} for {kernel.spec!r} [{kernel.schedule}]"
+
+
+# the update blocks of the products a 16-bit instruction may compute, by the product's name
+PRODUCTS = {"scores": "QKᵀ", "pv": "P·V", "q_proj_acc": "W_Q", "k_proj_acc": "W_K", "v_proj_acc": "W_V",
+            "out_acc": "W_O"}
+
+
+def products_on(kernel: CompiledAttention, instruction: str) -> set[str]:
+    """The products (QKᵀ, P·V, W_Q, …) of ``kernel``'s scheduled TIR that ``instruction`` computes:
+    "dot" (the bf16 dot product's function) or "tiles" (AMX's tile product), read from the update
+    blocks the schedule tensorized."""
+    call = {"dot": BF16_DOT.function, "tiles": AMX_TILES.instruction}[instruction]
+    found = set()
+
+    def on_block(block: SBlock, visitor) -> None:
+        stage = block.name_hint.removesuffix("_update_o")
+        if stage in PRODUCTS and block.name_hint != stage and call in block.body.script():
+            found.add(PRODUCTS[stage])
+        visitor.default_visit(block)
+
+    tvm_ffi.structural_visit(kernel.module["main"].body, [(SBlock, on_block)])
+    return found
+
+
+def block_names(kernel: CompiledAttention) -> set[str]:
+    """The names of the blocks of ``kernel``'s scheduled TIR."""
+    names = set()
+
+    def on_block(block: SBlock, visitor) -> None:
+        names.add(block.name_hint)
+        visitor.default_visit(block)
+
+    tvm_ffi.structural_visit(kernel.module["main"].body, [(SBlock, on_block)])
+    return names

@@ -9,25 +9,26 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import HOST, NO_AMX, assert_matches_oracle, compiled, runs_here
+from helpers import HOST, NO_AMX, assert_matches_oracle, block_names, compiled, products_on, runs_here
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import specs
 
 import tvmattn
 from tvmattn import AttentionSpec
+from tvmattn.compiler.target import isa_of, resolve_target
 from tvmattn.compiler.verify import check
-from tvmattn.schedules.x86_amx import has_amx
-from tvmattn.schedules.x86_bf16 import has_bf16_dot
+from tvmattn.schedules.cpu.plan import plan_of
 
-HOST_HAS_BF16_DOT = has_bf16_dot(HOST)
+HOST_HAS_BF16_DOT = isa_of(HOST).dot is not None
+HOST_HAS_AMX = isa_of(HOST).tiles is not None
 needs_bf16_dot = pytest.mark.skipif(not HOST_HAS_BF16_DOT, reason="this CPU has no AVX512-BF16")
-needs_amx = pytest.mark.skipif(not has_amx(HOST), reason="this CPU has no AMX-BF16 (or Linux does not grant it)")
+needs_amx = pytest.mark.skipif(not HOST_HAS_AMX, reason="this CPU has no AMX-BF16 (or Linux does not grant it)")
 
 
 @st.composite
 def dot_specs(draw, symbolic: bool = False) -> AttentionSpec:
-    """A bf16 spec whose QKᵀ and P·V can take the dot products (`cpu.bf16_dots`): whole query and key
+    """A bf16 spec whose QKᵀ and P·V can take the dot products (`CpuPlan.qk_pairs`, `pv_pairs`): whole query and key
     tiles, head widths in whole vectors; every other axis drawn."""
     spec = draw(specs(dtype="bfloat16", symbolic=False, intermediate=False, max_len=80))
     d = draw(st.sampled_from((16, 32, 64)))
@@ -43,7 +44,7 @@ def dot_specs(draw, symbolic: bool = False) -> AttentionSpec:
 @given(dot_specs())
 def test_bf16_dot_products_match_the_oracle(spec):
     kernel = compiled(spec, NO_AMX)
-    assert "vdpbf16ps" in kernel.schedule, kernel.schedule
+    assert products_on(kernel, "dot"), kernel.schedule
     assert_matches_oracle(kernel)
 
 
@@ -56,8 +57,7 @@ def test_symbolic_lengths_run_on_the_bf16_dot_products(spec, data):
     past a block."""
     spec = spec.replace(head_dim=data.draw(st.sampled_from((16, 32, 64))), v_head_dim=None)
     kernel = compiled(spec, NO_AMX)
-    stages = kernel.schedule.split(" on bf16 dot products")[0].replace(" and ", ", ").split(", ")
-    assert {"QKᵀ", "P·V"} <= set(stages), kernel.schedule
+    assert {"QKᵀ", "P·V"} <= products_on(kernel, "dot"), kernel.schedule
     for i, n in enumerate(data.draw(st.lists(st.integers(1, 70), min_size=2, max_size=3))):
         assert_matches_oracle(kernel, {name: 2 if name == "B" else n + 5 * j
                                        for j, name in enumerate(spec.symbolic_dims)}, seed=i)
@@ -72,7 +72,7 @@ def test_symbolic_lengths_with_an_attn_mask_on_the_bf16_dot_products(kind, dims)
     spec = AttentionSpec(batch="B", seq_len="n", kv_seq_len="m", num_heads=2, head_dim=32, attn_mask=kind,
                          attn_mask_dims=dims, projections=False, dtype="bfloat16")
     kernel = compiled(spec, NO_AMX)
-    assert "QKᵀ and P·V on bf16 dot products" in kernel.schedule, kernel.schedule
+    assert products_on(kernel, "dot") == {"QKᵀ", "P·V"}, kernel.schedule
     for seed, sizes in enumerate(({"B": 2, "n": 21, "m": 40}, {"B": 1, "n": 1, "m": 9}, {"B": 1, "n": 64, "m": 64})):
         assert_matches_oracle(kernel, sizes, seed=seed)
 
@@ -86,14 +86,14 @@ def test_bf16_dot_products_skip_hidden_key_tiles(causal, window, key_padding):
     spec = AttentionSpec(batch=2, seq_len=96, num_heads=2, head_dim=32, causal=causal, window=window,
                          key_padding=key_padding, projections=False, dtype="bfloat16")
     kernel = compiled(spec, NO_AMX, knobs=(("q_tile", 32),))
-    assert "P·V on bf16 dot products" in kernel.schedule, kernel.schedule
+    assert "P·V" in products_on(kernel, "dot"), kernel.schedule
     for seed in range(3):
         assert_matches_oracle(kernel, seed=seed)
 
 
 @st.composite
 def amx_specs(draw, symbolic: bool = False) -> AttentionSpec:
-    """A bf16 core spec whose QKᵀ and P·V take AMX's tiles (`cpu.amx_tiles`): head widths in whole
+    """A bf16 core spec whose QKᵀ and P·V take AMX's tiles (`CpuPlan.on_tiles`): head widths in whole
     tiles; lengths whole blocks of 32 or padded to them (other static ones, and symbolic ones);
     every other axis drawn."""
     spec = draw(specs(dtype="bfloat16", symbolic=symbolic, intermediate=False, projections=False, max_len=100))
@@ -112,7 +112,7 @@ def amx_specs(draw, symbolic: bool = False) -> AttentionSpec:
 @given(amx_specs())
 def test_amx_tiles_match_the_oracle(spec):
     kernel = compiled(spec)
-    assert "AMX tiles" in kernel.schedule, kernel.schedule
+    assert products_on(kernel, "tiles"), kernel.schedule
     assert_matches_oracle(kernel)
 
 
@@ -123,7 +123,7 @@ def test_symbolic_lengths_run_on_amx_tiles(spec, data):
     """One symbolic kernel on AMX's tiles (its lengths padded to whole blocks of 32, the rows and keys
     past the end reading the last again and hidden), at lengths inside and past a block."""
     kernel = compiled(spec)
-    assert "AMX tiles" in kernel.schedule, kernel.schedule
+    assert products_on(kernel, "tiles"), kernel.schedule
     for i, n in enumerate(data.draw(st.lists(st.integers(1, 100), min_size=2, max_size=3))):
         assert_matches_oracle(kernel, {name: 2 if name == "B" else n + 5 * j
                                        for j, name in enumerate(spec.symbolic_dims)}, seed=i)
@@ -143,8 +143,8 @@ def test_layers_on_amx_tiles_match_the_oracle(spec, data):
         spec = spec.replace(kv_seq_len=data.draw(st.sampled_from((256, 300))), window=None)
     kernel = compiled(spec)
     if spec.dtype == "bfloat16" or spec.symbolic_dims or (spec.n_kv >= 256 and spec.window is None):
-        assert "QKᵀ and P·V on AMX tiles" in kernel.schedule, kernel.schedule
-    assert "W_O on AMX tiles" in kernel.schedule, kernel.schedule
+        assert {"QKᵀ", "P·V"} <= products_on(kernel, "tiles"), kernel.schedule
+    assert "W_O" in products_on(kernel, "tiles"), kernel.schedule
     for seed, n in enumerate((16, 45) if spec.symbolic_dims else (None,)):
         assert_matches_oracle(kernel, {name: 2 if name == "B" else n for name in spec.symbolic_dims}, seed=seed)
 
@@ -157,13 +157,16 @@ SPEC = AttentionSpec(batch=1, seq_len=64, num_heads=2, head_dim=64, projections=
 def test_bf16_instructions_exactly_where_the_target_has_them(mcpu, has_dot, has_tiles):
     """AMX's tile products where the CPU has them (each task configures the tiles and releases them),
     else AVX512-BF16's dot products, else fp32 FMAs; P rounded to bf16 pairs for P·V on either."""
-    kernel = tvmattn.compile(SPEC, {"kind": "llvm", "mcpu": mcpu, "num-cores": 2}, knobs={})
+    target = resolve_target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2})
+    kernel = tvmattn.compile(SPEC, target, knobs={})
+    plan = plan_of(SPEC, target)
+    assert (plan.qk_pairs and plan.pv_pairs) == has_dot and plan.on_tiles == has_tiles
     asm = kernel.source()
     assert ("vdpbf16ps" in asm) == (has_dot and not has_tiles)
     assert all((op in asm) == has_tiles for op in ("tdpbf16ps", "tileloadd", "tilestored", "ldtilecfg", "tilerelease"))
     assert ("vcvtne2ps2bf16" in asm) == has_dot
-    assert ("vdpbf16ps" in kernel.schedule) == (has_dot and not has_tiles)
-    assert ("AMX tiles" in kernel.schedule) == has_tiles
+    assert bool(products_on(kernel, "dot")) == (has_dot and not has_tiles)
+    assert bool(products_on(kernel, "tiles")) == has_tiles
     if runs_here(kernel.target):
         assert_matches_oracle(kernel)
 
@@ -188,7 +191,7 @@ def test_an_exported_amx_kernel_asks_for_the_tiles_itself(tmp_path):
     spec = AttentionSpec(batch=1, seq_len=96, num_heads=2, head_dim=32, causal=True, projections=False,
                          dtype="bfloat16")
     kernel = compiled(spec)
-    assert "AMX tiles" in kernel.schedule
+    assert products_on(kernel, "tiles")
     kernel.export_library(str(tmp_path / "attention.so"))
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 2, 96, 32)).astype(np.float32) for _ in range(3))
@@ -205,12 +208,14 @@ def test_an_exported_amx_kernel_asks_for_the_tiles_itself(tmp_path):
                                                     (128, True, False), ("m", True, True)])
 def test_fp16_takes_the_tiles_from_128_keys_a_query_sees(kv_seq_len, causal, tiles):
     """fp16 on tile products in bf16 parts where the target has AMX and a query sees enough keys to
-    pay for the parts (`cpu.PARTS_MIN_KEYS`: about half of them where causal), else widened to fp32
+    pay for the parts (`plan.PARTS_MIN_KEYS`: about half of them where causal), else widened to fp32
     FMAs."""
     spec = AttentionSpec(batch=1, seq_len=kv_seq_len if causal and kv_seq_len != "m" else 64, kv_seq_len=kv_seq_len,
                          num_heads=2, head_dim=64, causal=causal, projections=False, dtype="float16")
-    kernel = tvmattn.compile(spec, {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2})
-    assert ("tdpbf16ps" in kernel.source()) == tiles and ("AMX tiles" in kernel.schedule) == tiles
+    target = resolve_target({"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2})
+    kernel = tvmattn.compile(spec, target)
+    assert plan_of(spec, target).fp16_parts == tiles
+    assert ("tdpbf16ps" in kernel.source()) == tiles and bool(products_on(kernel, "tiles")) == tiles
 
 
 def test_one_query_keeps_its_dot_products_along_the_head():
@@ -218,14 +223,15 @@ def test_one_query_keeps_its_dot_products_along_the_head():
     spec = AttentionSpec(batch=2, seq_len=1, kv_seq_len=256, num_heads=8, head_dim=64, projections=False,
                          dtype="bfloat16")
     kernel = tvmattn.compile(spec, {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2})
-    assert "AMX" not in kernel.schedule and "tdpbf16ps" not in kernel.source()
+    assert not products_on(kernel, "tiles") and "tdpbf16ps" not in kernel.source()
 
 
 def test_amx_needs_whole_blocks_of_32():
     """d_k = 16 (half a tile row) and a query tile of 16 keep the AVX512-BF16 dot products."""
     target = {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2}
-    assert "vdpbf16ps" in tvmattn.compile(SPEC.replace(head_dim=16), target).schedule
-    assert "vdpbf16ps" in tvmattn.compile(SPEC, target, knobs={"q_tile": 16}).schedule
+    for kernel in (tvmattn.compile(SPEC.replace(head_dim=16), target),
+                   tvmattn.compile(SPEC, target, knobs={"q_tile": 16})):
+        assert products_on(kernel, "dot") == {"QKᵀ", "P·V"} and not products_on(kernel, "tiles"), kernel.schedule
 
 
 # d_k = 3: QKᵀ and P·V cannot take the dot products, so any vdpbf16ps is the projections'
@@ -242,8 +248,8 @@ def test_layer_projections_on_amx_tiles(seq_len, dtype):
     spec = LAYER.replace(seq_len=seq_len, num_heads=2, head_dim=16, v_head_dim=32, d_model=64, dtype=dtype)
     kernel = tvmattn.compile(spec, {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2}, knobs={})
     assert ("tdpbf16ps" in kernel.source()) == (seq_len != 1)
-    assert ("W_Q, W_K, W_V and W_O on AMX tiles" in kernel.schedule) == (seq_len != 1)
-    if has_amx(HOST):
+    assert (products_on(kernel, "tiles") == {"W_Q", "W_K", "W_V", "W_O"}) == (seq_len != 1)
+    if HOST_HAS_AMX:
         for n in (1, 17, 40) if seq_len == "n" else (None,):
             assert_matches_oracle(kernel, {"n": n} if n else None)
 
@@ -293,7 +299,7 @@ def _stack_vector_operands(asm: str) -> int:
 def test_16bit_kernels_without_the_instructions_keep_their_tiles_in_avx2_registers(dtype, causal, projections):
     """With AVX2's 16 vector registers, a 16-bit kernel widened to fp32 FMAs spills about as much as
     the fp32 kernel of the same spec: at most a register file (16 operands) more, as its loop nest
-    may differ (head tasks, `cpu.head_tasks`: a few more hoisted mask vectors on the stack); 16-bit
+    may differ (head tasks, `CpuPlan.per_head`: a few more hoisted mask vectors on the stack); 16-bit
     tiles sized for AVX-512's 32 registers spilled 400 stack operands against fp32's 23 (0.32× its
     speed). And it matches the oracle (fp16's P·V converts V in the micro-kernel there, not in a
     pass)."""
@@ -326,7 +332,7 @@ def test_widened_projections_broadcast_x_in_fp32(seq_len, kv_seq_len, dtype):
 @pytest.mark.parametrize("kv_heads,key_padding,head_dim", [(8, False, 64), (2, True, 128), (8, True, 40)])
 def test_half_width_kv_decode_matches_the_oracle(dtype, kv_heads, key_padding, head_dim):
     """One query against a long 16-bit cache (the memory-bound case: half the bytes of fp32); P·V
-    tiles of a whole V row (`cpu._one_pass_vecs`): 8 vectors, 16 (spilling AVX2's registers), 4 and a tail of 1."""
+    tiles of a whole V row (`plan._one_pass_vecs`): 8 vectors, 16 (spilling AVX2's registers), 4 and a tail of 1."""
     spec = AttentionSpec(batch=2, seq_len=1, kv_seq_len=600, num_heads=8, num_kv_heads=kv_heads, head_dim=head_dim,
                          key_padding=key_padding, projections=False, dtype=dtype)
     assert_matches_oracle(compiled(spec))
@@ -343,7 +349,7 @@ def test_fp16_on_amx_tiles_in_bf16_parts_matches_the_oracle(spec, data):
                         kv_seq_len=spec.kv_seq_len if spec.symbolic_dims else data.draw(st.sampled_from((256, 300))),
                         seq_len=spec.seq_len if spec.symbolic_dims else max(spec.n_q, 2))
     kernel = compiled(spec)
-    assert "AMX tiles" in kernel.schedule, kernel.schedule
+    assert products_on(kernel, "tiles"), kernel.schedule
     for seed, n in enumerate((7, 70) if spec.symbolic_dims else (None,)):
         assert_matches_oracle(kernel, {name: 2 if name == "B" else n for name in spec.symbolic_dims}, seed=seed)
 
@@ -357,7 +363,7 @@ def test_fp16_in_bf16_parts_is_as_accurate_as_widened_fp16(causal):
     spec = AttentionSpec(batch=1, seq_len=256, num_heads=2, head_dim=64, causal=causal, projections=False,
                          dtype="float16")
     on_tiles, widened = compiled(spec), compiled(spec, NO_AMX)
-    assert "AMX tiles" in on_tiles.schedule and "AMX" not in widened.schedule
+    assert products_on(on_tiles, "tiles") and not products_on(widened, "tiles")
     for seed in range(3):
         tiles_error, widened_error = (check(k, None, seed, {}).max_rel for k in (on_tiles, widened))
         assert tiles_error <= max(1.5 * widened_error, 1e-3), (tiles_error, widened_error)
@@ -372,7 +378,9 @@ def test_fp16_layers_in_bf16_parts_are_as_accurate_as_widened_fp16(seq_len, kv_s
     spec = AttentionSpec(batch=2, seq_len=seq_len, kv_seq_len=kv_seq_len, num_heads=4, head_dim=32, d_model=128,
                          causal=kv_seq_len is None, dtype="float16")
     on_tiles, widened = compiled(spec), compiled(spec, NO_AMX)
-    assert "W_O on AMX tiles (fp16 as bf16 hi + lo)" in on_tiles.schedule and "AMX" not in widened.schedule
+    parts = {"merged_hi", "merged_lo", "w_o_hi_o", "w_o_lo_o"}  # W_O's x and W as bf16 hi + lo (W's packed)
+    assert "W_O" in products_on(on_tiles, "tiles") and parts <= block_names(on_tiles)
+    assert not products_on(widened, "tiles")
     for seed in range(3):
         tiles_error, widened_error = (check(k, None, seed, {}).max_rel for k in (on_tiles, widened))
         assert tiles_error <= max(1.5 * widened_error, 1e-3), (tiles_error, widened_error)
@@ -381,5 +389,5 @@ def test_fp16_layers_in_bf16_parts_are_as_accurate_as_widened_fp16(seq_len, kv_s
 @settings(max_examples=8, deadline=None)
 @given(specs(dtype="float16", symbolic=False, intermediate=False, max_len=80))
 def test_fp16_widened_operands_match_the_oracle(spec):
-    """fp16 keys widened a register tile at a time and fp32 query panels (`cpu._widen_keys`)."""
+    """fp16 keys widened a register tile at a time and fp32 query panels (`query_tiles._widen_keys`)."""
     assert_matches_oracle(compiled(spec.replace(seq_len=max(spec.n_q, 16))))

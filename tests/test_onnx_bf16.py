@@ -20,14 +20,14 @@ import tvmattn
 from tvmattn.compiler import build
 from tvmattn.compiler.kernel import host_tensor
 from tvmattn.compiler.passes import polynomial_math
-from tvmattn.compiler.target import resolve_target
+from tvmattn.compiler.target import isa_of, resolve_target
 from tvmattn.compiler.verify import TOLERANCE, errors
 from tvmattn.models import zoo
 from tvmattn.schedules.ops import RULES
 from tvmattn.schedules.ops.matmul import CONSTANT_PARAMS, pack
-from tvmattn.schedules.x86_bf16 import has_bf16_dot
 
 HOST = resolve_target("cpu")
+HAS_DOT = isa_of(HOST).dot is not None  # the host CPU has a bf16 dot product
 ZEN4 = resolve_target({"kind": "llvm", "mcpu": "znver4"})  # AVX512-BF16
 ZEN3 = resolve_target({"kind": "llvm", "mcpu": "znver3"})  # AVX2
 
@@ -56,7 +56,7 @@ def schedule(func: tirx.PrimFunc, target) -> tuple[str, tvm.IRModule]:
 def test_bf16_gemm_matches_float64(rows, k, n):
     m = tirx.Var("m", "int64") if rows == "symbolic" else i64(rows)
     rule, mod = schedule(bf16_gemm(m, k, n), HOST)
-    assert rule == ("matmul-bf16" if has_bf16_dot(HOST) and n % 16 == 0 else "matmul")
+    assert rule == ("matmul-bf16" if HAS_DOT and n % 16 == 0 else "matmul")
     count = 37 if rows == "symbolic" else rows
     rng = np.random.default_rng(0)
     x = rng.standard_normal((count, k)).astype(ml_dtypes.bfloat16)
@@ -93,7 +93,7 @@ def test_zoo_model_in_16_bits(name, dtype):
     imported = tvmattn.import_onnx(m.export(), dtype=dtype)
     assert imported.report.dtype == dtype
     assert all(r.spec.dtype == dtype for r in imported.report.replacements)  # the attention kernels too
-    if dtype == "bfloat16" and has_bf16_dot(HOST) and m.kind != zoo.DECODE:  # (a decode step's are GEMVs)
+    if dtype == "bfloat16" and HAS_DOT and m.kind != zoo.DECODE:  # (a decode step's are GEMVs)
         assert "matmul-bf16" in imported.report.rule_of.values()
     feed = m.feed(m.shapes[0])
     for got, want in zip(imported.run(feed), ort_run(m.export(), feed)):

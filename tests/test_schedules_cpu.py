@@ -12,9 +12,10 @@ from tvm.tirx import For, ForKind
 import tvmattn
 from tvmattn import AttentionSpec
 from tvmattn.compiler.build import lower, schedule_attention
-from tvmattn.compiler.target import resolve_target, vector_lanes
+from tvmattn.compiler.target import isa_of, resolve_target, vector_lanes
 from tvmattn.models.presets import PRESETS
 from tvmattn.schedules import cpu, default_knobs
+from tvmattn.schedules.micro_kernels import PANEL_BYTES
 
 EXTREMES = [
     dict(q_tile=8, qk_keys=1, pv_rows=1, pv_vecs=1),
@@ -197,7 +198,7 @@ def _own_assembly(kernel) -> str:
                                                   "bf16-symbolic"])
 def test_query_panel_is_transposed_in_registers(target, spec):
     """QKᵀ's query panel, (d_k, q_tile) or the bf16 dot products' (d_k/2, q_tile, 2), copied in blocks
-    of lanes × lanes words shuffled in registers (`x86_panels`): with AVX-512, no scatter (fp32) nor
+    of lanes × lanes words shuffled in registers (`isa.panels`): with AVX-512, no scatter (fp32) nor
     16-bit extract per element (bf16 pairs) is left; and the kernel matches the oracle (symbolic
     lengths: rows in whole blocks, `_padding`, the last one clamped)."""
     kernel = tvmattn.compile(spec, target)
@@ -217,10 +218,11 @@ def test_projection_defaults_fit_registers_and_l2(target, preset):
     spec, tgt = PRESETS[preset], resolve_target(target)
     lanes = vector_lanes(tgt)
     knobs = default_knobs(spec, tgt)
-    registers = 32 if lanes == 16 else 16
+    registers = isa_of(tgt).registers
+    assert registers == (32 if lanes == 16 else 16)
     assert knobs["gemm_rows"] * knobs["gemm_vecs"] + knobs["gemm_vecs"] + 1 <= registers
     panel = spec.d_model * knobs["gemm_block_cols"] * knobs["gemm_vecs"] * lanes * 4
-    assert panel <= cpu.PANEL_BYTES or knobs["gemm_block_cols"] == 1
+    assert panel <= PANEL_BYTES or knobs["gemm_block_cols"] == 1
 
 
 @pytest.mark.parametrize("mcpu, dense_tile, masked_tile, pv_vecs", [("znver5", 64, 32, 4), ("znver4", 16, 16, 2)])
@@ -321,7 +323,7 @@ def test_schedule_names_the_knobs_its_kernel_reads(spec, target):
     (DECODE[0].replace(kv_seq_len="L"), AVX2, 8),  # a symbolic KV cache
 ])
 def test_decode_scores_sum_their_lanes_in_a_tree(spec, target, lanes):
-    """A decode key's partial sums along d_k are added by halves (`x86_sums`): log2(lanes) rounds
+    """A decode key's partial sums along d_k are added by halves (`isa.lane_sums`): log2(lanes) rounds
     of shuffles in the scheduled TIR, no serial reduction over the lanes; and the oracle's result."""
     target = resolve_target(target)
     lanes = lanes or min(vector_lanes(target), max(w for w in (16, 8, 4, 2) if spec.d_k % w == 0))

@@ -8,6 +8,7 @@ from tvmattn.compiler.target import (
     CPUINFO_FEATURES,
     has_feature,
     host_target,
+    isa_of,
     mattr_for,
     resolve_target,
     target_key,
@@ -38,6 +39,25 @@ def test_features_a_vm_hides_are_turned_off():
     mattr = mattr_for("skylake-avx512", flags)
     assert [f for f in mattr if f.startswith("-")] == ["-avx512bw", "-avx512cd", "-avx512dq", "-avx512f", "-avx512vl"]
     assert vector_lanes(resolve_target({"kind": "llvm", "mcpu": "skylake-avx512", "mattr": list(mattr)})) == 8
+
+
+@pytest.mark.parametrize("mcpu,mattr,record,lanes,registers,full_width", [
+    ("znver3", [], "avx2", 8, 16, False),
+    ("skylake-avx512", [], "avx512", 16, 32, False),
+    ("znver4", [], "avx512-bf16", 16, 32, False),
+    ("sapphirerapids", [], "amx", 16, 32, False),
+    ("sapphirerapids", ["-amx-tile", "-amx-bf16"], "avx512-bf16", 16, 32, False),
+    ("znver5", [], "avx512-bf16", 16, 32, True),  # full-width AVX-512 FMAs
+    ("x86-64", [], "generic", 4, 16, False),
+])
+def test_each_cpu_takes_the_record_of_its_instruction_set(mcpu, mattr, record, lanes, registers, full_width):
+    """One record per instruction set, chosen from the target's features: its lanes and registers
+    size the register tiles, its dot product and tiles are the 16-bit products the kernels may use."""
+    isa = isa_of(resolve_target({"kind": "llvm", "mcpu": mcpu, "mattr": mattr}))
+    assert (isa.name, isa.lanes, isa.registers, isa.full_width) == (record, lanes, registers, full_width)
+    assert (isa.dot is not None, isa.tiles is not None) == (record in ("avx512-bf16", "amx"), record == "amx")
+    assert (isa.exp2 is not None) == (isa.bits == 512)
+    assert isa_of(resolve_target("cuda")) is None
 
 
 def test_tuning_records_are_keyed_by_the_corrected_target():

@@ -7,8 +7,9 @@ legalisation and operator fusion (a MatMul with its bias and GELU is one functio
 gives every function not scheduled yet (tvmattn's attention kernels are) the first rule that applies:
 
     matmul-bf16 a bf16 GEMM (``import_onnx(dtype="bfloat16")``) on the bf16 dot products, in the same tiles
-    matmul      a fused GEMM / batch GEMM: the attention layer's register-tiled micro-kernel (`cpu.gemm`)
-    gemv        the same with one row (a decode step): column tiles of vectors (`cpu.gemv`)
+    matmul      a fused GEMM / batch GEMM: the attention layer's register-tiled micro-kernel
+                (`micro_kernels.gemm`)
+    gemv        the same with one row (a decode step): column tiles of vectors (`micro_kernels.gemv`)
     dlight-gemv TVM dlight's CPU GEMV: the reduction runs along contiguous memory
     reduction   row reductions (LayerNorm, RMSNorm, softmax) with their neighbours: parallel rows, vector lanes
     injective   elementwise, broadcasts, transposes, gathers, concat: inlined, parallel, vectorised

@@ -5,11 +5,11 @@ columns, not along the reduction (TVM dlight's CPU GEMV, later in the list, take
 
 from __future__ import annotations
 
-from tvmattn.schedules import cpu
+from tvmattn.schedules.micro_kernels import gemv
 from tvmattn.schedules.ops.matmul import Matmul
 
 
 class Gemv(Matmul):
     rows = False
-    tiles = staticmethod(cpu.gemv)
+    tiles = staticmethod(gemv)
 

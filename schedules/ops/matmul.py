@@ -1,11 +1,11 @@
 """Fused GEMM / batch GEMM: ``C[…, s, m] = Σ_c A[…, s, c] · B[…, c, m]`` with elementwise prologues
 (casts) and epilogues (bias, activation, residual, scale) in the same function.
 
-The GEMM block goes on the micro-kernel of the attention layer's projections (`schedules.cpu.gemm`):
-parallel (row block × column block) tasks, register tiles of rows × vectors of columns accumulated
-over c, the epilogue applied to each tile as it is stored. Prologues are inlined into the GEMM's loads.
-Rows may be symbolic (batch · sequence of a dynamic export): `passes.clamp_row_tails` keeps the row
-tail's test off the micro-kernel.
+The GEMM block goes on the register-tile micro-kernel of the attention layer's projections
+(`schedules.micro_kernels.gemm`): parallel (row block × column block) tasks, register tiles of rows ×
+vectors of columns accumulated over c, the epilogue applied to each tile as it is stored. Prologues
+are inlined into the GEMM's loads. Rows may be symbolic (batch · sequence of a dynamic export):
+`passes.clamp_row_tails` keeps the row tail's test off the micro-kernel.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from tvm.target import Target
 
 from tvmattn.compiler.passes import PADDED_AXES, clamp_row_tails, uses
 from tvmattn.compiler.target import vector_lanes
-from tvmattn.schedules import cpu
 from tvmattn.schedules.knobs import resolve
+from tvmattn.schedules.micro_kernels import GEMM_KNOBS, gemm, gemm_defaults
 from tvmattn.schedules.ops.injective import spatial
 
-KNOBS = tuple(k for k in cpu.KNOBS if k.name.startswith("gemm_"))
+KNOBS = GEMM_KNOBS
 WIDE = 8192  # output columns from which a GEMM takes taller register tiles (`Matmul.defaults`)
 SYMBOLIC_REDUCTION = 1024  # the reduction length assumed for a symbolic one's task sizes
 CONSTANT_PARAMS = "tvmattn.constant_params"  # function attribute: the parameters every call passes a constant
@@ -99,16 +99,15 @@ class Matmul(ScheduleRule):
         width = int(gemm_block.iter_vars[-2].dom.extent)
         return sch, infos, at, weight, lanes, self.defaults(d_in, width, lanes, dtype.bits)
 
-    tiles = staticmethod(cpu.gemm)
+    tiles = staticmethod(gemm)
 
     def defaults(self, d_in: int, width: int, lanes: int, bits: int) -> dict[str, int]:
-        """The projections' tiles; for a wide output (an LM head) with AVX-512, 8 rows × 2 vectors: the
-        same 16 accumulators read half as much of the weight panel from L2 per FMA (50257 columns:
-        46.7 ms against 49.9 for 4 × 4; on 768–3072 columns the two are within 2 %). With AVX2, 4 × 3
-        (its columns padded to whole tiles where the weight is packed) and 32 tiles of rows per task,
-        so that each panel of the weight streams once per 128 rows (a 2-layer GPT-2 ONNX model on Zen
-        3, 97 % of it the LM head: 0.89× ONNX Runtime with 4 × 2 and 16, 0.95–1.09× so)."""
-        knobs = cpu.gemm_defaults(d_in, lanes, bits, (width,))
+        """The projections' tiles; for a wide output (an LM head; measured: the README's "Default
+        tiles") with 16-lane vectors 8 rows × 2 vectors, the same 16 accumulators reading half as much
+        of the weight panel from L2 per FMA; with narrower ones 4 × 3 (its columns padded to whole
+        tiles where the weight is packed) and 32 tiles of rows per task, so that each panel of the
+        weight streams once per 128 rows."""
+        knobs = gemm_defaults(d_in, lanes, bits, (width,))
         if width >= WIDE and lanes >= 16:
             knobs.update(gemm_rows=8, gemm_vecs=2)
         elif width >= WIDE:

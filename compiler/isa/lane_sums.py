@@ -1,7 +1,7 @@
 """A decode step's dot products along d_k, summed in registers: a tensor intrinsic.
 
 With one query there is no vector of queries, so each key's dot product runs along d_k in one
-vector of ``lanes`` partial sums (`cpu._scores_along_head_dim`), and the key's score is their sum.
+vector of ``lanes`` partial sums (`schedules.cpu`), and the key's score is their sum.
 Left to LLVM that sum is a chain of ``lanes`` dependent scalar adds (no reassociation: 16 adds and
 their 15 extracts per key, 56 % of a bf16 decode kernel's time at (1, 32, 512, 128) on Zen 5). Here
 it is a tree: log2(lanes) rounds that add a vector's upper half to its lower half.
@@ -13,7 +13,7 @@ from tvm import tirx
 from tvm.s_tir import SBlock, SBlockRealize, TensorIntrin
 from tvm.script import tirx as T
 
-from tvmattn.schedules.x86_panels import shuffle
+from tvmattn.compiler.isa.panels import shuffle
 
 _REGISTERED: set[str] = set()
 

@@ -12,7 +12,7 @@ steps side by side), and the other operand is one pair ``A`` broadcast to every 
 How it reaches LLVM. TVM lowers every bf16 value to fp32 arithmetic on uint16 storage before code
 generation (BF16ComputeLegalize, BF16StorageLegalize), so a ``call_llvm_pure_intrin`` with ``<32 x
 bfloat>`` operands cannot be written in TIR. The implementation calls `DOT_FUNCTION` instead, an
-external function on ``<16 x i32>`` (the same bits), and `import_dot` links its definition, LLVM IR
+external function on ``<16 x i32>`` (the same bits), and the kernel links its definition (`DOT.llvm`), LLVM IR
 that bitcasts to bfloat and calls the intrinsic, into the kernel's module (``pragma_import_llvm``). It is
 ``alwaysinline``: after inlining, each call is one ``vdpbf16ps`` with the pair as an embedded broadcast.
 P's pairs are rounded the same way, by `PAIRS_FUNCTION` (``vcvtne2ps2bf16`` and one shuffle).
@@ -20,27 +20,24 @@ P's pairs are rounded the same way, by `PAIRS_FUNCTION` (``vcvtne2ps2bf16`` and 
 
 from __future__ import annotations
 
-import tvm
-import tvm_ffi
-from tvm import tirx
-from tvm.ir.expr import Call, TensorLoad
-from tvm.ir.expr import Expr as PrimExpr
-from tvm.s_tir import SBlock, Schedule, TensorIntrin
-from tvm.script import tirx as T
-from tvm.target import Target
+import dataclasses
 
-from tvmattn.compiler.target import has_feature
+import tvm
+from tvm import tirx
+from tvm.ir.expr import Expr as PrimExpr
+from tvm.s_tir import TensorIntrin
+from tvm.script import tirx as T
+
+from tvmattn.compiler.isa.panels import PAIR, pair_words
+from tvmattn.compiler.isa.record import Dot
+from tvmattn.compiler.isa.x86_avx import AVX512
 from tvmattn.compiler.te_attention import bf16_parts, bf16_truncated
 
 LANES = 16  # fp32 lanes of a zmm register
-PAIR = 2  # bf16 products per lane
 BF16_BYTES = 2  # the operands' alignment: the kernels' arguments are aligned to their elements only
 DOT_16x2 = "tvmattn_dot_16x2_bf16"  # the block computes C + B·A (QKᵀ: the query panel, a key's pair)
 DOT_16x2_PAIR_FIRST = "tvmattn_dot_16x2_bf16_pair_first"  # C + A·B (P·V: a pair of weights, the V panel)
 DOT_FUNCTION = "tvmattn_dpbf16ps"
-# what reads a packed operand as the bits it holds: the dot product, and AMX's tile loads (`x86_amx`)
-OPERAND_READERS = (DOT_FUNCTION, "llvm.x86.tileloadd64")
-KEEP_16BIT = "tvmattn.keep_16bit"  # a block annotation: its bf16 output keeps 16 bits (a copy FMAs widen as they load)
 PAIRS_FUNCTION = "tvmattn_cvtne2ps2bf16_pairs"  # two fp32 rows → their bf16 pairs, rounded to nearest even
 # vcvtne2ps2bf16 puts its second operand's 16 values below its first's; the panel wants them interleaved
 _INTERLEAVE = ", ".join(f"i32 {i // 2 + (i % 2) * 16}" for i in range(32))
@@ -61,11 +58,6 @@ define <16 x i32> @{PAIRS_FUNCTION}(<16 x float> %lo, <16 x float> %hi) alwaysin
 }}
 declare <32 x bfloat> @llvm.x86.avx512bf16.cvtne2ps2bf16.512(<16 x float>, <16 x float>)
 """
-
-
-def has_bf16_dot(target: Target) -> bool:
-    """Whether ``target`` (its ``mcpu``/``mattr``) has AVX512-BF16 (Zen 4, Sapphire Rapids and later)."""
-    return target.kind.name == "llvm" and has_feature(target, "avx512bf16")
 
 
 def _dot(pair_first: bool) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
@@ -161,7 +153,7 @@ def _pairs(source: str, width: int, heads_between: bool, implementation: bool, p
                 # a stage pipeline for later schedule primitives)
                 for c in T.unroll(width // LANES):
                     if source == "bfloat16":  # the words (low: row t, high: row t+1), through fp32: V may
-                        # be a buffer of the kernel's own that the legaliser widens (`_bits_of`)
+                        # be a buffer of the kernel's own that the legaliser widens (`passes.keep_operands_16bit`)
                         lo = T.meta_var(T.cast(src.vload(row(0, c * LANES), "bfloat16x16"), "float32x16"))
                         hi = T.meta_var(T.cast(src.vload(row(1, c * LANES), "bfloat16x16"), "float32x16"))
                         words = T.meta_var(pair_words(lo, hi))
@@ -190,115 +182,6 @@ def _left_out(x: PrimExpr, residual: bool) -> PrimExpr:
     return x - bf16_truncated(x) if residual else x
 
 
-def pair_words(lo: PrimExpr, hi: PrimExpr) -> PrimExpr:
-    """Two vectors of bf16 values held as fp32 (exactly: their low 16 bits are zero) as 32-bit words
-    of pairs, ``lo``'s value in the low half: the layout `DOT_16x2`'s operands have."""
-    lanes = lo.ty.dtype.lanes
-    lo_bits, hi_bits = (tirx.reinterpret(f"uint32x{lanes}", v) for v in (lo, hi))
-    return (hi_bits & tirx.const(0xFFFF0000, "uint32")) | (lo_bits >> tirx.const(16, "uint32"))
-
-
-_REINTERPRET = tvm.ir.Op.get("tirx.reinterpret")
-_ADDRESS_OF = tvm.ir.Op.get("tirx.address_of")
-
-
-def import_dot(sch: Schedule, loop) -> None:
-    """Link `DOT_LLVM` into the module that ``loop``'s function is built into (once per function)."""
-    sch.annotate(loop, "pragma_import_llvm", DOT_LLVM)
-
-
-def keep_operands_16bit() -> tvm.transform.Pass:
-    """Store a kernel's own bf16 buffers (the packed operands of `DOT_16x2`) as their 16-bit patterns.
-
-    TVM's BF16ComputeLegalize widens every bf16 buffer a function allocates to fp32, which would hand
-    the instruction fp32 words where it reads bf16 pairs. Typed uint16 here, the buffers keep their
-    bits; a store writes the bf16 value's bits, any load outside the instruction reads them back as
-    bf16 (so the other stages compute exactly as before), and the instruction reads them as they are.
-    Functions without such buffers are left alone."""
-
-    @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.KeepDotOperands16Bit")
-    def transform(func: tirx.PrimFunc, _mod, _ctx) -> tirx.PrimFunc:
-        own = _own_bf16_buffers(func)
-        if not own:
-            return func
-        bits: list[tuple[tirx.Buffer, tirx.Buffer]] = []  # (bf16 buffer, its uint16 twin)
-
-        def on_buffer(buf: tirx.Buffer) -> tirx.Buffer:
-            if not any(buf.same_as(b) for b in own):
-                return buf
-            twin = next((t for b, t in bits if b.same_as(buf)), None)
-            if twin is None:
-                twin = buf.with_dtype("uint16")
-                bits.append((buf, twin))
-            return twin
-
-        def as_bf16(load: TensorLoad) -> PrimExpr:
-            lanes = load.ty.dtype.lanes
-            return tirx.reinterpret("bfloat16" if lanes == 1 else f"bfloat16x{lanes}", load)
-
-        def on_load(load: TensorLoad):
-            if any(t.same_as(load.source) for _, t in bits):
-                return as_bf16(tirx.BufferLoad(load.source, load.indices))
-            return load
-
-        def on_store(store: tirx.BufferStore):
-            if any(t.same_as(store.buffer) for _, t in bits):
-                return tirx.BufferStore(store.buffer, _bits_of(store.value), store.indices)
-            return store
-
-        def on_call(call: Call):
-            inner = call.args[0] if call.args and isinstance(call.args[0], Call) else None
-            reread = inner is not None and inner.op.same_as(_REINTERPRET) and "bfloat16" in str(inner.ty.dtype)
-            if reread and call.op.same_as(_REINTERPRET):  # reinterpret(bits) of reinterpret(bf16) of a load: its bits
-                return tirx.reinterpret(str(call.ty.dtype), inner.args[0])
-            if reread and call.op.same_as(_ADDRESS_OF):  # an element's address (AMX's tile loads): the load's
-                return tirx.address_of(inner.args[0])
-            return call
-
-        return tvm_ffi.structural_map(func, [(tirx.Buffer, on_buffer), (TensorLoad, on_load),
-                                             (tirx.BufferStore, on_store), (Call, on_call)])
-
-    return transform
-
-
-def _bits_of(value: PrimExpr) -> PrimExpr:
-    """The uint16 pattern of a bf16 ``value``, spelt out in fp32 and integer operations (a rounding of
-    fp32 to nearest even, as `pairs_intrinsic`): BF16ComputeLegalize widens any bf16 value but a
-    load of an argument to fp32, so a reinterpret of it would see 32 bits."""
-    lanes = value.ty.dtype.lanes
-    typed = lambda t: t if lanes == 1 else f"{t}x{lanes}"  # noqa: E731
-    if isinstance(value, Call) and value.op.same_as(_REINTERPRET):  # the bits of a pack already
-        return tirx.reinterpret(typed("uint16"), value.args[0])
-    word = lambda c: tirx.const(c, "uint32") if lanes == 1 else tirx.Broadcast(tirx.const(c, "uint32"), lanes)  # noqa: E731
-    if isinstance(value, tirx.Cast) and str(value.value.ty.dtype) == typed("float32"):
-        x = tirx.reinterpret(typed("uint32"), value.value)
-        x = x + word(0x7FFF) + ((x >> word(16)) & word(1))
-    else:  # a bf16 value (exact in fp32, whatever the legaliser makes of it): its top 16 bits
-        x = tirx.reinterpret(typed("uint32"), tirx.Cast(typed("float32"), value))
-    return tirx.Cast(typed("uint16"), x >> word(16))
-
-
-def _own_bf16_buffers(func: tirx.PrimFunc) -> list[tirx.Buffer]:
-    """The bf16 buffers ``func`` allocates that one of `OPERAND_READERS` reads or a block annotated
-    `KEEP_16BIT` writes, and every view (match buffer) of them."""
-    allocated: list[tirx.Buffer] = []
-    operands: list[tirx.Buffer] = []
-
-    def on_block(block: SBlock, visitor) -> None:
-        allocated.extend(b for b in block.alloc_buffers if str(b.dtype) == "bfloat16")
-        if block.match_buffers and any(reader in block.body.script() for reader in OPERAND_READERS):
-            operands.extend(m.source.source for m in block.match_buffers)
-        if KEEP_16BIT in block.annotations:
-            operands.extend(w.source for w in block.writes)
-        visitor.default_visit(block)
-
-    tvm_ffi.structural_visit(func.body, [(SBlock, on_block)])
-    own = [b for b in allocated if any(b.same_as(x) for x in operands)]
-    views: list[tirx.Buffer] = []
-
-    def on_views(block: SBlock, visitor) -> None:
-        views.extend(m.buffer for m in block.match_buffers if any(m.source.source.same_as(b) for b in own))
-        visitor.default_visit(block)
-
-    tvm_ffi.structural_visit(func.body, [(SBlock, on_views)])
-    return own + views
+BF16_DOT = Dot("vdpbf16ps", LANES, PAIR, DOT_16x2, DOT_16x2_PAIR_FIRST, pairs_intrinsic, DOT_FUNCTION, DOT_LLVM)
+# Zen 4, Sapphire Rapids and later
+AVX512_BF16 = dataclasses.replace(AVX512, name="avx512-bf16", requires=(*AVX512.requires, "avx512bf16"), dot=BF16_DOT)

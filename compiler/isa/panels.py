@@ -1,10 +1,11 @@
-"""The CPU kernels' query panel as a transposition in registers: a tensor intrinsic.
+"""The CPU kernels' query panel as a transposition in registers: a tensor intrinsic (any LLVM CPU:
+shuffles of whole vectors).
 
-QKᵀ's register tiles load whole vectors of queries (`cpu._scores`), so each task copies its queries,
+QKᵀ's register tiles load whole vectors of queries (`schedules.cpu`), so each task copies its queries,
 one per row in memory, into a panel with d_k major:
 
     fp32 FMAs (fp16 and bf16 widened)    panel[e, s]         = q[s, e]          (d_k, q_tile) fp32
-    bf16 dot products (`x86_bf16`)       panel[e/2, s, e%2]  = q[s, e]          (d_k/2, q_tile, 2) bf16
+    bf16 dot products (`record.Dot`)     panel[e/2, s, e%2]  = q[s, e]          (d_k/2, q_tile, 2) bf16
 
 Both are transpositions of 32-bit words: a value, or a query's pair of d_k. Copied element by
 element, LLVM makes the first a scatter per vector and the second a 16-bit extract per element. Here
@@ -20,8 +21,7 @@ from tvm.ir.expr import Expr as PrimExpr
 from tvm.s_tir import SBlock, SBlockRealize, TensorIntrin
 from tvm.script import tirx as T
 
-from tvmattn.schedules.x86_bf16 import PAIR, pair_words
-
+PAIR = 2  # 16-bit values per 32-bit word: the products a dot-product lane sums (`record.Dot.pair`)
 _REGISTERED: set[str] = set()
 
 
@@ -103,12 +103,20 @@ def _as_panel(column: PrimExpr, source: str, pairs: bool) -> PrimExpr:
 def _pair_words(src, at: list, lanes: int, argument: bool) -> PrimExpr:
     """A query's ``lanes`` pairs of d_k from ``at`` on, as 32-bit words (low half: e = 2p, high:
     2p + 1): an argument's memory as it is; a buffer of the kernel's own through its fp32 values (as
-    `x86_bf16.pairs_intrinsic` reads V)."""
+    the dot product's pair packing reads V)."""
     if argument:
         return tirx.reinterpret(f"uint32x{lanes}", src.vload(at, f"bfloat16x{PAIR * lanes}"))
     halves = [tirx.Cast(f"float32x{lanes}", src.vload([*at[:-1], h * lanes], f"bfloat16x{lanes}"))
               for h in range(PAIR)]
     return pair_words(*(shuffle(halves, [PAIR * i + k for i in range(lanes)]) for k in range(PAIR)))  # even, odd e
+
+
+def pair_words(lo: PrimExpr, hi: PrimExpr) -> PrimExpr:
+    """Two vectors of bf16 values held as fp32 (exactly: their low 16 bits are zero) as 32-bit words
+    of pairs, ``lo``'s value in the low half: the layout a dot product of pairs reads (`record.Dot`)."""
+    lanes = lo.ty.dtype.lanes
+    lo_bits, hi_bits = (tirx.reinterpret(f"uint32x{lanes}", v) for v in (lo, hi))
+    return (hi_bits & tirx.const(0xFFFF0000, "uint32")) | (lo_bits >> tirx.const(16, "uint32"))
 
 
 def transposed(rows: list[PrimExpr]) -> list[PrimExpr]:

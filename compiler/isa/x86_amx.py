@@ -28,16 +28,17 @@ run oneDNN's AMX kernels too). `tile_configuration` (a pass) places both around 
 
 from __future__ import annotations
 
+import dataclasses
+
 import tvm
 import tvm_ffi
 from tvm import tirx
 from tvm.s_tir import SBlock, SBlockRealize, Schedule, TensorIntrin
 from tvm.script import tirx as T
-from tvm.target import Target
 
-from tvmattn.compiler.target import ARCH_REQ_XCOMP_PERM, SYS_ARCH_PRCTL, XFEATURE_XTILEDATA, has_feature
-from tvmattn.schedules.x86_bf16 import DOT_LLVM, PAIR, pair_words
-from tvmattn.schedules.x86_panels import transposed
+from tvmattn.compiler.isa.panels import PAIR, pair_words, transposed
+from tvmattn.compiler.isa.record import Tiles
+from tvmattn.compiler.isa.x86_bf16 import AVX512_BF16, DOT_LLVM
 
 ROWS = 16  # rows of a tile: of A and C, and B's pairs of the reduction
 STEP = 32  # bf16 of the reduction per tile row (64 bytes)
@@ -49,6 +50,9 @@ BEGIN = "tvmattn_amx_begin"
 END = "tvmattn_amx_end"
 TILES = "tvmattn.amx_tiles"  # loop annotation: each iteration configures the tiles (`tile_configuration`)
 BF16_BYTES, F32_BYTES = 2, 4
+AMX_FEATURES = ("amx-tile", "amx-bf16", "amx-int8", "amx-fp16")  # LLVM's names
+ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 0x1023, 18  # Linux's arch_prctl: the AMX tile data state
+SYS_ARCH_PRCTL = 158  # x86-64
 
 # ldtilecfg's 64-byte operand: palette 1, then per tile its bytes per row (u16, from byte 16) and its
 # rows (u8, from byte 48); every tile 16 × 64 bytes
@@ -81,18 +85,6 @@ define i32 @{END}() {{
 declare void @llvm.x86.ldtilecfg(ptr)
 declare void @llvm.x86.tilerelease()
 """
-
-
-def has_amx(target: Target) -> bool:
-    """Whether ``target`` (its ``mcpu``/``mattr``) has AMX's tiles with bf16 products (Sapphire Rapids
-    and later)."""
-    return target.kind.name == "llvm" and has_feature(target, "amx-tile") and has_feature(target, "amx-bf16")
-
-
-def import_amx(sch: Schedule, loop) -> None:
-    """Link `AMX_LLVM` and `x86_bf16.DOT_LLVM` (P's pairs are rounded by its PAIRS_FUNCTION) into the
-    module that ``loop``'s function is built into."""
-    sch.annotate(loop, "pragma_import_llvm", DOT_LLVM + AMX_LLVM)
 
 
 def configure_tiles(sch: Schedule, task) -> None:
@@ -307,7 +299,7 @@ def transposed_values_intrinsic(heads_between: bool = False) -> str:
     row stride; ``heads_between``: rows of a (t, head, c) tensor) into the 16 × 32 block of Vᵀ that
     `DOT`'s A operand reads: P·V runs as pvᵀ[c, s] += Vᵀ[c, t] · P[t/2, s, t%2], the key-major
     weights being the pair panel B. Rows 2p and 2p + 1 of V become the 32-bit words (V[2p, c],
-    V[2p + 1, c]) of 16 columns, and their 16 × 16 transposition (`x86_panels.transposed`) is Vᵀ: row
+    V[2p + 1, c]) of 16 columns, and their 16 × 16 transposition (`panels.transposed`) is Vᵀ: row
     c holds word p of every pair, keys 0 … 31 in order."""
     name = "tvmattn_amx_values_transposed_32x16" + ("_bshd" if heads_between else "")
     if name in _REGISTERED:
@@ -341,3 +333,11 @@ def transposed_values_intrinsic(heads_between: bool = False) -> str:
     TensorIntrin.register(name, desc, _block(desc, stores))
     _REGISTERED.add(name)
     return name
+
+
+# (the LLVM IR links the dot product's too: P's pairs are rounded by `x86_bf16`'s PAIRS_FUNCTION)
+AMX_TILES = Tiles("AMX", "tdpbf16ps", ROWS, BLOCK, STEP, dot_intrinsic, zero_intrinsic, STORE,
+                  transposed_values_intrinsic, configure_tiles, "llvm.x86.tileloadd64", DOT_LLVM + AMX_LLVM)
+# Sapphire Rapids and later (bf16 tile products; the dot products round P into its pairs)
+AMX = dataclasses.replace(AVX512_BF16, name="amx", requires=(*AVX512_BF16.requires, "amx-tile", "amx-bf16"),
+                          tiles=AMX_TILES, passes=(*AVX512_BF16.passes, tile_configuration()))

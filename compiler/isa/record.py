@@ -1,0 +1,94 @@
+"""`Isa`: what the CPU kernels use of one instruction set, as a value that rules and passes read.
+
+A record says how wide a vector register is and how many there are (the register tiles' size),
+which 16-bit dot-product instruction and which tile registers exist (with the tensor intrinsics
+that emit them and the LLVM IR they link), which lowering passes its kernels need after scheduling,
+and how fp32 ``exp2`` is lowered on one of its vectors. `tvmattn.compiler.target.isa_of` chooses the
+record of a target once; an instruction set is one record (`x86_avx`, `x86_bf16`, `x86_amx`), and
+nothing outside the records names its instructions or features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import tvm
+from tvm.ir.expr import Expr as PrimExpr
+from tvm.target import Target, codegen
+
+
+@dataclass(frozen=True)
+class Dot:
+    """A dot product of 16-bit pairs into fp32 lanes: ``C[i] += A[2i]·B[2i] + A[2i+1]·B[2i+1]``."""
+
+    instruction: str  # its mnemonic, for descriptions
+    lanes: int  # fp32 accumulators per instruction
+    pair: int  # products per lane: the reduction's steps side by side in a panel
+    intrinsic: str  # C[i] += B[i, k]·A[k] (QKᵀ: the query panel, a key's pair broadcast)
+    pair_first: str  # C[i] += A[k]·B[i, k] (P·V and the projections: a pair of x broadcast, W's panel)
+    pairs: Callable[..., str]  # (source dtype, width, heads_between, part) → the intrinsic packing a panel
+    function: str  # what the intrinsics call: it reads the packed operands as their bits
+    llvm: str  # LLVM IR of ``function``, linked into the kernel's module
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Tile registers of 16-bit products: a ``block`` × ``block`` fp32 accumulator, ``step`` of the
+    reduction per product."""
+
+    name: str  # the tiles' name, for descriptions
+    instruction: str  # the product's mnemonic, for descriptions
+    rows: int  # rows of one tile register
+    block: int  # rows and columns of an accumulator block
+    step: int  # 16-bit elements of the reduction per tile row
+    dot: Callable[..., str]  # (heads_between, gemm, parts) → the product intrinsic
+    zero: Callable[..., str]  # (gemm) → the accumulator's init intrinsic
+    store: str  # the accumulator's store intrinsic
+    transposed_values: Callable[..., str]  # (heads_between) → V's 16-bit rows packed as the product's A
+    configure: Callable  # (sch, loop): each iteration of ``loop`` configures the tiles
+    load: str  # the tile load the intrinsics call: it reads the packed operands as their bits
+    llvm: str  # LLVM IR the intrinsics call (the dot product's too: P's pairs are rounded by it)
+
+
+@dataclass(frozen=True)
+class Isa:
+    """One CPU instruction set as the kernels use it."""
+
+    name: str
+    family: str  # the CPU rules that take it (`schedules.RULES["llvm"]`)
+    bits: int  # of a vector register
+    registers: int  # vector registers: the register tiles must fit them
+    requires: tuple[str, ...] = ()  # LLVM features a target must have for this record
+    full_width: bool = False  # a vector FMA retires in one pass (not two halves): fp32 takes larger tiles
+    full_width_cpus: tuple[str, ...] = ()  # LLVM CPU names (mcpu) whose FMAs are full width
+    dot: Dot | None = None  # the 16-bit dot product, if any
+    tiles: Tiles | None = None  # tile registers, if any
+    passes: tuple[tvm.transform.Pass, ...] = ()  # lowering passes its kernels need after scheduling
+    exp2: Callable[[PrimExpr, tuple[float, ...]], PrimExpr] | None = field(default=None, compare=False)
+
+    @property
+    def lanes(self) -> int:
+        """fp32 lanes of a vector register."""
+        return self.bits // 32
+
+    @property
+    def packed_readers(self) -> tuple[str, ...]:
+        """The calls that read packed 16-bit operands as the bits they hold (`passes.keep_operands_16bit`)."""
+        return ((self.dot.function,) if self.dot else ()) + ((self.tiles.load,) if self.tiles else ())
+
+    def vector_lanes(self, dtype: str = "float32") -> int:
+        """Lanes of ``dtype`` in a vector register."""
+        return self.bits // tvm.DataType(dtype).bits
+
+
+# Any other LLVM CPU: 128-bit vectors (SSE, NEON's width), 16 of them, fp32 FMAs only
+GENERIC = Isa("generic", "generic", bits=128, registers=16)
+
+
+def has_feature(target: Target, feature: str) -> bool:
+    """Whether LLVM says ``target``'s CPU (``mcpu``, ``mattr``) has ``feature`` (LLVM's name for it)."""
+    try:
+        return bool(codegen.llvm_cpu_has_features(feature, target))
+    except Exception:  # an LLVM without that query: assume the baseline
+        return False

@@ -1,0 +1,238 @@
+"""Tail predicates kept off the micro-kernels: query tiles computed whole (`pad_query_tiles`), a GEMM's
+row tail clamped (`clamp_row_tails`), symbolic loops' tails peeled (`peel_key_tails`)."""
+
+from __future__ import annotations
+
+import tvm
+import tvm_ffi
+from tvm import tirx
+from tvm.ir.expr import TensorLoad
+from tvm.s_tir import SBlock, SBlockRealize
+from tvm.sym import Analyzer, IntervalSet
+from tvm.sym.pattern import detect_linear_equation
+from tvm.tirx import For, ForKind, PrimFunc
+
+from tvmattn.compiler.passes.ir import conjuncts, substitute, uses, visit_blocks
+from tvmattn.compiler.passes.key_tiles import GUARD_NAME
+
+PADDED_AXES = "tvmattn.padded_axes"  # block annotation: iterators whose tail its inputs are padded for
+
+# ---- query tiles computed whole ------------------------------------------------------------------
+def pad_query_tiles() -> tvm.transform.Pass:
+    """A PrimFunc pass that lets the last query tile compute all its rows.
+
+    Splitting the query axis by the tile leaves a predicate ``s < n`` on every block computed in the
+    task (from the split, and from laying tile buffers out as (tile, …, s % q_tile)); inside the
+    vectorised loops over queries it is a per-lane condition, so TVM scalarises each micro-kernel
+    (per element branches, no register tiles). For a symbolic n every tile pays it, for a static n
+    the tail tile does. The rows past n only feed rows past n, and every stage is row-wise, so a
+    block may compute them if each buffer it accesses at a query index is task-local (read and
+    written only inside the same outermost loop, not a parameter, so sized by the tile): the packed queries, the
+    score, probability and accumulator tiles. Blocks reading parameters or global intermediates by
+    query (the query pack, an attn_mask, q_proj) and the stores of the output or of an intermediate
+    that a later loop reads (attn before W_O) keep their predicate.
+    """
+
+    @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.PadQueryTiles")
+    def transform(func: PrimFunc, _mod, _ctx) -> PrimFunc:
+        params = list(func.params)
+        users: list = []  # (buffer, outermost loop of a block reading or writing it)
+        tops: dict = {}  # block -> its outermost loop
+
+        def on_block(node: SBlockRealize, loops: list[For]) -> None:
+            top = loops[0].loop_var if loops else None
+            tops[node.block] = top
+            users.extend((region.source, top) for region in list(node.block.reads) + list(node.block.writes))
+
+        visit_blocks(func.body, on_block)
+        analyzer = Analyzer()
+
+        def local(buffer, top) -> bool:
+            tops_of = [t for b, t in users if b.same_as(buffer)]
+            return (top is not None and not any(buffer.same_as(p) for p in params)
+                    and bool(tops_of) and all(t is not None and t.same_as(top) for t in tops_of))
+
+        def on_realize_map(node: SBlockRealize):
+            block = node.block
+            s_iter = next((i for i, iv in enumerate(block.iter_vars) if iv.var.name == "v_s"), None)
+            if s_iter is None or isinstance(node.predicate, tirx.IntImm):
+                return node
+            s_var, s_value = block.iter_vars[s_iter].var, node.iter_values[s_iter]
+            top = next((t for b, t in tops.items() if b.same_as(block) or b.name_hint == block.name_hint), None)
+            for region in list(block.reads) + list(block.writes):
+                by_query = any(uses(r.min, s_var) or uses(r.extent, s_var) for r in region.region)
+                if by_query and not local(region.source, top):
+                    return node
+            kept = [c for c in conjuncts(node.predicate) if not _bounds(analyzer, c, s_value)]
+            predicate = tirx.all(*kept) if kept else tirx.const(True, "bool")
+            return SBlockRealize(node.iter_values, predicate, block, node.span)
+
+        return func.with_body(tvm_ffi.structural_map(func.body, [(SBlockRealize, on_realize_map)]))
+
+    return transform
+
+
+def clamp_row_tails() -> tvm.transform.Pass:
+    """A PrimFunc pass for row tails in blocks that only write local (register) buffers.
+
+    Splitting rows by a register tile leaves ``row < M`` on every block of the tile; inside the
+    unrolled, vectorised micro-kernel that is a branch per FMA. A block writing only local buffers may
+    compute the tail's missing rows (nothing outside the tile sees them), so its test becomes one on
+    the tile's first row (the unrolled and vector loops at 0) and its reads of other buffers take row
+    min(row, M - 1): in bounds, and never stored. The store of the tile keeps the test. An iterator
+    the block's ``PADDED_AXES`` annotation names (columns of a weight zero-padded to whole tiles) keeps
+    only the tile's test, unclamped: the tile's padding columns are in the weight.
+    """
+
+    @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.ClampRowTails")
+    def transform(func: PrimFunc, _mod, _ctx) -> PrimFunc:
+        analyzer = Analyzer()
+        in_tile: dict[str, dict] = {}  # block name -> the loop variables of its register tile, at 0
+
+        def on_block(node: SBlockRealize, loops: list[For]) -> None:
+            in_tile[node.block.name_hint] = {lp.loop_var: tirx.const(0, lp.loop_var.ty.dtype) for lp in loops
+                                             if lp.kind in (ForKind.UNROLLED, ForKind.VECTORIZED)}
+
+        visit_blocks(func.body, on_block)
+
+        def on_realize(node: SBlockRealize):
+            block = node.block
+            if isinstance(node.predicate, tirx.IntImm) or not block.writes or \
+                    any(w.source.scope() != "local" for w in block.writes):
+                return node
+            terms = conjuncts(node.predicate)
+            kept, clamp = [], {}
+            padded = [int(i) for i in block.annotations.get(PADDED_AXES, [])]
+            for cond in terms:
+                at = next((i for i, v in enumerate(node.iter_values) if isinstance(cond, tirx.LT)
+                           and block.iter_vars[i].iter_type == tirx.IterVar.DataPar
+                           and analyzer.can_prove_equal(cond.a, v)), None)
+                if at is None:
+                    kept.append(cond)
+                    continue
+                if at not in padded:
+                    var = block.iter_vars[at].var
+                    clamp[var] = tirx.min(var, cond.b - 1)
+                kept.append(analyzer.simplify(substitute(cond, in_tile.get(block.name_hint, {}))))
+
+            if not clamp and all(k.same_as(c) for k, c in zip(kept, terms)):
+                return node
+
+            def on_load(load):
+                if load.source.scope() == "local":
+                    return load
+                return tirx.BufferLoad(load.source, [substitute(i, clamp) for i in load.indices])
+
+            body = tvm_ffi.structural_map(block.body, [(TensorLoad, on_load)])
+            reads = [r if r.source.scope() == "local" else tirx.BufferRegion(
+                r.source, [tvm.ir.Range.from_min_extent(substitute(x.min, clamp), x.extent) for x in r.region])
+                for r in block.reads]
+            new = SBlock(block.iter_vars, reads, block.writes, block.name_hint, body, block.init,
+                         block.alloc_buffers, block.match_buffers, block.annotations)
+            predicate = tirx.all(*kept) if kept else tirx.const(True, "bool")
+            return SBlockRealize(node.iter_values, predicate, new, node.span)
+
+        return func.with_body(tvm_ffi.structural_map(func.body, [(SBlockRealize, on_realize)]))
+
+    return transform
+
+
+def _bounds(analyzer: Analyzer, cond, value) -> bool:
+    """Whether ``cond`` is an upper bound on ``value`` (value < x or value <= x)."""
+    return isinstance(cond, (tirx.LT, tirx.LE)) and analyzer.can_prove_equal(cond.a, value)
+
+
+# ---- tails peeled off symbolic loops ------------------------------------------------------------
+def peel_key_tails() -> tvm.transform.Pass:
+    """A PrimFunc pass: in a serial loop ``L`` of symbolic extent whose blocks carry a predicate
+    ``c·L + r < B`` (B fixed while L runs; r over the loops inside L), the iterations where every
+    such test holds (all but the tail) run a copy of the body without the tests.
+
+    The split of a symbolic key axis by a register tile (qk_keys keys; a vector of keys for one
+    query) guards every key of the tile by ``t < n_kv``; inside the micro-kernels those are branches
+    per FMA, or a per-lane condition that makes TVM scalarise a vector loop. With a static length the
+    same loop has no tail or a constant one, so it is left as it is.
+    """
+
+    @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.PeelKeyTails")
+    def transform(func: PrimFunc, mod, _ctx) -> PrimFunc:
+        analyzer = Analyzer()
+
+        def on_for(node: For):
+            if node.kind != ForKind.SERIAL or isinstance(node.extent, tirx.IntImm):
+                return node
+            inner: list[For] = []
+            realizes: list[SBlockRealize] = []
+            tvm_ffi.structural_walk(node.body, [(For, inner.append), (SBlockRealize, realizes.append)])
+            relax = {lp.loop_var: IntervalSet(lp.min, lp.min + lp.extent - 1) for lp in inner}
+            tests, cuts = [], []
+            for realize in realizes:
+                for cond in conjuncts(realize.predicate):
+                    cut = _holds_below(analyzer, cond, node.loop_var, inner, relax)
+                    if cut is not None:
+                        tests.append(cond)
+                        cuts.append(cut)
+            if not tests:
+                return node
+            # One loop, the test per iteration: a buffer used only inside the loop's body (a register
+            # tile) keeps its per-iteration size; two sibling loops would share it and compaction
+            # would size it by both.
+            def peeled(body):
+                return tirx.IfThenElse(node.loop_var < _min_of(cuts), _drop_conjuncts(body, tests), body)
+
+            stmts = list(node.body.seq) if isinstance(node.body, tirx.SeqStmt) else []
+            if (len(stmts) == 2 and isinstance(stmts[0], tirx.Bind) and stmts[0].var.name == GUARD_NAME
+                    and isinstance(stmts[1], tirx.IfThenElse) and stmts[1].else_case is None):
+                # inside the guard of `skip_masked_key_tiles`, which `tighten_guarded_loops` reads
+                guarded = tirx.IfThenElse(stmts[1].condition, peeled(stmts[1].then_case), None)
+                body = tirx.SeqStmt([stmts[0], guarded])
+            else:
+                body = peeled(node.body)
+            return For(node.loop_var, node.min, node.extent, node.kind, body, node.thread_binding, node.annotations)
+
+        body = tvm_ffi.structural_map(func.body, [(For, on_for)])
+        if body.same_as(func.body):
+            return func
+        # the tail repeats the loop's body: give its variables fresh definitions
+        fresh = tvm.tirx.transform.ConvertSSA()(tvm.IRModule({"main": func.with_body(body)}))
+        return fresh["main"]
+
+    return transform
+
+
+def _holds_below(analyzer: Analyzer, cond, var: tirx.Var, inner: list[For], relax: dict):
+    """For ``cond`` = ``c·var + r < B`` (or <=): the bound below which it holds for every r, else None."""
+    if not isinstance(cond, (tirx.LT, tirx.LE)):
+        return None
+    bound = cond.b
+    if uses(bound, var) or any(uses(bound, lp.loop_var) for lp in inner):
+        return None
+    coeffs = detect_linear_equation(cond.a, [var])
+    if len(coeffs) != 2 or not isinstance(coeffs[0], tirx.IntImm) or coeffs[0].value <= 0:
+        return None
+    c = coeffs[0].value
+    r_max = analyzer.int_set(coeffs[1], relax).max_value
+    if isinstance(r_max, tirx.Var) and r_max.name in ("pos_inf", "neg_inf"):
+        return None
+    if isinstance(cond, tirx.LT):  # c·var + r_max < B  ⇔  var < ceil((B - r_max) / c)
+        return tirx.floordiv(bound - r_max + (c - 1), c)
+    return tirx.floordiv(bound - r_max, c) + 1
+
+
+def _min_of(exprs: list):
+    out = exprs[0]
+    for e in exprs[1:]:
+        out = tirx.min(out, e)
+    return out
+
+
+def _drop_conjuncts(body, tests: list):
+    def on_realize(node: SBlockRealize):
+        kept = [c for c in conjuncts(node.predicate)
+                if not any(tvm_ffi.structural_equal(c, t) for t in tests)]
+        if len(kept) == len(conjuncts(node.predicate)):
+            return node
+        predicate = tirx.all(*kept) if kept else tirx.const(True, "bool")
+        return SBlockRealize(node.iter_values, predicate, node.block, node.span)
+
+    return tvm_ffi.structural_map(body, [(SBlockRealize, on_realize)])

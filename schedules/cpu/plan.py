@@ -1,0 +1,321 @@
+"""`CpuPlan`: every decision the CPU attention schedule makes for a (spec, target, knobs), made once.
+
+The rules of `schedules.cpu` (`CpuAttention`'s defaults, workload, apply and description) read a
+plan and decide nothing themselves. A decision is made here, in order, from the ones before it:
+
+    instruction set      `Isa` of the target: lanes, registers, bf16 dot product, tile registers
+    fp16_parts           an fp16 core on bf16 tile products as two bf16 parts per operand
+    padding              the block symbolic (or, on the tiles, ragged) lengths run in
+    projections          each projection's path: tiles, bf16 pairs, widened 16-bit, fp32 FMAs;
+                         its rows padded, its W copied into register-tile panels
+    head_tasks           parallel tasks of whole (batch, KV head) pairs
+    defaults             the knobs' defaults for this spec and CPU
+    key_chunks           split-K decode: keys in parallel chunks (1: the query-tile kernel)
+    q_tile, qk_keys      the query tile and keys per QKᵀ register tile the knobs give, made whole
+    along_head_dim       decode's dot products along d_k (no vector of queries)
+    on_tiles, qk/pv_pairs  QKᵀ and P·V on tile registers, or on the bf16 dot products, or on fp32 FMAs
+    widen_k, widen_v     16-bit K and V widened to fp32 once (in head tasks where `per_head`)
+    v_pairs              V's pair panel packed in its head's task
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import tvm
+from tvm.target import Target
+
+from tvmattn.compiler.isa.panels import PAIR
+from tvmattn.compiler.isa.record import Isa
+from tvmattn.compiler.spec import AttentionSpec, Dim
+from tvmattn.compiler.target import isa_of
+from tvmattn.schedules.knobs import Knob, KnobValue, resolve
+from tvmattn.schedules.micro_kernels import GEMM_KNOBS, gemm_defaults
+from tvmattn.schedules.primitives import at_most, divisor_at_most, lanes_for
+
+KNOBS = (
+    Knob("q_tile", (8, 16, 24, 32, 48, 64), 16, "queries per parallel task (a multiple of the vector width)"),
+    Knob("qk_keys", (1, 2, 3, 4, 6, 8), 4, "keys per QKᵀ register tile"),
+    Knob("pv_rows", (1, 2, 3, 4, 6, 8), 4, "queries per P·V register tile (at most: a divisor of q_tile)"),
+    Knob("pv_vecs", (1, 2, 3, 4, 8, 16), 2, "vectors of d_v per P·V register tile"),
+    Knob("key_chunks", (2, 4, 8, 16, 32), 8,
+         "key chunks run in parallel when (batch, head) pairs are few (at most: a divisor of n_kv)"),
+) + GEMM_KNOBS
+
+# Rows (B·n) from which a projection's W pair panel pays for itself: the packing pass reads and writes
+# W once more, which a one-token step would spend in a GEMV reading W once.
+MIN_PAIR_ROWS = 16
+# Rows (B·n) from which a projection's W copied into register-tile panels pays for the copy.
+MIN_PANEL_ROWS = 128
+# Keys a query sees (about half of them where causal) from which an fp16 core's bf16 parts on the
+# tiles beat its widened fp32 FMAs: the parts' passes cost a task what three tile products save it.
+PARTS_MIN_KEYS = 128
+PROJECTIONS = {"q_proj": "w_q", "k_proj": "w_k", "v_proj": "w_v", "out": "w_o"}  # the layer's GEMMs: block → W
+PATHS = ("tiles", "pairs", "widened", "fp32")  # a projection's: tiles, bf16 dot products, 16-bit on FMAs, fp32
+
+
+@dataclass(frozen=True)
+class Projection:
+    """How a layer's projection runs."""
+
+    name: str  # its block: q_proj, k_proj, v_proj, out
+    weight: str  # its W: w_q, w_k, w_v, w_o
+    path: str  # one of `PATHS`
+    parts: bool  # fp16 on the tiles as two bf16 parts (x's and W's)
+    padded: bool  # rows computed in whole blocks (symbolic ones; ragged ones on the tiles)
+    panels: bool  # W read from a copy in panels of the register tile's columns (fp32 FMAs)
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """The decisions of one CPU attention kernel (see the module docstring)."""
+
+    spec: AttentionSpec
+    isa: Isa
+    cores: int
+    knobs: Mapping[str, int]  # every knob's value (defaults, overridden)
+    defaults: Mapping[str, int]  # the defaults this spec and CPU take, beyond each knob's own
+    fp16_parts: bool
+    padding: int
+    parts: frozenset[str]  # the products whose fp16 operands run as bf16 parts (`te_attention`'s)
+    projections: tuple[Projection, ...]
+    head_tasks: bool
+    key_chunks: int  # > 1: the split-K decode kernel
+    q_tile: int
+    q_tile_is_knob: bool  # the query axis is split by the knob itself (a sampled variable when tuning)
+    qk_keys: int
+    qk_keys_is_knob: bool
+    pv_rows: int
+    along_head_dim: bool
+    on_tiles: bool  # QKᵀ and P·V on tile registers
+    qk_pairs: bool
+    pv_pairs: bool
+    widen_k: bool
+    widen_v: bool
+    v_pairs: bool
+    per_head: bool  # tasks of whole (batch, KV head) pairs, each widening or packing its K and V once
+
+    @property
+    def lanes(self) -> int:
+        return self.isa.lanes
+
+    @property
+    def split_k(self) -> bool:
+        return self.key_chunks > 1
+
+    @property
+    def tiles_used(self) -> bool:
+        """Whether any product of the kernel runs on tile registers."""
+        return (self.on_tiles and not self.split_k) or any(p.path == "tiles" for p in self.projections)
+
+    def projection(self, name: str) -> Projection:
+        return next(p for p in self.projections if p.name == name)
+
+
+def whole(length: Dim, block: int) -> Dim:
+    """A length as the kernel's stages run it: in whole blocks where padded (a symbolic one: any
+    multiple of the block stands for it)."""
+    if block == 1:
+        return length
+    return block if not isinstance(length, int) else -(-length // block) * block
+
+
+_PLANS: dict[tuple, CpuPlan] = {}
+_MOST_PLANS = 4096  # (a model import plans a few per attention shape)
+
+
+def plan_of(spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue] | None = None) -> CpuPlan:
+    """The plan of ``spec`` on ``target`` with ``knobs`` (concrete values; None: the defaults), made
+    once per (spec, target, knobs)."""
+    key = (spec, str(target), tuple(sorted((knobs or {}).items())))
+    if key not in _PLANS:
+        if len(_PLANS) >= _MOST_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = _plan(spec, target, knobs)
+    return _PLANS[key]
+
+
+def _plan(spec: AttentionSpec, target: Target, given: Mapping[str, KnobValue] | None) -> CpuPlan:
+    isa = isa_of(target)
+    cores = int(target.attrs.get("num-cores", 1))
+    parts_core = _fp16_parts(spec, isa)
+    padding = _padding(spec, isa, parts_core)
+    projections = tuple(_projection(spec, isa, name, weight) for name, weight in PROJECTIONS.items()) \
+        if spec.projections else ()
+    parts = frozenset((["core"] if parts_core else []) + [p.name for p in projections if p.path == "tiles"]) \
+        if spec.dtype == "float16" else frozenset()
+    head_tasks = (spec.batch if isinstance(spec.batch, int) else 1) * spec.h_kv % cores == 0
+    defaults = _defaults(spec, isa, cores, parts_core)
+    knobs = resolve(KNOBS, {**defaults, **(given or {})})
+    chunks = divisor_at_most(spec.n_kv, knobs["key_chunks"]) if _few_tasks_of_one_query(spec, isa, cores) else 1
+
+    n_q, n_kv = whole(spec.n_q, padding), whole(spec.n_kv, padding)
+    q_tile = at_most(None, knobs["q_tile"], n_q)  # decode: one exact tile
+    dot_tile = _dot_tile(spec, isa, parts_core, padding, q_tile)  # dot products: whole tiles
+    q_tile_is_knob = dot_tile is None and not (isinstance(n_q, int) and n_q < knobs["q_tile"])
+    q_tile = dot_tile or q_tile
+    if padding > 1 and not isinstance(spec.n_kv, int):  # the padded keys come in whole blocks
+        qk_keys, qk_keys_is_knob = divisor_at_most(isa.dot.lanes, knobs["qk_keys"]), False
+    else:
+        qk_keys = at_most(None, knobs["qk_keys"], spec.n_kv)
+        qk_keys_is_knob = not (isinstance(spec.n_kv, int) and spec.n_kv < knobs["qk_keys"])
+    s_lanes = lanes_for(q_tile, isa.lanes)
+    along_head_dim = s_lanes == 1 and lanes_for(spec.d_k, isa.lanes) > 1
+    on_tiles = (_tile_widths(spec, isa, parts_core) and padding in (1, isa.tiles.block)
+                and q_tile % isa.tiles.block == 0 and n_q % q_tile == 0 and n_kv % isa.tiles.block == 0)
+    qk_pairs, pv_pairs = (True, True) if on_tiles else _bf16_dots(spec, isa, n_q, n_kv, q_tile, qk_keys)
+    # 16-bit K and V widened once for fp32 FMAs; not fp16's V with 16 registers, where P·V's conversion
+    # per vector of V, shared by the tile's rows, costs less than the copy; not decode's K, read along
+    # d_k; a layer's only in head tasks (elsewhere its register tiles widen k_proj, P·V converts V)
+    widened = spec.dtype != "float32" and not along_head_dim and (not spec.projections or head_tasks)
+    widen_k = widened and not qk_pairs
+    widen_v = widened and not pv_pairs and s_lanes > 1 and (isa.registers >= 32 or spec.dtype == "bfloat16")
+    # V's pair panel packed in its head's task: not from a layer's v_proj, nor from keys padded to
+    # whole blocks (TVM 0.27 cannot bind the pairs' view of the clamped rows there)
+    v_pairs = pv_pairs and not on_tiles and not spec.projections and n_kv == spec.n_kv
+    per_head = (widen_k or widen_v or v_pairs) and head_tasks
+    return CpuPlan(spec, isa, cores, knobs, defaults, parts_core, padding, parts, projections, head_tasks, chunks,
+                   q_tile, q_tile_is_knob, qk_keys, qk_keys_is_knob, divisor_at_most(q_tile, knobs["pv_rows"]),
+                   along_head_dim, on_tiles, qk_pairs, pv_pairs, widen_k, widen_v, v_pairs and per_head, per_head)
+
+
+def _fp16_parts(spec: AttentionSpec, isa: Isa) -> bool:
+    """An fp16 core on bf16 tile products, each operand the sum of two bf16 parts (exact for fp16;
+    three tile products where bf16 takes one): the records have no fp16 tile products, and
+    fp32 FMAs of widened fp16 run at fp32's speed. Not for one query (a decode step: its dot products
+    along d_k read half fp32's bytes) nor where a query sees fewer than `PARTS_MIN_KEYS` static keys."""
+    seen = spec.n_kv // 2 if spec.causal and isinstance(spec.n_kv, int) else spec.n_kv
+    seen = min(seen, spec.window) if spec.window is not None and isinstance(seen, int) else seen
+    few_keys = isinstance(seen, int) and seen < PARTS_MIN_KEYS
+    return (spec.dtype == "float16" and isa.tiles is not None and spec.n_q != 1 and not few_keys
+            and spec.d_k % isa.tiles.step == 0 and spec.d_v % isa.tiles.block == 0)
+
+
+def _tile_widths(spec: AttentionSpec, isa: Isa, parts: bool) -> bool:
+    """Widths the tiles take: bf16 (fp16 in parts), d_k and d_v whole steps and blocks."""
+    return ((spec.dtype == "bfloat16" or parts) and isa.tiles is not None
+            and spec.d_k % isa.tiles.step == 0 and spec.d_v % isa.tiles.block == 0)
+
+
+def _padding(spec: AttentionSpec, isa: Isa, parts: bool) -> int:
+    """The block the core's lengths run in (`te_attention._core`; 1: none), for the 16-bit products,
+    which take no tail: the tiles' blocks (symbolic lengths and ragged static ones, but for one query,
+    which keeps its dot products along d_k), else the dot product's lanes for symbolic lengths, which
+    QKᵀ then always takes (TVM 0.27 cannot build the widened key tiles over padded keys)."""
+    n_q, n_kv = spec.n_q, spec.n_kv
+    if parts:
+        return isa.tiles.block if any(isinstance(x, str) or x % isa.tiles.block for x in (n_q, n_kv)) else 1
+    if not (spec.dtype == "bfloat16" and isa.dot is not None and spec.d_k % PAIR == 0):
+        return 1
+    if _tile_widths(spec, isa, parts) and n_q != 1 and any(isinstance(x, str) or x % isa.tiles.block
+                                                          for x in (n_q, n_kv)):
+        return isa.tiles.block
+    symbolic = any(isinstance(x, str) for x in (n_q, n_kv))
+    return isa.dot.lanes if symbolic and (isinstance(n_q, str) or n_q % isa.dot.lanes == 0) else 1
+
+
+def _dot_tile(spec: AttentionSpec, isa: Isa, parts: bool, padding: int, q_tile: int) -> int | None:
+    """The query tile for the dot products or the tiles at most ``q_tile``: the largest power of two
+    from 16 dividing a static n_q (padded), or the block a symbolic one runs in; None: no such tile,
+    or no such instruction."""
+    if not parts and (spec.dtype != "bfloat16" or isa.dot is None):
+        return None
+    if not isinstance(spec.n_q, int):
+        return padding if padding > 1 else None
+    n_q = whole(spec.n_q, padding)
+    tiles = (64, isa.tiles.block) if parts else (64, 32, isa.dot.lanes)
+    return next((t for t in tiles if t <= max(q_tile, tiles[-1]) and n_q % t == 0), None)
+
+
+def _bf16_dots(spec: AttentionSpec, isa: Isa, n_q: Dim, n_kv: Dim, q_tile: int, qk_keys: int) -> tuple[bool, bool]:
+    """Whether QKᵀ and P·V run on the bf16 dot product: bf16, static (padded) lengths in whole query
+    tiles (a power of two from the instruction's lanes) and key tiles, whole pairs of the reduction
+    and d_v in whole vectors (a tail's predicate cannot sit inside the instruction)."""
+    if spec.dtype != "bfloat16" or isa.dot is None or q_tile < isa.dot.lanes or q_tile & (q_tile - 1) \
+            or not isinstance(n_q, int) or n_q % q_tile or not isinstance(n_kv, int):
+        return False, False
+    # (K's clamped rows of a symbolic n_kv, d_k not whole vectors: TVM cannot bind the instruction's pair views)
+    qk = spec.d_k % PAIR == 0 and n_kv % qk_keys == 0 and (isinstance(spec.n_kv, int) or spec.d_k % isa.dot.lanes == 0)
+    return qk, n_kv % PAIR == 0 and spec.d_v % isa.dot.lanes == 0
+
+
+def _few_tasks_of_one_query(spec: AttentionSpec, isa: Isa, cores: int) -> bool:
+    """Decode with fewer (batch, head) pairs than twice the cores: only the keys can keep them busy."""
+    sizes = (spec.batch, spec.n_q, spec.n_kv)
+    if any(isinstance(x, str) for x in sizes) or spec.n_q > 1 or lanes_for(spec.d_k, isa.lanes) == 1:
+        return False
+    return spec.batch * spec.h < 2 * cores and spec.n_kv >= 64 * cores
+
+
+def _rows(spec: AttentionSpec, projection: str) -> Dim:
+    """A projection's rows, B·n (symbolic: n, or n_kv for K's and V's)."""
+    rows = spec.n_kv if projection in ("k_proj", "v_proj") else spec.n_q
+    return rows * spec.batch if isinstance(spec.batch, int) and isinstance(rows, int) else rows
+
+
+def _projection(spec: AttentionSpec, isa: Isa, name: str, weight: str) -> Projection:
+    """A projection on tile registers where bf16 (fp16 in parts) has static rows from `MIN_PAIR_ROWS`
+    (any symbolic ones) and the reduction and columns in whole blocks (W_O's within one head); else
+    on the bf16 dot products (pairs of W packed once) with whole pairs and columns in whole vectors;
+    else widened to fp32 FMAs. Rows padded to whole blocks where symbolic (on the tiles: where
+    ragged); W in register-tile panels with 16 registers, from `MIN_PANEL_ROWS` rows."""
+    depth, columns = spec.input_shapes()[weight]
+    rows = _rows(spec, name)
+    enough = not (isinstance(rows, int) and rows < MIN_PAIR_ROWS)
+    tiles = (spec.dtype in ("bfloat16", "float16") and isa.tiles is not None and enough
+             and depth % isa.tiles.step == 0 and columns % isa.tiles.block == 0
+             and (name != "out" or spec.d_v % isa.tiles.step == 0))
+    # W_O's pairs of merged columns must not straddle two heads: its x pairs are read from attn
+    whole_pairs = depth % PAIR == 0 and (name != "out" or spec.d_v % PAIR == 0)
+    pairs = (spec.dtype == "bfloat16" and isa.dot is not None and enough and whole_pairs
+             and columns % isa.dot.lanes == 0)
+    path = "tiles" if tiles else "pairs" if pairs else "fp32" if spec.dtype == "float32" else "widened"
+    length = spec.n_kv if name in ("k_proj", "v_proj") else spec.n_q
+    padded = not isinstance(length, int) or (tiles and length % isa.tiles.block > 0)
+    panels = isa.registers < 32 and not (isinstance(rows, int) and rows < MIN_PANEL_ROWS)
+    return Projection(name, weight, path, tiles and spec.dtype == "float16", padded, panels)
+
+
+def _defaults(spec: AttentionSpec, isa: Isa, cores: int, parts: bool) -> dict[str, int]:
+    """Knob defaults (the measurements behind them: the README's "Default tiles"). With 32 registers
+    and 16-bit inputs (or fp32 on full-width FMAs): 64-query tiles (32 where a mask bounds a tile's
+    keys; 16 for a masked fp16 core widened on half-width FMAs) and P·V tiles of 4 vectors, 8 rows
+    where d_v is at most 2 vectors (16 accumulators either way); with 16 registers those tiles spill,
+    so fp32's defaults. One query: P·V tiles of 4 vectors in fp32, a 16-bit V's row in one pass
+    (`_one_pass_vecs`). A layer's GEMM tiles by width (`gemm_defaults`); a one-token layer's column
+    blocks give each core three tasks."""
+    lanes = isa.lanes
+    masked = spec.causal or spec.window is not None
+    widened = spec.dtype == "float16" and not spec.projections and not parts
+    tile = 64 if not masked else 16 if widened and not isa.full_width else 32
+    wide = isa.registers >= 32 and (spec.dtype != "float32" or isa.full_width)
+    core = {"q_tile": tile, "pv_vecs": 4} if wide else {}
+    if wide and spec.d_v <= 2 * lanes:  # a row of d_v in at most 2 vectors: 8 rows fill the tile
+        core["pv_rows"] = 8
+    if spec.n_q == 1:
+        core["pv_vecs"] = _one_pass_vecs(spec, lanes) if spec.dtype != "float32" else 4
+    if not spec.projections:
+        return core
+    d_in = max(spec.d_model, spec.h * spec.d_v)  # W_O's rows are the merged heads
+    gemms = gemm_defaults(d_in, lanes, tvm.DataType(spec.dtype).bits, gemm_widths(spec))
+    rows = spec.batch * spec.n_q if isinstance(spec.batch, int) and isinstance(spec.n_q, int) else None
+    if rows is not None and rows < MIN_PAIR_ROWS:  # GEMVs: each W element read once, no panel to keep in L2
+        tiles = min(spec.d_model, spec.h_kv * spec.d_k) // (gemms["gemm_vecs"] * lanes)  # per W's columns
+        tasks = 3 * cores
+        gemms["gemm_block_cols"] = next((c for c in (8, 4, 2) if c <= gemms["gemm_block_cols"]
+                                         and tiles // c >= tasks), 1)
+    return core | gemms
+
+
+def gemm_widths(spec: AttentionSpec) -> tuple[int, int, int, int]:
+    """The output widths of a layer's projections: W_Q, W_K, W_V, W_O."""
+    return spec.h * spec.d_k, spec.h_kv * spec.d_k, spec.h_kv * spec.d_v, spec.d_model
+
+
+def _one_pass_vecs(spec: AttentionSpec, lanes: int) -> int:
+    """P·V vectors per register tile for one query of a 16-bit V: its whole row, up to 16 vectors
+    (a pass then reads every cache line of a row once); a row of no power-of-two count of vectors
+    keeps 4 (a predicated tail)."""
+    row = max(spec.d_v // lanes, 1)
+    return max((c for c in (2, 4, 8, 16) if row % c == 0), default=4)
