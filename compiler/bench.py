@@ -36,7 +36,7 @@ from typing import Callable, Mapping, Sequence  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from tvmattn.compiler import variant  # noqa: E402
+from tvmattn.compiler import arguments, variant  # noqa: E402
 from tvmattn.compiler.errors import TvmAttnError  # noqa: E402
 from tvmattn.compiler.explain import useful_flops  # noqa: E402
 from tvmattn.compiler.kernel import numpy_dtype  # noqa: E402
@@ -330,18 +330,18 @@ def bench(spec: AttentionSpec, peers: Sequence[str] | None = None, budget_s: flo
     label = spec.describe()
     ref = None
     if spec.batch * spec.h * spec.n_q * spec.n_kv <= ORACLE_LIMIT_ELEMENTS:
-        arrays = {k: v for k, v in args.items() if k not in ("kv_lens", "attn_mask", "sinks")}
-        ref = reference(spec, *arrays.values(), kv_lens=args.get("kv_lens"), attn_mask=args.get("attn_mask"),
-                        sinks=args.get("sinks"))
+        arrays, named = arguments.split(spec, args)
+        ref = reference(spec, *arrays, **named)
         seen = _rows_that_see_keys(spec, args)
     out_bytes = int(np.prod(spec.output_shape())) * np.dtype(numpy_dtype(spec.dtype)).itemsize
     impls: list[tuple[str, Callable]] = [("tvmattn", lambda s, a: tvmattn_impl(s, a, target, log_dirs, tuned))]
     impls += [(name, PEERS[name]) for name in peers]
     results: dict[str, Result] = {}
     runs, memory, notes = {}, {}, {}
+    no_peer = [a.name for a in arguments.taken(spec) if not a.peers]  # (their SDPA ops have no such argument)
     for name, make in impls:
-        if spec.sinks and name != "tvmattn":  # (their SDPA ops have no sink logits)
-            results[name] = Result(name, label, note="skipped: attention sinks")
+        if no_peer and name != "tvmattn":
+            results[name] = Result(name, label, note=f"skipped: {', '.join(no_peer)}")
             continue
         try:
             runs[name], notes[name] = make(spec, args)
