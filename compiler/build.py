@@ -22,7 +22,7 @@ from tvmattn.compiler.logs import tvm_logs_to_logging
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import host_target, is_cpu, resolve_target
 from tvmattn.compiler.te_attention import attention_te
-from tvmattn.compiler.tuning.lookup import tuned_schedule
+from tvmattn.compiler.tuning.lookup import tuned_knobs, tuned_schedule
 from tvmattn.schedules import x86_amx, x86_bf16
 from tvmattn.schedules.ops import BEFORE_LEGALIZE, ScheduleFunctions
 
@@ -136,8 +136,6 @@ def compile_model(mod: tvm.IRModule, target: Target) -> tuple[tvm.runtime.Execut
     GPU rules."""
     if is_cpu(target):
         from tvm.relax.backend.cpu_generic import pipeline as backend
-
-        from tvmattn.compiler.tuning.model import tuned_knobs  # it builds candidates with this module
 
         scheduler = ScheduleFunctions(target, tuned_knobs(target))
         after_fusion = [scheduler]

@@ -62,7 +62,7 @@ class ScheduleFunctions:
     A rule may lay out a parameter that every call passes a constant (a weight) as it likes to read it
     (`matmul.pack`): the functions see which parameters are constants (``CONSTANT_PARAMS``), and the
     calls then pass the constants packed, at compile time. ``tuned`` gives the GEMM rules the knobs of
-    a tuning record (`tvmattn.compiler.tuning.model`) for the functions that have one.
+    a tuning record (`tvmattn.compiler.tuning.lookup.tuned_knobs`) for the functions that have one.
     """
 
     def __init__(self, target: Target, tuned: Callable[[tirx.PrimFunc, str], dict | None] | None = None) -> None:
