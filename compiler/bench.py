@@ -134,9 +134,9 @@ def tvmattn_impl(spec: AttentionSpec, args: dict[str, np.ndarray], target: str =
                  log_dirs: Sequence[str] = (), tuned: bool = True) -> tuple[Callable[[], np.ndarray], str]:
     import tvm
 
-    from tvmattn.compiler.build import compile as build
+    from tvmattn.compiler.build import compile_attention
 
-    kernel = build(spec, target, log_dirs=log_dirs, tuned=tuned)
+    kernel = compile_attention(spec, target, log_dirs=log_dirs, tuned=tuned)
     dev = kernel.device
     tensors = [tvm.runtime.tensor(a, dev) for a in args.values()]
     out = tvm.runtime.tensor(np.zeros(spec.output_shape(), numpy_dtype(spec.dtype)), dev)  # resident already
@@ -188,26 +188,17 @@ def _to_torch(a: np.ndarray):
 
 def onnxruntime_impl(spec: AttentionSpec, args: dict[str, np.ndarray]) -> tuple[Callable[[], object], str]:
     import onnxruntime as ort
-    from onnx import TensorProto, helper
     from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as OrtNotImplemented
+
+    from tvmattn.compiler.onnx.export import peer_model
 
     if spec.projections or spec.layout != "BHSD":
         raise NotImplementedError("the ORT peer covers the core BHSD kernel")
-    elem = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
-    feed = {"Q": args["q"], "K": args["k"], "V": args["v"]}
-    inputs = ["Q", "K", "V"]
+    feed = {"q": args["q"], "k": args["k"], "v": args["v"]}
     mask = _mask(spec, args)
     if mask is not None:
         feed["M"] = mask
-        inputs.append("M")
-    node = helper.make_node("Attention", inputs, ["O"], is_causal=int(spec.causal and mask is None),
-                            scale=spec.softmax_scale)
-    graph = helper.make_graph(
-        [node], "attention",
-        [helper.make_tensor_value_info(n, (TensorProto.BOOL if a.dtype == bool else TensorProto.FLOAT) if n == "M"
-                                       else elem[spec.dtype], list(a.shape)) for n, a in feed.items()],
-        [helper.make_tensor_value_info("O", elem[spec.dtype], list(spec.output_shape()))])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    model = peer_model(spec, None if mask is None else "bool" if mask.dtype == bool else "additive")
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = cpu_cores()
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")

@@ -83,9 +83,9 @@ def add_log_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_from_args(args: argparse.Namespace, spec: AttentionSpec):
-    from tvmattn.compiler.build import compile as build
+    from tvmattn.compiler.build import compile_attention
 
-    return build(spec, args.target, arch=args.arch, log_dirs=args.log_dir, tuned=not args.default_schedule)
+    return compile_attention(spec, args.target, arch=args.arch, log_dirs=args.log_dir, tuned=not args.default_schedule)
 
 
 def parse_sizes(items: list[str] | None) -> dict[str, int]:
@@ -169,11 +169,10 @@ def parse_shapes(items: list[str] | None) -> dict[str, tuple[int | str, ...]]:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from tvmattn.compiler.onnx.check import compare_with_ort, random_feed
-    from tvmattn.compiler.onnx.graph import load
-    from tvmattn.compiler.onnx.importer import import_onnx
+    from tvmattn.compiler.onnx.compare import compare_with_ort, random_feed
+    from tvmattn.compiler.onnx.importer import import_onnx, load
 
-    model = load(args.model)
+    model = load(args.model)  # read and checked once
     imported = import_onnx(model, args.target, arch=args.arch, shapes=parse_shapes(args.shape))
     print(imported.report)
     if args.output:
@@ -185,7 +184,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     if not args.check:
         return 0
     sizes = parse_sizes(args.at)
-    checks = compare_with_ort(model, imported, random_feed(imported.inputs, sizes, args.seed), sizes)
+    checks = compare_with_ort(model.proto, imported, random_feed(imported.inputs, sizes, args.seed), sizes)
     for c in checks:
         print(c.line())
     return 0 if all(c.ok for c in checks) else 1
@@ -317,15 +316,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_model(args: argparse.Namespace) -> int:
     from tvmattn.compiler.onnx.bench import bench_model
-    from tvmattn.compiler.onnx.check import random_feed
-    from tvmattn.compiler.onnx.graph import load
-    from tvmattn.compiler.onnx.importer import import_onnx
+    from tvmattn.compiler.onnx.compare import random_feed
+    from tvmattn.compiler.onnx.importer import import_onnx, load
 
-    model = load(args.model)
+    model = load(args.model)  # read and checked once
     imported = import_onnx(model, args.target, arch=args.arch, shapes=parse_shapes(args.shape))
     print(imported.report, flush=True)
     feed = random_feed(imported.inputs, parse_sizes(args.at), args.seed)
-    print(bench_model(model, imported, feed, args.budget, Path(args.model).name).table())
+    print(bench_model(model.proto, imported, feed, args.budget, Path(args.model).name).table())
     if args.profile:
         from tvmattn.compiler.onnx.profile import profile
         from tvmattn.compiler.peak import peak_gflops

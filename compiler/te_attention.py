@@ -35,10 +35,10 @@ from tvm import te, tirx
 from tvm.ir.expr import Expr as PrimExpr
 
 from tvmattn.compiler import arguments, variant
+from tvmattn.compiler.annotations import KEY_STAGE
 from tvmattn.compiler.spec import AttentionSpec, Dim
 from tvmattn.compiler.variant import ACC, MASK_AXES, Operand, size_expr
 
-KEY_STAGE = "tvmattn.key_stage"
 LOG2E = 1.4426950408889634  # 1/ln 2: the softmax runs in base 2, exp(x) = exp2(x·log2 e)
 
 Reader = Callable[..., PrimExpr]  # (b, head, pos, c) -> element

@@ -35,6 +35,7 @@ from tvm.s_tir import SBlock, SBlockRealize, Schedule, TensorIntrin
 from tvm.script import tirx as T
 from tvm.target import Target
 
+from tvmattn.compiler.annotations import AMX_TILES
 from tvmattn.compiler.target import ARCH_REQ_XCOMP_PERM, SYS_ARCH_PRCTL, XFEATURE_XTILEDATA, has_feature
 from tvmattn.schedules.x86_bf16 import DOT_LLVM, PAIR, pair_words
 from tvmattn.schedules.x86_panels import transposed
@@ -47,7 +48,7 @@ DOT = "tvmattn_amx_dot_32x32x32"
 STORE = "tvmattn_amx_store_32x32"
 BEGIN = "tvmattn_amx_begin"
 END = "tvmattn_amx_end"
-TILES = "tvmattn.amx_tiles"  # loop annotation: each iteration configures the tiles (`tile_configuration`)
+TILES = AMX_TILES
 BF16_BYTES, F32_BYTES = 2, 4
 
 # ldtilecfg's 64-byte operand: palette 1, then per tile its bytes per row (u16, from byte 16) and its

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tvmattn
-from tvmattn.compiler.onnx.check import random_feed
+from tvmattn.compiler.onnx.compare import random_feed
 from tvmattn.compiler.target import resolve_target
 from tvmattn.compiler.tuning import model as tune
 from tvmattn.compiler.tuning.lookup import TUNED_RULES

@@ -43,7 +43,7 @@ def slopes(bias: relax.Expr, heads: int, batched: bool, values: dict) -> np.ndar
         if slope is None:
             return None
         found.append(slope)
-    return np.array(found, np.float32)
+    return np.array(found, np.float32) if any(found) else None  # (a bias of zeros is no mask, not ALiBi)
 
 
 def _within(value: PrimExpr, j: tirx.Var, extent: PrimExpr) -> PrimExpr:
@@ -92,14 +92,17 @@ def _constant_slopes(bias: np.ndarray, heads: int, batched: bool) -> np.ndarray 
     """`slopes` of a constant bias: each head's rows s_h·j plus a constant each, to fp32's rounding."""
     bias = bias.astype(np.float64)
     if batched:  # (B·h | 1, n | 1, n_kv) → (B | 1, h | 1, n | 1, n_kv)
-        bias = bias.reshape((1, 1) if bias.shape[0] == 1 else (-1, heads), *bias.shape[1:]) if bias.ndim == 3 else None
+        lead = (1, 1) if bias.shape[0] == 1 else (-1, heads)
+        bias = bias.reshape(lead + bias.shape[1:]) if bias.ndim == 3 and bias.shape[0] % heads in (0, 1) else None
     elif bias.ndim <= 4:
         bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
-    if bias is None or bias.ndim != 4 or bias.shape[1] not in (1, heads) or bias.shape[-1] < 2:
+    if bias is None or bias.ndim != 4 or bias.shape[1] not in (1, heads) or bias.shape[-1] < 2 \
+            or not (np.abs(bias) < 1e30).all():  # (a mask's fill, -inf or finfo.min, is no distance)
         return None
     j = np.arange(bias.shape[-1])
     slope = (bias[..., -1] - bias[..., 0]) / (bias.shape[-1] - 1)  # (B, h, n)
     residual = bias - slope[..., None] * j - bias[..., :1]
-    if np.abs(residual).max() > 1e-6 * max(np.abs(bias).max(), 1.0) or np.ptp(slope, axis=(0, 2)).max() > 0:
+    if np.abs(residual).max() > 1e-6 * max(np.abs(bias).max(), 1.0) or np.ptp(slope, axis=(0, 2)).max() > 0 \
+            or not slope.any():  # (a bias of zeros is no mask at all, not ALiBi)
         return None
     return np.broadcast_to(slope[0, :, 0], (heads,)).astype(np.float32)

@@ -16,11 +16,10 @@ from tvm.sym import Analyzer
 from tvm.target import Target
 
 from tvmattn.compiler import arguments
+from tvmattn.compiler.annotations import IS_SCHEDULED, OP_PATTERN, OPAQUE
 from tvmattn.compiler.build import schedule_attention
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.spec import AttentionSpec, Dim
-
-OPAQUE = 8  # relax op_pattern kOpaque: FuseOps must not merge a scheduled kernel with its neighbours
 
 
 @dataclass(frozen=True)
@@ -59,8 +58,8 @@ class Kernels:
         if spec not in self._funcs:
             mod, how = _schedule(spec, self.target)
             name = f"tvmattn_attention{len(self._funcs)}" + ("" if spec.output == "attn" else f"_{spec.output}")
-            func = (mod["main"].with_attr("global_symbol", name).with_attr("op_pattern", OPAQUE)
-                    .with_attr("tirx.is_scheduled", True))  # dlight must not reschedule it (CUDA)
+            func = (mod["main"].with_attr("global_symbol", name).with_attr(OP_PATTERN, OPAQUE)
+                    .with_attr(IS_SCHEDULED, True))  # dlight must not reschedule it (CUDA)
             self._funcs[spec] = (bb.add_func(func, name), how)
         return self._funcs[spec]
 

@@ -41,7 +41,7 @@ from tvm import relax, tirx
 from tvm.relax.dpl import DFPattern
 
 from tvmattn.compiler.errors import TvmAttnError
-from tvmattn.compiler.onnx import alibi, checks, key_masks, positions
+from tvmattn.compiler.onnx import alibi, key_masks, positions, run_checks
 from tvmattn.compiler.onnx.canonical import canonical
 from tvmattn.compiler.onnx.chain import ROOTS, AttentionPattern
 from tvmattn.compiler.onnx.kernels import Kernels, Mask, attend, shape_of
@@ -404,7 +404,7 @@ class _Match:
             for axis, b in zip(axes, begins):
                 axis = int(axis) % rank
                 begin[axis] = begin.get(axis, 0) + b  # a window of a window: offsets add up
-            expr = checks.unchecked(self.r.var2val.get(data, data), self.r.var2val)
+            expr = run_checks.unchecked(self.r.var2val.get(data, data), self.r.var2val)
         if not begin or not isinstance(expr, tvm.ir.GenericConst):
             return {}
         keep = expr.value.numpy() != negate

@@ -17,7 +17,7 @@ import tvm
 from tvm import relax, tirx
 from tvm.ir.expr import Expr as PrimExpr
 
-from tvmattn.compiler.onnx import checks
+from tvmattn.compiler.onnx import run_checks
 from tvmattn.compiler.onnx.shape_ops import bounded_below
 
 Index = list[PrimExpr]  # one index per axis of the tensor being read
@@ -36,7 +36,7 @@ def rule(expr: relax.Expr, index: Index | None, var2val: dict) -> PrimExpr | Non
     input, a constant of more than one value) or through an op no rule of `_RULES` follows."""
     if index is None:
         return None
-    expr = checks.unchecked(var2val.get(expr, expr), var2val)
+    expr = run_checks.unchecked(var2val.get(expr, expr), var2val)
     expr = var2val.get(expr, expr)
     if isinstance(expr, tvm.ir.GenericConst):
         return _constant(expr.value.numpy(), index)

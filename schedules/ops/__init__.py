@@ -25,6 +25,7 @@ from tvm import relax, tirx
 from tvm.s_tir import dlight
 from tvm.target import Target
 
+from tvmattn.compiler.annotations import IS_SCHEDULED
 from tvmattn.compiler.passes import polynomial_math
 from tvmattn.compiler.work import TirWork, tir_work
 from tvmattn.schedules.ops.conv import conv_as_gemm
@@ -51,7 +52,7 @@ BEFORE_LEGALIZE = (conv_as_gemm, small_powers)
 
 
 def is_scheduled(func: tirx.PrimFunc) -> bool:
-    return bool(func.attrs and func.attrs.get("tirx.is_scheduled", False))
+    return bool(func.attrs and func.attrs.get(IS_SCHEDULED, False))
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvmattn.ScheduleFunctions")
@@ -87,7 +88,7 @@ class ScheduleFunctions:
                 if sch is not None:
                     lowering = [*getattr(rule, "passes", ()), polynomial_math()]
                     scheduled = tvm.transform.Sequential(lowering)(sch.mod)["main"]
-                    scheduled = scheduled.without_attr(CONSTANT_PARAMS).with_attr("tirx.is_scheduled", True)
+                    scheduled = scheduled.without_attr(CONSTANT_PARAMS).with_attr(IS_SCHEDULED, True)
                     if _signature(scheduled) == _signature(func):
                         mod[gvar] = scheduled
                     else:
