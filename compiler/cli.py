@@ -13,14 +13,14 @@ import warnings
 from pathlib import Path
 
 from tvmattn.compiler.errors import TvmAttnError, first_line
-from tvmattn.compiler.spec import AttentionSpec
+from tvmattn.compiler.spec import ALIBI_KINDS, AttentionSpec
 
 # spec flag → AttentionSpec field; `None` defaults mean "not given" so a preset's value stands.
 SPEC_FLAGS = {
     "batch": "batch", "seq": "seq_len", "kv_seq": "kv_seq_len", "d_model": "d_model", "heads": "num_heads",
     "kv_heads": "num_kv_heads", "head_dim": "head_dim", "v_head_dim": "v_head_dim", "causal": "causal",
     "causal_align": "causal_align", "window": "window", "key_padding": "key_padding", "layout": "layout",
-    "dtype": "dtype", "projections": "projections", "scale": "scale",
+    "dtype": "dtype", "projections": "projections", "scale": "scale", "alibi": "alibi",
 }
 DEFAULT_SPEC = {"d_model": 512, "num_heads": 8}  # when neither a preset nor a width is given
 
@@ -45,12 +45,14 @@ def add_spec_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--causal-align", choices=["top_left", "bottom_right"], help="where query 0 sits when n != n_kv")
     g.add_argument("--window", type=int, help="sliding window W")
     g.add_argument("--key-padding", action=argparse.BooleanOptionalAction,
-                   help="per-sequence valid key counts (kv_lens)")
+                   help="per-sequence valid key counts, an argument at run time")
     g.add_argument("--layout", choices=["BHSD", "BSHD"], type=str.upper, help="Q/K/V/O layout of the core kernel")
     g.add_argument("--dtype", help="float32 | float16 | bfloat16 (accumulation is always fp32)")
     g.add_argument("--projections", action=argparse.BooleanOptionalAction,
                    help="the full layer X → W_O (default), or --no-projections: the core Q,K,V → O kernel")
     g.add_argument("--scale", type=float, help="softmax scale (default 1/sqrt(d_k))")
+    g.add_argument("--alibi", choices=ALIBI_KINDS, help="ALiBi: each head's slope (an argument at run time) times "
+                   "the distance, signed slope·(j − i) (BLOOM) or symmetric −slope·|j − i| (FlashAttention)")
 
 
 def spec_from_args(args: argparse.Namespace) -> AttentionSpec:

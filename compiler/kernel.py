@@ -3,8 +3,7 @@
     core   kernel(q, k, v, **extras)                 -> o    (arrays in the spec's layout)
     layer  kernel(x, w_q, w_k, w_v, w_o, **extras)   -> out  (B, n, d)
 
-the extras being the keyword rows of `arguments.TABLE` the spec takes (x_kv, kv_lens, attn_mask, sinks,
-alibi_slopes).
+the extras being the keyword rows of `arguments.TABLE` the spec takes.
 
 NumPy in, NumPy out (arrays are converted to the spec's dtype; bfloat16 is ``ml_dtypes.bfloat16``).
 On a CPU kernel, C-contiguous arrays of the right dtype cross by DLPack without a copy, at any

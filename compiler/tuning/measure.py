@@ -6,8 +6,8 @@ for tvmattn.
   (MetaSchedule's default build does: about a minute per fresh worker, past its timeout).
 - Artifacts are shared libraries linked in the build workers, not tarballs the runner would link
   one by one.
-- Arguments are random, except those `arguments.TABLE` gives a ``measure_fill`` (``kv_lens``, set to
-  the full key length: a random int32 there would send key loops out of bounds).
+- Arguments are random, except those `arguments.TABLE` gives a ``measure_fill`` (the key padding's
+  lengths, set to the full key length: a random int32 there would send key loops out of bounds).
 - Local measurement runs in a worker process whose TVM thread pool uses every core of this process
   (TVM's runtime starts with one thread otherwise). RPC servers need ``TVM_NUM_THREADS`` set where
   they are started.
