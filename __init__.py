@@ -27,7 +27,7 @@ _os.environ.setdefault("TVM_BIND_THREADS", "0")
 # microseconds: the kernels of one run find them awake, and idle they sleep before anything else runs.
 _os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "20")
 
-from tvmattn.compiler.build import compile  # noqa: E402,A004
+from tvmattn.compiler.build import compile_attention as compile  # noqa: E402,A004 (the public name)
 from tvmattn.compiler.errors import TvmAttnError  # noqa: E402
 from tvmattn.compiler.kernel import CompiledAttention  # noqa: E402
 from tvmattn.compiler.onnx.importer import ImportedModel, import_onnx  # noqa: E402

@@ -36,7 +36,7 @@ from typing import Callable, Mapping, Sequence  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from tvmattn.compiler import variant  # noqa: E402
+from tvmattn.compiler import arguments, variant  # noqa: E402
 from tvmattn.compiler.errors import TvmAttnError  # noqa: E402
 from tvmattn.compiler.explain import useful_flops  # noqa: E402
 from tvmattn.compiler.kernel import numpy_dtype  # noqa: E402
@@ -134,9 +134,9 @@ def tvmattn_impl(spec: AttentionSpec, args: dict[str, np.ndarray], target: str =
                  log_dirs: Sequence[str] = (), tuned: bool = True) -> tuple[Callable[[], np.ndarray], str]:
     import tvm
 
-    from tvmattn.compiler.build import compile as build
+    from tvmattn.compiler.build import compile_attention
 
-    kernel = build(spec, target, log_dirs=log_dirs, tuned=tuned)
+    kernel = compile_attention(spec, target, log_dirs=log_dirs, tuned=tuned)
     dev = kernel.device
     tensors = [tvm.runtime.tensor(a, dev) for a in args.values()]
     out = tvm.runtime.tensor(np.zeros(spec.output_shape(), numpy_dtype(spec.dtype)), dev)  # resident already
@@ -188,26 +188,17 @@ def _to_torch(a: np.ndarray):
 
 def onnxruntime_impl(spec: AttentionSpec, args: dict[str, np.ndarray]) -> tuple[Callable[[], object], str]:
     import onnxruntime as ort
-    from onnx import TensorProto, helper
     from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as OrtNotImplemented
+
+    from tvmattn.compiler.onnx.export import peer_model
 
     if spec.projections or spec.layout != "BHSD":
         raise NotImplementedError("the ORT peer covers the core BHSD kernel")
-    elem = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
-    feed = {"Q": args["q"], "K": args["k"], "V": args["v"]}
-    inputs = ["Q", "K", "V"]
+    feed = {"q": args["q"], "k": args["k"], "v": args["v"]}
     mask = _mask(spec, args)
     if mask is not None:
         feed["M"] = mask
-        inputs.append("M")
-    node = helper.make_node("Attention", inputs, ["O"], is_causal=int(spec.causal and mask is None),
-                            scale=spec.softmax_scale)
-    graph = helper.make_graph(
-        [node], "attention",
-        [helper.make_tensor_value_info(n, (TensorProto.BOOL if a.dtype == bool else TensorProto.FLOAT) if n == "M"
-                                       else elem[spec.dtype], list(a.shape)) for n, a in feed.items()],
-        [helper.make_tensor_value_info("O", elem[spec.dtype], list(spec.output_shape()))])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    model = peer_model(spec, None if mask is None else "bool" if mask.dtype == bool else "additive")
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = cpu_cores()
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -330,18 +321,18 @@ def bench(spec: AttentionSpec, peers: Sequence[str] | None = None, budget_s: flo
     label = spec.describe()
     ref = None
     if spec.batch * spec.h * spec.n_q * spec.n_kv <= ORACLE_LIMIT_ELEMENTS:
-        arrays = {k: v for k, v in args.items() if k not in ("kv_lens", "attn_mask", "sinks")}
-        ref = reference(spec, *arrays.values(), kv_lens=args.get("kv_lens"), attn_mask=args.get("attn_mask"),
-                        sinks=args.get("sinks"))
+        arrays, named = arguments.split(spec, args)
+        ref = reference(spec, *arrays, **named)
         seen = _rows_that_see_keys(spec, args)
     out_bytes = int(np.prod(spec.output_shape())) * np.dtype(numpy_dtype(spec.dtype)).itemsize
     impls: list[tuple[str, Callable]] = [("tvmattn", lambda s, a: tvmattn_impl(s, a, target, log_dirs, tuned))]
     impls += [(name, PEERS[name]) for name in peers]
     results: dict[str, Result] = {}
     runs, memory, notes = {}, {}, {}
+    no_peer = [a.name for a in arguments.taken(spec) if not a.peers]  # (their SDPA ops have no such argument)
     for name, make in impls:
-        if spec.sinks and name != "tvmattn":  # (their SDPA ops have no sink logits)
-            results[name] = Result(name, label, note="skipped: attention sinks")
+        if no_peer and name != "tvmattn":
+            results[name] = Result(name, label, note=f"skipped: {', '.join(no_peer)}")
             continue
         try:
             runs[name], notes[name] = make(spec, args)

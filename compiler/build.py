@@ -13,6 +13,7 @@ from tvm.target import Target
 
 from tvmattn import schedules
 from tvmattn.compiler import openmp, passes
+from tvmattn.compiler.annotations import OP_PATTERN, OPAQUE
 from tvmattn.compiler.cuda.pipeline import compile_cuda, lower_cuda
 from tvmattn.compiler.errors import TvmAttnError, tvm_reason
 from tvmattn.compiler.flash import FlashTiles, flash_attention
@@ -22,15 +23,15 @@ from tvmattn.compiler.logs import tvm_logs_to_logging
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import host_target, is_cpu, resolve_target
 from tvmattn.compiler.te_attention import attention_te
-from tvmattn.compiler.tuning.lookup import tuned_schedule
+from tvmattn.compiler.tuning.lookup import tuned_knobs, tuned_schedule
 from tvmattn.schedules.ops import BEFORE_LEGALIZE, ScheduleFunctions
 from tvmattn.schedules.ops.precision import matmuls_in
 
 
-def compile(spec: AttentionSpec, target: Any = "cpu", *, arch: str | None = None,
-            knobs: Mapping[str, int] | None = None, log_dirs: Sequence[str | Path] = (),
-            tuned: bool = True, thread_pool: str = "tvm") -> CompiledAttention:  # noqa: A001 (tvm.compile's name)
-    """Build the attention of ``spec`` for ``target`` (``"cpu"``, ``"cuda"``, a dict or a Target).
+def compile_attention(spec: AttentionSpec, target: Any = "cpu", *, arch: str | None = None,
+                      knobs: Mapping[str, int] | None = None, log_dirs: Sequence[str | Path] = (),
+                      tuned: bool = True, thread_pool: str = "tvm") -> CompiledAttention:
+    """``tvmattn.compile``: build the attention of ``spec`` for ``target`` (``"cpu"``, ``"cuda"``, a dict or a Target).
 
     Without ``knobs`` the best tuning record for this workload is used (``log_dirs`` are searched
     before the user's and the shipped logs; ``tuned=False`` ignores them all). ``thread_pool``
@@ -53,7 +54,7 @@ def schedule_attention(spec: AttentionSpec, target: Target, knobs: Mapping[str, 
                        log_dirs: Sequence[str | Path] = (), tuned: bool = True) -> tuple[tvm.IRModule, str]:
     """The scheduled PrimFunc of ``spec`` (in an IRModule, as ``main``) and how it was scheduled.
 
-    This is what `compile` builds; other front ends (ONNX import) embed it in larger modules. Given
+    This is what `compile_attention` builds; other front ends (ONNX import) embed it in larger modules. Given
     ``knobs`` win; otherwise a tuning record (`tvmattn.compiler.tuning.lookup`), else the default schedule.
     """
     spec.validate()
@@ -107,9 +108,6 @@ def tvm_compile(mod: tvm.IRModule, target: Target, thread_pool: str = "tvm") -> 
     return tvm.compile(mod, target, tir_pipeline=THREAD_POOLS[thread_pool] if is_cpu(target) else "default")
 
 
-_OPAQUE = 8  # relax's OpPatternKind kOpaque: FuseOps fuses nothing into or out of it
-
-
 @tvm.transform.module_pass(opt_level=0, name="tvmattn.ProducersUnfused")
 def _producers_unfused(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     """PrimFuncs that read no tensor and write one of symbolic size (an arange over a sequence
@@ -120,7 +118,7 @@ def _producers_unfused(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
             continue
         buffers = [p for p in func.params if isinstance(p.ty, tvm.tirx.BufferType)]
         if len(buffers) == 1 and any(not isinstance(d, tvm.tirx.IntImm) for d in buffers[0].shape):
-            mod[gv] = func.with_attr("op_pattern", _OPAQUE)
+            mod[gv] = func.with_attr(OP_PATTERN, OPAQUE)
     return mod
 
 
@@ -134,8 +132,6 @@ def compile_model(mod: tvm.IRModule, target: Target,
     (`schedules.ops.precision`)."""
     if is_cpu(target):
         from tvm.relax.backend.cpu_generic import pipeline as backend
-
-        from tvmattn.compiler.tuning.model import tuned_knobs  # it builds candidates with this module
 
         scheduler = ScheduleFunctions(target, tuned_knobs(target))
         after_fusion = [scheduler]

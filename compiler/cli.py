@@ -13,14 +13,14 @@ import warnings
 from pathlib import Path
 
 from tvmattn.compiler.errors import TvmAttnError, first_line
-from tvmattn.compiler.spec import AttentionSpec
+from tvmattn.compiler.spec import ALIBI_KINDS, AttentionSpec
 
 # spec flag → AttentionSpec field; `None` defaults mean "not given" so a preset's value stands.
 SPEC_FLAGS = {
     "batch": "batch", "seq": "seq_len", "kv_seq": "kv_seq_len", "d_model": "d_model", "heads": "num_heads",
     "kv_heads": "num_kv_heads", "head_dim": "head_dim", "v_head_dim": "v_head_dim", "causal": "causal",
     "causal_align": "causal_align", "window": "window", "key_padding": "key_padding", "layout": "layout",
-    "dtype": "dtype", "projections": "projections", "scale": "scale",
+    "dtype": "dtype", "projections": "projections", "scale": "scale", "alibi": "alibi",
 }
 DEFAULT_SPEC = {"d_model": 512, "num_heads": 8}  # when neither a preset nor a width is given
 
@@ -45,12 +45,14 @@ def add_spec_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--causal-align", choices=["top_left", "bottom_right"], help="where query 0 sits when n != n_kv")
     g.add_argument("--window", type=int, help="sliding window W")
     g.add_argument("--key-padding", action=argparse.BooleanOptionalAction,
-                   help="per-sequence valid key counts (kv_lens)")
+                   help="per-sequence valid key counts, an argument at run time")
     g.add_argument("--layout", choices=["BHSD", "BSHD"], type=str.upper, help="Q/K/V/O layout of the core kernel")
     g.add_argument("--dtype", help="float32 | float16 | bfloat16 (accumulation is always fp32)")
     g.add_argument("--projections", action=argparse.BooleanOptionalAction,
                    help="the full layer X → W_O (default), or --no-projections: the core Q,K,V → O kernel")
     g.add_argument("--scale", type=float, help="softmax scale (default 1/sqrt(d_k))")
+    g.add_argument("--alibi", choices=ALIBI_KINDS, help="ALiBi: each head's slope (an argument at run time) times "
+                   "the distance, signed slope·(j − i) (BLOOM) or symmetric −slope·|j − i| (FlashAttention)")
 
 
 def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
@@ -83,9 +85,9 @@ def add_log_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_from_args(args: argparse.Namespace, spec: AttentionSpec):
-    from tvmattn.compiler.build import compile as build
+    from tvmattn.compiler.build import compile_attention
 
-    return build(spec, args.target, arch=args.arch, log_dirs=args.log_dir, tuned=not args.default_schedule)
+    return compile_attention(spec, args.target, arch=args.arch, log_dirs=args.log_dir, tuned=not args.default_schedule)
 
 
 def parse_sizes(items: list[str] | None) -> dict[str, int]:
@@ -169,11 +171,10 @@ def parse_shapes(items: list[str] | None) -> dict[str, tuple[int | str, ...]]:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from tvmattn.compiler.onnx.check import compare_with_ort, random_feed
-    from tvmattn.compiler.onnx.graph import load
-    from tvmattn.compiler.onnx.importer import import_onnx
+    from tvmattn.compiler.onnx.compare import compare_with_ort, random_feed
+    from tvmattn.compiler.onnx.importer import import_onnx, load
 
-    model = load(args.model)
+    model = load(args.model)  # read and checked once
     imported = import_onnx(model, args.target, arch=args.arch, shapes=parse_shapes(args.shape), dtype=args.dtype)
     print(imported.report)
     if args.output:
@@ -185,7 +186,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     if not args.check:
         return 0
     sizes = parse_sizes(args.at)
-    checks = compare_with_ort(model, imported, random_feed(imported.inputs, sizes, args.seed), sizes)
+    checks = compare_with_ort(model.proto, imported, random_feed(imported.inputs, sizes, args.seed), sizes)
     for c in checks:
         print(c.line())
     return 0 if all(c.ok for c in checks) else 1
@@ -317,15 +318,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_model(args: argparse.Namespace) -> int:
     from tvmattn.compiler.onnx.bench import bench_model
-    from tvmattn.compiler.onnx.check import random_feed
-    from tvmattn.compiler.onnx.graph import load
-    from tvmattn.compiler.onnx.importer import import_onnx
+    from tvmattn.compiler.onnx.compare import random_feed
+    from tvmattn.compiler.onnx.importer import import_onnx, load
 
-    model = load(args.model)
+    model = load(args.model)  # read and checked once
     imported = import_onnx(model, args.target, arch=args.arch, shapes=parse_shapes(args.shape), dtype=args.dtype)
     print(imported.report, flush=True)
     feed = random_feed(imported.inputs, parse_sizes(args.at), args.seed)
-    print(bench_model(model, imported, feed, args.budget, Path(args.model).name).table())
+    print(bench_model(model.proto, imported, feed, args.budget, Path(args.model).name).table())
     if args.profile:
         from tvmattn.compiler.onnx.profile import profile
         from tvmattn.compiler.peak import peak_gflops

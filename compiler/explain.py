@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tvmattn.compiler import variant
+from tvmattn.compiler.arguments import numpy_dtype
 from tvmattn.compiler.spec import AttentionSpec
 
 PER_PAIR = ("scores = q·kᵀ", "weights·v")  # the trace's matmuls with a term per (query, key) pair
@@ -111,7 +112,7 @@ def fused_bytes(spec: AttentionSpec, sizes: dict[str, int] | None = None) -> int
         dims = [(sizes or {}).get(x, x) if isinstance(x, str) else x for x in shape]
         if any(isinstance(x, str) for x in dims):
             return 0
-        total += _prod(*dims) * (4 if name == "kv_lens" else _itemsize(spec.dtype))
+        total += _prod(*dims) * numpy_dtype(spec.input_dtype(name) if name != "out" else spec.dtype).itemsize
     return total
 
 
@@ -145,7 +146,8 @@ def _mask_note(spec: AttentionSpec) -> str:
     parts = [p for p, on in (("causal " + spec.causal_align.replace("_", "-"), spec.causal),
                              (f"window {spec.window}", spec.window is not None),
                              ("key padding", spec.key_padding)) if on]
-    return ", ".join(parts) + " → -inf" if parts else "none"
+    alibi = f"; + ALiBi slope·distance ({spec.alibi})" if spec.alibi else ""
+    return (", ".join(parts) + " → -inf" if parts else "none") + alibi
 
 
 def _itemsize(dtype: str) -> int:

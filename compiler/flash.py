@@ -67,7 +67,7 @@ from tvm import tirx
 from tvm.ir.expr import Expr as PrimExpr
 from tvm.script import tirx as T
 
-from tvmattn.compiler import variant
+from tvmattn.compiler import arguments, variant
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.variant import ACC, Operand, size_expr
 
@@ -97,7 +97,8 @@ def operands(spec: AttentionSpec, packed: bool = False) -> dict[str, Operand]:
 def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False,
                     scopes: Mapping[str, str] | None = None,
                     dims: Mapping[str, tirx.Var] | None = None) -> tirx.PrimFunc:
-    """The online-softmax PrimFunc of the core of ``spec``: ``main(q, k, v[, kv_lens], o)``.
+    """The online-softmax PrimFunc of the core of ``spec``: ``main(q, k, v, *extras, o)``, the extras
+    the arguments past the data `arguments.TABLE` gives the spec (kv_lens, attn_mask, …).
 
     ``packed`` takes q, k, v and writes o as (B, n, heads·width) (the full layer's projections).
     ``scopes`` places the per-instance buffers (Q, K, V, S_acc, S, P,
@@ -125,13 +126,15 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
         return kvh * g + row % g
 
     def logit(score: PrimExpr, b: PrimExpr, kvh: PrimExpr, row: PrimExpr, t: PrimExpr, kv_len: PrimExpr,
-              past_last_tile: PrimExpr, attn_mask: tirx.Buffer) -> PrimExpr:
+              past_last_tile: PrimExpr, attn_mask: tirx.Buffer, slopes: tirx.Buffer) -> PrimExpr:
         """x = log2(e)·logit of query row and key t (`variant.logit`), or −∞ where it is hidden (by the
         variant, past the keys or past this instance's last tile): as the TE's logits, in base 2."""
         mask_value = tirx.BufferLoad(attn_mask, variant.mask_index(spec, b, head(kvh, row), row // g, t)) \
             if spec.attn_mask else None
+        slope = tirx.BufferLoad(slopes, [head(kvh, row)]) if spec.alibi is not None else None
         seen = variant.sees(spec, row // g, t, kv_len, size_expr(n), mask_value, tirx.Not(past_last_tile), t < n_kv)
-        return tirx.Select(seen, variant.logit(spec, score, mask_value, factor=LOG2E), NEG_INF)
+        return tirx.Select(seen, variant.logit(spec, score, row // g, t, kv_len, size_expr(n), mask_value, slope,
+                                               factor=LOG2E), NEG_INF)
 
     def denominator(total: PrimExpr, running_max: PrimExpr, sinks: tirx.Buffer, i: PrimExpr) -> PrimExpr:
         """The row sum, with head i's sink (`variant.denominator`; both in base 2)."""
@@ -167,7 +170,8 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
 
     @T.macro
     def kv_step(j: PrimExpr, j_hi: PrimExpr, vb: PrimExpr, vkvh: PrimExpr, row0: PrimExpr, kv_len: PrimExpr,
-                k: tirx.Buffer, v: tirx.Buffer, attn_mask: tirx.Buffer, Q: tirx.Buffer, m: tirx.Buffer,
+                k: tirx.Buffer, v: tirx.Buffer, attn_mask: tirx.Buffer, slopes: tirx.Buffer, Q: tirx.Buffer,
+                m: tirx.Buffer,
                 l: tirx.Buffer, O: tirx.Buffer, m_new: tirx.Buffer, alpha: tirx.Buffer, l_new: tirx.Buffer,
                 O_new: tirx.Buffer, P: tirx.Buffer) -> None:
         """Key tile j of row block row0 folded into the running (m, l, O) (Triton's ``_attn_fwd_inner``)."""
@@ -208,7 +212,7 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                             with T.init():
                                 tile_max[vr] = LOWEST
                             tile_max[vr] = T.max(tile_max[vr], logit(
-                                S[vr, vt], vb, vkvh, row0 + vr, t0 + vt, kv_len, vj >= j_hi, attn_mask))
+                                S[vr, vt], vb, vkvh, row0 + vr, t0 + vt, kv_len, vj >= j_hi, attn_mask, slopes))
                     for r in range(R):
                         with T.sblock("rescale"):
                             vr = T.axis.remap("S", [r])
@@ -218,7 +222,8 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                         with T.sblock("probs"):
                             vr, vt = T.axis.remap("SS", [r, t])
                             P[vr, vt] = T.Cast(dt, T.exp2(logit(
-                                S[vr, vt], vb, vkvh, row0 + vr, t0 + vt, kv_len, vj >= j_hi, attn_mask) - m_new[vr]))
+                                S[vr, vt], vb, vkvh, row0 + vr, t0 + vt, kv_len, vj >= j_hi, attn_mask, slopes)
+                                - m_new[vr]))
                     for r, t in T.grid(R, Tk):
                         with T.sblock("row_sum"):
                             vr, vt = T.axis.remap("SR", [r, t])
@@ -306,13 +311,14 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
 
     @T.prim_func(s_tir=True)
     def main(q_h: T.handle, k_h: T.handle, v_h: T.handle, lens_h: T.handle, mask_h: T.handle,
-             sinks_h: T.handle, o_h: T.handle):
+             sinks_h: T.handle, slopes_h: T.handle, o_h: T.handle):
         q = T.match_buffer(q_h, q_shape, dt)
         k = T.match_buffer(k_h, k_shape, dt)
         v = T.match_buffer(v_h, v_shape, dt)
         kv_lens = T.match_buffer(lens_h, (B,), "int32")
         attn_mask = T.match_buffer(mask_h, mask_shape, spec.input_dtype("attn_mask"))
         sinks = T.match_buffer(sinks_h, (h,), "float32")
+        alibi_slopes = T.match_buffer(slopes_h, (h,), "float32")
         o = T.match_buffer(o_h, o_shape, dt)
         if splits > 1:
             o_part = T.alloc_buffer((B, h, n, splits, d_v), ACC)
@@ -356,15 +362,16 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                 # loop it cannot prove to run its stage count with branches, and a branch around the
                 # barriers of a pipelined step is something CUDA code generation cannot place.
                 for step in T.serial(T.max(j_hi - j_lo, tiles.min_steps)):
-                    kv_step(j_lo + step, j_hi, vb, vkvh, row0, kv_len, k, v, attn_mask,
+                    kv_step(j_lo + step, j_hi, vb, vkvh, row0, kv_len, k, v, attn_mask, alibi_slopes,
                             Q, m, l, O, m_new, alpha, l_new, O_new, P)
                 epilogue(parts if splits > 1 else o, vb, vkvh, vsplit, row0, O, m, l, sinks)
         if splits > 1:
             combine(parts, o, sinks)
 
-    # The calling convention has kv_lens and attn_mask only when the spec has them.
-    absent = {"kv_lens": not padded, "attn_mask": spec.attn_mask is None, "sinks": not spec.sinks}
-    main = tirx.PrimFunc([p for p in main.params if not absent.get(p.name)], main.body, main.ret_type, main.attrs)
+    # The calling convention has the extras the spec takes (`arguments.TABLE`), in its order (the
+    # parameters are named after their buffers).
+    takes = {a.name for a in arguments.extras(spec)} | {"q", "k", "v", "o"}
+    main = tirx.PrimFunc([p for p in main.params if p.name in takes], main.body, main.ret_type, main.attrs)
     return main.with_attr("global_symbol", "main")
 
 

@@ -1,7 +1,9 @@
 """`CompiledAttention`: a built kernel with the calling convention of its spec.
 
-    core   kernel(q, k, v, kv_lens=None, attn_mask=None, sinks=None)       -> o      (arrays in the spec's layout)
-    layer  kernel(x, w_q, w_k, w_v, w_o, x_kv=None, kv_lens=None, attn_mask=None, sinks=None) -> out  (B, n, d)
+    core   kernel(q, k, v, **extras)                 -> o    (arrays in the spec's layout)
+    layer  kernel(x, w_q, w_k, w_v, w_o, **extras)   -> out  (B, n, d)
+
+the extras being the keyword rows of `arguments.TABLE` the spec takes.
 
 NumPy in, NumPy out (arrays are converted to the spec's dtype; bfloat16 is ``ml_dtypes.bfloat16``).
 On a CPU kernel, C-contiguous arrays of the right dtype cross by DLPack without a copy, at any
@@ -16,21 +18,16 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import ml_dtypes
 import numpy as np
 import tvm
 import tvm_ffi
 from tvm.runtime import Executable
 from tvm.target import Target
 
-from tvmattn.compiler import concurrency
+from tvmattn.compiler import arguments, concurrency
+from tvmattn.compiler.arguments import numpy_dtype
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.spec import AttentionSpec
-
-
-def numpy_dtype(dtype: str) -> np.dtype:
-    return np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
-
 
 # Tensor._create_view's own function: the method spends ~8 µs a call building its Shape in Python,
 # a small kernel's whole budget for four arguments
@@ -40,7 +37,7 @@ _BFLOAT16 = tvm_ffi.dtype("bfloat16")
 
 def host_tensor(arr: np.ndarray) -> tvm.runtime.Tensor:
     """A TVM tensor on ``arr``'s memory (no copy); ``arr`` must be C-contiguous and element-aligned."""
-    if arr.dtype == ml_dtypes.bfloat16:  # DLPack in NumPy has no bfloat16: cross as uint16, view back
+    if arr.dtype == numpy_dtype("bfloat16"):  # DLPack in NumPy has no bfloat16: cross as uint16, view back
         return _CREATE_VIEW(tvm_ffi.from_dlpack(arr.view(np.uint16)), arr.shape, _BFLOAT16, 0)
     return tvm_ffi.from_dlpack(arr)
 
@@ -65,10 +62,10 @@ class CompiledAttention:
     thread_pool: str = "tvm"  # CPU: "tvm", or "openmp" (this process's, torch's: `compiler.openmp`)
 
     # ---- calling ----------------------------------------------------------------------------------
-    def __call__(self, *arrays: Any, x_kv: Any = None, kv_lens: Any = None, attn_mask: Any = None,
-                 sinks: Any = None, out: np.ndarray | None = None) -> np.ndarray:
-        """The kernel on NumPy arrays; the result is ``out`` (written in place) or a new array."""
-        args, sizes = self._arguments(arrays, x_kv, kv_lens, attn_mask, sinks)
+    def __call__(self, *arrays: Any, out: np.ndarray | None = None, **extras: Any) -> np.ndarray:
+        """The kernel on NumPy arrays, ``extras`` by name (`arguments.TABLE`); the result is ``out``
+        (written in place) or a new array."""
+        args, sizes = self._arguments(arrays, extras)
         out_shape = tuple(sizes[d] if isinstance(d, str) else d for d in self._output_dims)
         result = self._output(out, out_shape)
         if self._on_cuda:  # host arrays must be copied to the GPU and back
@@ -152,56 +149,21 @@ class CompiledAttention:
         return self.executable.mod.inspect_source("asm")
 
     # ---- argument checking ----------------------------------------------------------------------
-    def _arguments(self, arrays: tuple, x_kv: Any, kv_lens: Any, attn_mask: Any,
-                   sinks: Any = None) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    def _arguments(self, arrays: tuple, extras: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, int]]:
         """The arrays in PrimFunc order, converted and shape-checked; and the symbolic sizes they bind."""
-        spec = self.spec
-        signature = self._signature
-        positional = [n for n in signature if n not in ("x_kv", "kv_lens", "attn_mask", "sinks")]
-        if len(arrays) != len(positional):
-            raise TvmAttnError(f"the kernel takes {len(positional)} arrays ({', '.join(positional)}), "
-                               f"got {len(arrays)}")
-        given = dict(zip(positional, arrays))
-        if spec.is_cross and spec.projections:
-            if x_kv is None:
-                raise TvmAttnError("this cross-attention layer needs x_kv=(B, n_kv, d), the keys' input")
-            given["x_kv"] = x_kv
-        elif x_kv is not None:
-            raise TvmAttnError("x_kv is only for a cross-attention layer (a spec with kv_seq_len and projections)")
-        if spec.key_padding:
-            if kv_lens is None:
-                raise TvmAttnError("this spec has key_padding: pass kv_lens=(B,) valid key counts")
-            given["kv_lens"] = kv_lens
-        elif kv_lens is not None:
-            raise TvmAttnError("kv_lens given but the spec has no key_padding: build with key_padding=True")
-        if spec.attn_mask is not None:
-            if attn_mask is None:
-                raise TvmAttnError(f"this spec has a {spec.attn_mask} attn_mask: pass attn_mask="
-                                   f"{_pretty(spec.attn_mask_shape())}")
-            given["attn_mask"] = attn_mask
-        elif attn_mask is not None:
-            raise TvmAttnError("attn_mask given but the spec has none: build with attn_mask='bool' or 'additive'")
-        if spec.sinks:
-            if sinks is None:
-                raise TvmAttnError(f"this spec has sinks: pass sinks=({spec.h},), each query head's sink logit")
-            given["sinks"] = sinks
-        elif sinks is not None:
-            raise TvmAttnError("sinks given but the spec has none: build with sinks=True")
-
+        given = arguments.arrange(self.spec, arrays, extras)
         sizes: dict[str, int] = {}
         out: dict[str, np.ndarray] = {}
-        for name, (want, dtype) in signature.items():
+        for name, (want, dtype) in self._signature.items():
             arr = given[name]
             if not (type(arr) is np.ndarray and arr.dtype == dtype):
                 arr = np.asarray(arr).astype(dtype, copy=False)
             arr = host_argument(arr)
             _bind_shape(name, arr.shape, want, sizes)
             out[name] = arr
-        if spec.key_padding:
-            n_kv = spec.n_kv if isinstance(spec.n_kv, int) else sizes[spec.n_kv]
-            lens = out["kv_lens"]
-            if lens.min(initial=0) < 0 or lens.max(initial=0) > n_kv:
-                raise TvmAttnError(f"kv_lens must lie in [0, {n_kv}], got {lens.tolist()}")
+        for row in arguments.taken(self.spec):
+            if row.check is not None:
+                row.check(self.spec, out[row.name], sizes)
         return out, sizes
 
 

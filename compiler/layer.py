@@ -18,13 +18,14 @@ import tvm_ffi
 from tvm import te, tirx
 from tvm.s_tir import SBlock, SBlockRealize
 
+from tvmattn.compiler import arguments
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.te_attention import AttentionTE, linear
 
 
 def layer_around(spec: AttentionSpec, expr: AttentionTE, core: tirx.PrimFunc,
                  gemm: Callable[[tirx.PrimFunc], tirx.PrimFunc] = lambda f: f) -> tirx.PrimFunc:
-    """The layer of ``spec`` around ``core`` (``main(q, k, v[, kv_lens], o)`` over packed heads whose
+    """The layer of ``spec`` around ``core`` (``main(q, k, v, *extras, o)`` over packed heads whose
     symbolic sizes are ``expr``'s), in the calling convention of ``spec``; ``gemm`` schedules each
     projection's PrimFunc."""
     stages, inputs = expr.stages, {t.op.name: t for t in expr.inputs}
@@ -41,8 +42,7 @@ def layer_around(spec: AttentionSpec, expr: AttentionTE, core: tirx.PrimFunc,
 
     bodies = [_bind(gemm(_prim_func(args + [y])), [t.op.name for t in args] + [y.op.name], buffers)
               for args, y in gemms[:3]]
-    extra = [name for name in ("kv_lens", "attn_mask", "sinks") if name in spec.input_shapes()]
-    core_args = ["q_proj", "k_proj", "v_proj", *extra, "merged"]
+    core_args = ["q_proj", "k_proj", "v_proj", *(a.name for a in arguments.extras(spec)), "merged"]
     bodies.append(_bind(core, core_args, buffers))
     args, y = gemms[3]
     bodies.append(_bind(gemm(_prim_func(args + [y])), ["merged", "w_o", "out"], buffers))

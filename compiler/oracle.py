@@ -7,20 +7,23 @@ from __future__ import annotations
 
 import numpy as np
 
+from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.spec import AttentionSpec
 
 
-def reference(spec: AttentionSpec, *arrays: np.ndarray, kv_lens: np.ndarray | None = None,
-              attn_mask: np.ndarray | None = None, sinks: np.ndarray | None = None) -> np.ndarray:
-    """Attention of ``spec`` on ``arrays`` (the kernel's arguments in call order), in float64.
+def reference(spec: AttentionSpec, *arrays: np.ndarray, x_kv: np.ndarray | None = None,
+              kv_lens: np.ndarray | None = None, attn_mask: np.ndarray | None = None,
+              sinks: np.ndarray | None = None, alibi_slopes: np.ndarray | None = None,
+              alibi_keys_only: bool = False) -> np.ndarray:
+    """Attention of ``spec`` on ``arrays`` and the keywords, as a kernel of ``spec`` is called, in float64.
 
     For ``spec.output`` other than "attn", the requested (B, h, n, n_kv) stage instead.
+    ``alibi_keys_only``: a signed ALiBi as BLOOM writes it, slope·j (`alibi_bias`).
     """
     a = [np.asarray(x, dtype=np.float64) for x in arrays]
     if spec.projections:
-        x, rest = a[0], a[1:]
-        x_kv = rest.pop(0) if spec.is_cross else x
-        w_q, w_k, w_v, w_o = rest
+        x, (w_q, w_k, w_v, w_o) = a[0], a[1:]
+        x_kv = x if x_kv is None else np.asarray(x_kv, dtype=np.float64)
         q = _split_heads(x @ w_q, spec.h)        # (B, h, n, d_k)
         k = _split_heads(x_kv @ w_k, spec.h_kv)  # (B, h_kv, n_kv, d_k)
         v = _split_heads(x_kv @ w_v, spec.h_kv)  # (B, h_kv, n_kv, d_v)
@@ -28,7 +31,7 @@ def reference(spec: AttentionSpec, *arrays: np.ndarray, kv_lens: np.ndarray | No
         q, k, v = a
         if spec.layout == "BSHD":
             q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-    o = core(spec, q, k, v, kv_lens, attn_mask, sinks)  # (B, h, n, d_v)
+    o = core(spec, q, k, v, kv_lens, attn_mask, sinks, alibi_slopes, alibi_keys_only)  # (B, h, n, d_v)
     if spec.output != "attn":
         return o
     if spec.projections:
@@ -39,11 +42,13 @@ def reference(spec: AttentionSpec, *arrays: np.ndarray, kv_lens: np.ndarray | No
 
 def core(spec: AttentionSpec, q: np.ndarray, k: np.ndarray, v: np.ndarray,
          kv_lens: np.ndarray | None = None, attn_mask: np.ndarray | None = None,
-         sinks: np.ndarray | None = None) -> np.ndarray:
-    """softmax(cap(scale·q·kᵀ) + mask)·v for q (B,h,n,d_k), k (B,h_kv,n_kv,d_k), v (B,h_kv,n_kv,d_v).
+         sinks: np.ndarray | None = None, alibi_slopes: np.ndarray | None = None,
+         alibi_keys_only: bool = False) -> np.ndarray:
+    """softmax(cap(scale·q·kᵀ) + alibi + mask)·v for q (B,h,n,d_k), k (B,h_kv,n_kv,d_k), v (B,h_kv,n_kv,d_v).
 
     ``attn_mask`` broadcasts to (B, h, n, n_kv): True/False for a bool mask, a float bias otherwise.
     ``sinks`` (h,): each head's sink logit, a column of the softmax whose weight multiplies no value.
+    ``alibi_slopes`` (h,): each head's ALiBi slope (`alibi_bias`).
     """
     group = q.shape[1] // k.shape[1]
     k = np.repeat(k, group, axis=1)
@@ -53,13 +58,15 @@ def core(spec: AttentionSpec, q: np.ndarray, k: np.ndarray, v: np.ndarray,
         scores = spec.softcap * np.tanh(scores / spec.softcap)
     allowed = allowed_keys(spec, q.shape[0], q.shape[2], k.shape[2], kv_lens)  # (B, 1, n, n_kv)
     logits = scores
+    if spec.alibi is not None:
+        logits = scores + alibi_bias(spec, alibi_slopes, q.shape[0], q.shape[2], k.shape[2], kv_lens, alibi_keys_only)
     if spec.attn_mask == "bool":
         allowed = allowed & np.asarray(attn_mask, dtype=bool)
     elif spec.attn_mask == "additive":
         bias = np.asarray(attn_mask, dtype=np.float64)
         allowed = allowed & (bias != -np.inf)
         with np.errstate(invalid="ignore"):  # inf - inf where hidden; np.where drops it
-            logits = scores + bias
+            logits = logits + bias
     logits = np.where(allowed, logits, -np.inf)
     if spec.sinks:  # the sink as one more key, always visible, dropped after the softmax
         sink = np.broadcast_to(np.asarray(sinks, np.float64).reshape(1, -1, 1, 1), logits.shape[:3] + (1,))
@@ -94,6 +101,24 @@ def allowed_keys(spec: AttentionSpec, batch: int, n: int, n_kv: int,
     if spec.key_padding:
         ok &= j < L
     return ok[:, None]
+
+
+def alibi_bias(spec: AttentionSpec, slopes: np.ndarray, batch: int, n: int, n_kv: int,
+               kv_lens: np.ndarray | None, keys_only: bool = False) -> np.ndarray:
+    """(B, h, n, n_kv): ALiBi's bias, slope_h·(j − pos(i)) ("signed") or −slope_h·|j − pos(i)|
+    ("symmetric"), pos(i) query i's position among the keys (bottom-right: i + L − n); ``keys_only``:
+    the signed bias as BLOOM computes it, slope_h·j (the same softmax: a constant per row)."""
+    lens = np.full(batch, n_kv) if kv_lens is None else np.asarray(kv_lens).reshape(batch)
+    i = np.arange(n)[None, :, None]
+    j = np.arange(n_kv)[None, None, :]
+    pos = i + (lens[:, None, None] - n if spec.causal_align == "bottom_right" else 0)
+    if keys_only and spec.alibi != "signed":
+        raise TvmAttnError("only a signed ALiBi has a key-position form (slope·j)")
+    if keys_only:
+        distance = np.broadcast_to(j, (batch, n, n_kv))
+    else:
+        distance = j - pos if spec.alibi == "signed" else -np.abs(j - pos)
+    return np.asarray(slopes, np.float64).reshape(1, -1, 1, 1) * distance[:, None].astype(np.float64)
 
 
 def _split_heads(y: np.ndarray, heads: int) -> np.ndarray:

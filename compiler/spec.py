@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Union
 
+from tvmattn.compiler import arguments
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.variant import MASK_AXES, Operand
 
@@ -29,6 +30,7 @@ LAYOUTS = ("BHSD", "BSHD")
 CAUSAL_ALIGNS = ("top_left", "bottom_right")
 MASK_KINDS = ("bool", "additive")
 OUTPUTS = ("attn", "scaled_scores", "logits", "weights")
+ALIBI_KINDS = ("signed", "symmetric")
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,12 @@ class AttentionSpec:
     ``sinks`` (h,) float32, a logit per query head that joins every row's softmax as a key with no value:
     weights exp(x_t) / (exp(sinks[i]) + Σ_t exp(x_t)), so a row's weights may sum to less than 1. A
     sink of 0 for every head is ONNX Runtime's smooth softmax (softmax_1: 1 added to the denominator).
+    ``alibi`` (ALiBi: BLOOM, MPT, Falcon; FlashAttention's ``alibi_slopes``): the kernel takes
+    ``alibi_slopes`` (h,) float32, and adds to the logit of query i and key j, after the cap, the
+    head's slope times their distance, never materialised: ``"signed"`` slope·(j − pos(i)) (BLOOM,
+    FlashInfer; the same softmax as BLOOM's slope·j, which differs by a constant per row) or
+    ``"symmetric"`` −slope·|j − pos(i)| (FlashAttention); pos(i) is where query i sits among the keys
+    (see causal). On the keys a causal mask leaves the two are equal.
     ``output`` names what the (core) kernel returns: ``"attn"`` (O), or an intermediate (B, h, n, n_kv)
     stage, as ONNX ``qk_matmul_output`` exposes it: ``"scaled_scores"`` (soft-capped), ``"logits"``
     (the mask applied: -inf where hidden) or ``"weights"`` (the softmax; zero rows where nothing is
@@ -84,6 +92,7 @@ class AttentionSpec:
     softcap: float | None = None
     output: str = "attn"
     sinks: bool = False
+    alibi: str | None = None  # None, "signed" or "symmetric"
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str) and self.dtype.lower() in DTYPES:
@@ -140,31 +149,10 @@ class AttentionSpec:
         names = [x for x in (self.batch, self.seq_len, self.kv_seq_len) if isinstance(x, str)]
         return tuple(dict.fromkeys(names))
 
-    # ---- the calling convention ----------------------------------------------------------------
-    def _bhsd(self, heads: int, seq: Dim, width: int) -> tuple[Dim, ...]:
-        return Operand(self.layout, heads, width).shape(self.batch, seq)
-
+    # ---- the calling convention: `arguments.TABLE` ------------------------------------------------
     def input_shapes(self) -> dict[str, tuple[Dim, ...]]:
         """Kernel arguments in call order, with their shapes (symbolic sizes as names)."""
-        if self.projections:
-            shapes: dict[str, tuple[Dim, ...]] = {"x": (self.batch, self.n_q, self.d)}
-            if self.is_cross:
-                shapes["x_kv"] = (self.batch, self.n_kv, self.d)
-            shapes["w_q"] = (self.d, self.h * self.d_k)
-            shapes["w_k"] = (self.d, self.h_kv * self.d_k)
-            shapes["w_v"] = (self.d, self.h_kv * self.d_v)
-            shapes["w_o"] = (self.h * self.d_v, self.d)
-        else:
-            shapes = {"q": self._bhsd(self.h, self.n_q, self.d_k),
-                      "k": self._bhsd(self.h_kv, self.n_kv, self.d_k),
-                      "v": self._bhsd(self.h_kv, self.n_kv, self.d_v)}
-        if self.key_padding:
-            shapes["kv_lens"] = (self.batch,)
-        if self.attn_mask is not None:
-            shapes["attn_mask"] = self.attn_mask_shape()
-        if self.sinks:
-            shapes["sinks"] = (self.h,)
-        return shapes
+        return {a.name: a.shape(self) for a in arguments.taken(self)}
 
     def attn_mask_shape(self) -> tuple[Dim, ...]:
         """(B, h, n, n_kv) with 1 on the axes the mask broadcasts along."""
@@ -173,20 +161,14 @@ class AttentionSpec:
 
     def input_dtype(self, name: str) -> str:
         """The dtype of kernel argument ``name``."""
-        if name == "kv_lens":
-            return "int32"
-        if name == "attn_mask":
-            return "bool" if self.attn_mask == "bool" else "float32"
-        if name == "sinks":
-            return "float32"
-        return self.dtype
+        return arguments.BY_NAME[name].dtype(self)
 
     def output_shape(self) -> tuple[Dim, ...]:
         if self.output != "attn":
             return (self.batch, self.h, self.n_q, self.n_kv)
         if self.projections:
             return (self.batch, self.n_q, self.d)
-        return self._bhsd(self.h, self.n_q, self.d_v)
+        return Operand(self.layout, self.h, self.d_v).shape(self.batch, self.n_q)
 
     # ---- checks ----------------------------------------------------------------------------------
     def validate(self) -> "AttentionSpec":
@@ -234,6 +216,9 @@ class AttentionSpec:
             raise TvmAttnError(f"unknown output {self.output!r}: use one of {', '.join(OUTPUTS)}")
         if not isinstance(self.sinks, bool):
             raise TvmAttnError(f"sinks={self.sinks!r} must be True (the kernel takes sinks (h,) float32) or False")
+        if self.alibi is not None and self.alibi not in ALIBI_KINDS:
+            raise TvmAttnError(f"unknown alibi {self.alibi!r}: use signed (slope·(j − i): BLOOM, FlashInfer) or "
+                               f"symmetric (−slope·|j − i|: FlashAttention)")
         if self.output != "attn" and self.projections:
             raise TvmAttnError(f"output={self.output!r} is a core-kernel stage: add projections=False")
 
@@ -261,7 +246,7 @@ class AttentionSpec:
                                  ("key-padding", self.key_padding),
                                  (f"{self.attn_mask}-mask({self.attn_mask_dims})", self.attn_mask is not None),
                                  (f"softcap={self.softcap:g}" if self.softcap else "", self.softcap is not None),
-                                 ("sinks", self.sinks),
+                                 ("sinks", self.sinks), (f"alibi({self.alibi})", self.alibi is not None),
                                  (f"returns {self.output}", self.output != "attn")) if on]
         kind = "layer X->W_Q,W_K,W_V..W_O" if self.projections else f"core Q,K,V->O {self.layout}"
         return (f"B={self.batch} n={self.n_q} {kv}d={self.d} h={self.h} {gqa}d_k={self.d_k} {dv}"

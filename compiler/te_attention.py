@@ -4,7 +4,8 @@
     x_kv (B,n_kv,d) ─k_proj/v_proj─► k_heads, v_heads (B,h_kv,n_kv,d_k|d_v)
     scores  = q·kᵀ                         (B,h,n,n_kv)   fp32 accumulation
     logits  = log2(e)·(cap(scale·scores)   (B,h,n,n_kv)   cap: softcap·tanh(·/softcap) if set;
-                       + bias),            masked to -inf bias: an additive attn_mask
+                       + alibi + bias),    masked to -inf alibi: slope·distance (`variant.alibi`),
+                                                          bias: an additive attn_mask
     row_max = max_t logits                 (B,h,n)
     probs   = exp2(logits - row_max)       (B,h,n,n_kv)   = exp(x - max x); 0 where masked
     row_sum = Σ_t probs                    (B,h,n)
@@ -33,11 +34,11 @@ from typing import Callable, Collection
 from tvm import te, tirx
 from tvm.ir.expr import Expr as PrimExpr
 
-from tvmattn.compiler import variant
+from tvmattn.compiler import arguments, variant
+from tvmattn.compiler.annotations import KEY_STAGE
 from tvmattn.compiler.spec import AttentionSpec, Dim
 from tvmattn.compiler.variant import ACC, MASK_AXES, Operand, size_expr
 
-KEY_STAGE = "tvmattn.key_stage"
 LOG2E = 1.4426950408889634  # 1/ln 2: the softmax runs in base 2, exp(x) = exp2(x·log2 e)
 
 Reader = Callable[..., PrimExpr]  # (b, head, pos, c) -> element
@@ -146,15 +147,16 @@ def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: d
         k_at = lambda b, i, t, e: k_rows[b, i, t, e]  # noqa: E731
         v_rows = stages["v_rows"] = te.compute((B, spec.h_kv, n_keys, spec.d_v), v_at, name="v_rows")
         v_at = lambda b, i, t, c: v_rows[b, i, t, c]  # noqa: E731
+    # kv_lens, attn_mask, sinks (read by the epilogue: `variant.denominator`), alibi_slopes
+    extras = {a.name: te.placeholder(tuple(dim(x) for x in a.shape(spec)), a.dtype(spec), a.name)
+              for a in arguments.extras(spec)}
+    inputs += extras.values()
     if spec.key_padding:
-        kv_lens = te.placeholder((B,), "int32", "kv_lens")
-        inputs.append(kv_lens)
-        kv_len = lambda b: kv_lens[b]  # noqa: E731
+        kv_len = lambda b: extras["kv_lens"][b]  # noqa: E731
     else:
         kv_len = lambda b: size_expr(n_kv)  # noqa: E731
-    mask_in = _attn_mask(spec, dim, inputs)
-    if spec.sinks:  # (read by the epilogue: `variant.denominator`)
-        inputs.append(te.placeholder((h,), "float32", "sinks"))
+    mask_in = _attn_mask(spec, extras.get("attn_mask"))
+    slope = (lambda i: extras["alibi_slopes"][i]) if spec.alibi is not None else (lambda i: None)  # noqa: E731
     mask_at = lambda b, i, s, t: mask_in(b, i, row(s), key(t))  # noqa: E731
     if spec.attn_mask is not None and (pad_rows or pad_keys) and {"s", "t"} <= set(spec.attn_mask_dims):
         # a stage of its own, like q_rows: the schedule packs it per tile
@@ -181,7 +183,8 @@ def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: d
     logits = te.compute(
         (B, h, n_rows, n_keys),
         lambda b, i, s, t: tirx.Select(visible(b, i, s, t),
-                                       variant.logit(spec, scores[b, i, s, t], mask_at(b, i, s, t), base),
+                                       variant.logit(spec, scores[b, i, s, t], s, t, kv_len(b), size_expr(n),
+                                                     mask_at(b, i, s, t), slope(i), base),
                                        -tirx.infinity(ACC)),
         name="logits", attrs={KEY_STAGE: 1})
     t = te.reduce_axis((0, n_keys), "t")
@@ -309,14 +312,11 @@ def _epilogue(spec: AttentionSpec, dim: Callable, stages: dict[str, te.Tensor],
     return out
 
 
-def _attn_mask(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor]) -> Reader:
+def _attn_mask(spec: AttentionSpec, m: te.Tensor | None) -> Reader:
     """The mask tensor's reader at (b, head, s, t); None everywhere when the spec has no attn_mask."""
-    if spec.attn_mask is None:
+    if m is None:
         return lambda *index: None
-    m = te.placeholder(tuple(dim(x) for x in spec.attn_mask_shape()), spec.input_dtype("attn_mask"), "attn_mask")
-    inputs.append(m)
     return lambda b, i, s, t: m[tuple(variant.mask_index(spec, b, i, s, t))]
-
 
 
 def linear(x: te.Tensor, w: te.Tensor, name: str, x_parts: tuple[te.Tensor, te.Tensor] | None = None) -> te.Tensor:

@@ -12,7 +12,9 @@ it is the independent statement these hooks are checked against.
                     padding  t < L
     key_range       the same rules solved for t over a block of queries (tile skipping)
     mask_allows     what an attn_mask entry says: True = attend (bool), a -inf bias hides (additive)
-    logit           cap(scale·score) + bias, cap(x) = softcap·tanh(x / softcap) when a softcap is set
+    logit           cap(scale·score) + alibi + bias, cap(x) = softcap·tanh(x / softcap) when a softcap
+                    is set, alibi = slope·(t − pos(s)) or −slope·|t − pos(s)| (the head's ALiBi slope),
+                    bias an additive attn_mask's entry
     mask_index      where the attn_mask holds the entry of (b, head, s, t) (it broadcasts)
     denominator     the row sum, plus the sink's term where the spec has sinks (a key with no value)
     normalise       x / denominator, and 0 for a row that sees no key (sum 0; a NaN sum stays NaN)
@@ -139,20 +141,37 @@ def scaled_score(spec: AttentionSpec, score: PrimExpr, factor: float = 1.0) -> P
     return _times(capped, spec.softcap * factor)
 
 
-def logit(spec: AttentionSpec, score: PrimExpr, mask_value: PrimExpr | None = None,
-          factor: float = 1.0) -> PrimExpr:
-    """factor·(cap(scale·score) + bias), the bias being an additive attn_mask's entry."""
+def alibi(spec: AttentionSpec, slope: PrimExpr | None, s: PrimExpr, t: PrimExpr, kv_len: PrimExpr,
+          n_q: PrimExpr) -> PrimExpr | None:
+    """ALiBi's term of the logit of query s and key t (None: the spec has none): the head's ``slope``
+    times t − pos(s) ("signed") or −|t − pos(s)| ("symmetric"). The distance from the query, not
+    BLOOM's t alone (the same softmax): small near the diagonal, so fp32 keeps it exact."""
+    if spec.alibi is None:
+        return None
+    distance = (t - _position(spec, s, kv_len, n_q)).astype(ACC)
+    return slope * (tirx.abs(distance) * tirx.const(-1, ACC) if spec.alibi == "symmetric" else distance)
+
+
+def logit(spec: AttentionSpec, score: PrimExpr, s: PrimExpr, t: PrimExpr, kv_len: PrimExpr, n_q: PrimExpr,
+          mask_value: PrimExpr | None = None, slope: PrimExpr | None = None, factor: float = 1.0) -> PrimExpr:
+    """factor·(cap(scale·score) + alibi + bias) of query s and key t (kv_len valid keys, n_q queries):
+    ALiBi's term with the head's ``slope`` (`alibi`), the bias an additive attn_mask's entry."""
     x = scaled_score(spec, score, factor)
+    bias = alibi(spec, slope, s, t, kv_len, n_q)
     if spec.attn_mask == "additive":
-        if factor == 1.0:
-            return x + mask_value
-        # A finite logit stays finite: the finfo.min fill exporters write, times log2(e), would overflow
-        # to -inf, and a row it hides entirely would see no key instead of every key alike (as in natural
-        # units, ONNX Runtime and torch). A Select, not max: NaN must pass.
-        x = x + _times(mask_value, factor)
-        lowest = tirx.const(-3.4028234663852886e38, ACC)  # fp32's lowest finite value
-        return tirx.Select(x < lowest, lowest, x)
-    return x
+        bias = mask_value if bias is None else bias + mask_value
+    if bias is None:
+        return x
+    if factor == 1.0:
+        return x + bias
+    x = x + _times(bias, factor)
+    if spec.attn_mask != "additive":
+        return x
+    # A finite logit stays finite: the finfo.min fill exporters write, times log2(e), would overflow
+    # to -inf, and a row it hides entirely would see no key instead of every key alike (as in natural
+    # units, ONNX Runtime and torch). A Select, not max: NaN must pass.
+    lowest = tirx.const(-3.4028234663852886e38, ACC)  # fp32's lowest finite value
+    return tirx.Select(x < lowest, lowest, x)
 
 
 def denominator(spec: AttentionSpec, row_sum: PrimExpr, row_max: PrimExpr, sink: PrimExpr | None,

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tvmattn.compiler.kernel import CompiledAttention, numpy_dtype
+from tvmattn.compiler import arguments
+from tvmattn.compiler.kernel import CompiledAttention
 from tvmattn.compiler.oracle import reference
 from tvmattn.compiler.spec import AttentionSpec
 
@@ -39,27 +40,9 @@ class Check:
 
 def random_inputs(spec: AttentionSpec, sizes: dict[str, int] | None = None,
                   seed: int = 0) -> dict[str, np.ndarray]:
-    """Arguments for ``spec`` by name (call order), scaled like a trained layer: O(1) scores."""
-    rng = np.random.default_rng(seed)
-    sizes = sizes or {}
-    out: dict[str, np.ndarray] = {}
-    for name, shape in spec.input_shapes().items():
-        shape = tuple(sizes[d] if isinstance(d, str) else d for d in shape)
-        if name == "kv_lens":
-            n_kv = sizes[spec.n_kv] if isinstance(spec.n_kv, str) else spec.n_kv
-            out[name] = rng.integers(1, n_kv + 1, size=shape).astype(np.int32)
-            continue
-        if name == "attn_mask":  # about one key in five hidden; a bias of O(1) on the others
-            hidden = rng.random(shape) < 0.2
-            out[name] = ~hidden if spec.attn_mask == "bool" else np.where(
-                hidden, -np.inf, rng.standard_normal(shape)).astype(np.float32)
-            continue
-        if name == "sinks":  # logits of O(1), as the scores are
-            out[name] = rng.standard_normal(shape).astype(np.float32)
-            continue
-        std = 1.0 / np.sqrt(shape[0]) if name.startswith("w_") else 1.0  # W ~ N(0, 1/fan_in)
-        out[name] = (rng.standard_normal(shape) * std).astype(numpy_dtype(spec.dtype))
-    return out
+    """Arguments for ``spec`` by name (call order), drawn as `arguments.TABLE` says: scaled like a
+    trained layer, O(1) scores."""
+    return arguments.draw(spec, sizes, seed)
 
 
 def check(kernel: CompiledAttention, sizes: dict[str, int] | None = None, seed: int = 0,
@@ -67,16 +50,9 @@ def check(kernel: CompiledAttention, sizes: dict[str, int] | None = None, seed: 
     """Run ``kernel`` once at ``sizes`` (values of its symbolic lengths) and compare with the oracle;
     ``inputs`` replace the drawn arguments of those names."""
     spec = kernel.spec
-    args = {**random_inputs(spec, sizes, seed), **(inputs or {})}
-    kv_lens = args.pop("kv_lens", None)
-    attn_mask = args.pop("attn_mask", None)
-    sinks = args.pop("sinks", None)
-    x_kv = args.pop("x_kv", None) if spec.projections and spec.is_cross else None
-    out = kernel(*args.values(), x_kv=x_kv, kv_lens=kv_lens, attn_mask=attn_mask, sinks=sinks).astype(np.float64)
-    arrays = list(args.values())
-    if x_kv is not None:
-        arrays.insert(1, x_kv)
-    ref = reference(spec, *arrays, kv_lens=kv_lens, attn_mask=attn_mask, sinks=sinks)
+    arrays, named = arguments.split(spec, {**random_inputs(spec, sizes, seed), **(inputs or {})})
+    out = kernel(*arrays, **named).astype(np.float64)
+    ref = reference(spec, *arrays, **named)
     return Check(spec.dtype, dict(sizes or {}), *errors(out, ref), TOLERANCE[spec.dtype])
 
 

@@ -8,7 +8,7 @@ from tvmattn.compiler.spec import AttentionSpec
 PRESETS: dict[str, AttentionSpec] = {
     # GPT-2 small: 12 heads of 64, causal self-attention over its 1024-token context.
     "gpt2-small": AttentionSpec(batch=1, seq_len=1024, d_model=768, num_heads=12, causal=True),
-    # BERT base: bidirectional, 512 tokens, padded batches (kv_lens at run time).
+    # BERT base: bidirectional, 512 tokens, padded batches (each sequence's key count at run time).
     "bert-base": AttentionSpec(batch=2, seq_len=512, d_model=768, num_heads=12, key_padding=True),
     # A Llama-3.2-1B layer: 32 query heads sharing 8 key/value heads (GQA), causal.
     "llama-gqa": AttentionSpec(batch=1, seq_len=1024, d_model=2048, num_heads=32, num_kv_heads=8,

@@ -1,12 +1,14 @@
 """tvmattn from PyTorch (needs torch; the rest of tvmattn never imports it).
 
     from tvmattn.torch import scaled_dot_product_attention   # F.scaled_dot_product_attention's signature
+    from tvmattn.torch import flash_attn_func                # FlashAttention's: windows, softcap, ALiBi
     torch.ops.tvmattn.attention                              # the same, as a custom op (torch.compile, export)
     tvmattn.torch.register_hf()                              # attn_implementation="tvmattn" in transformers
 """
 
 from tvmattn.torch.cache import KERNELS
+from tvmattn.torch.flash import flash_attn_func
 from tvmattn.torch.hf import register_hf
 from tvmattn.torch.sdpa import scaled_dot_product_attention
 
-__all__ = ["KERNELS", "register_hf", "scaled_dot_product_attention"]
+__all__ = ["KERNELS", "flash_attn_func", "register_hf", "scaled_dot_product_attention"]

@@ -38,14 +38,20 @@ class KernelKey:
     mask: str | None  # None, "bool" or "additive"
     mask_dims: str  # the mask axes (of "bhst") that are not broadcast
     sinks: bool = False  # a sink logit per head (gpt-oss)
+    # FlashAttention's `flash_attn_func`: its alignment, sliding window, soft cap and ALiBi
+    causal_align: str = "top_left"
+    window: int | None = None
+    softcap: float | None = None
+    alibi: str | None = None
 
     def spec(self) -> AttentionSpec:
         return AttentionSpec(batch="b", seq_len="n" if self.q_len is None else self.q_len, kv_seq_len="m",
                              num_heads=self.heads,
                              num_kv_heads=self.kv_heads, head_dim=self.head_dim, v_head_dim=self.v_head_dim,
-                             causal=self.causal, causal_align="top_left", layout=self.layout, dtype=self.dtype,
-                             projections=False, scale=self.scale, attn_mask=self.mask,
-                             attn_mask_dims=self.mask_dims if self.mask else "bhst", sinks=self.sinks)
+                             causal=self.causal, causal_align=self.causal_align, layout=self.layout,
+                             dtype=self.dtype, projections=False, scale=self.scale, attn_mask=self.mask,
+                             attn_mask_dims=self.mask_dims if self.mask else "bhst", sinks=self.sinks,
+                             window=self.window, softcap=self.softcap, alibi=self.alibi)
 
 
 class KernelCache:

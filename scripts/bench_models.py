@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 from tvmattn.compiler.errors import first_line  # noqa: E402
 from tvmattn.compiler.onnx.bench import CLASSES, bench_model  # noqa: E402
-from tvmattn.compiler.onnx.check import compare_with_ort  # noqa: E402
+from tvmattn.compiler.onnx.compare import compare_with_ort  # noqa: E402
 from tvmattn.compiler.onnx.importer import ImportedModel, import_onnx  # noqa: E402
 from tvmattn.compiler.target import cpu_cores  # noqa: E402
 from tvmattn.compiler.tuning.model import tune_model  # noqa: E402

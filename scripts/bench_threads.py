@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import export_hf  # noqa: E402
 import onnx  # noqa: E402
 
-from tvmattn.compiler.onnx.check import random_feed  # noqa: E402
+from tvmattn.compiler.onnx.compare import random_feed  # noqa: E402
 from tvmattn.compiler.onnx.importer import import_onnx  # noqa: E402
 
 

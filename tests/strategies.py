@@ -9,7 +9,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from tvmattn.compiler.flash import FlashTiles
-from tvmattn.compiler.spec import CAUSAL_ALIGNS, LAYOUTS, MASK_KINDS, OUTPUTS, AttentionSpec
+from tvmattn.compiler.spec import ALIBI_KINDS, CAUSAL_ALIGNS, LAYOUTS, MASK_KINDS, OUTPUTS, AttentionSpec
 from tvmattn.compiler.variant import MASK_AXES
 
 HEAD_DIMS = (3, 4, 8, 12, 16, 24, 32, 64)
@@ -46,7 +46,8 @@ def specs(draw, dtype: str | tuple[str, ...] = "float32", projections: bool | No
     if draw(st.booleans()) if symbolic is None else symbolic:
         spec = spec.replace(batch=draw(st.sampled_from([spec.batch, "B"])), seq_len="n",
                             kv_seq_len=None if kv_seq is None else draw(st.sampled_from(["n", "n_kv"])))
-    return spec.replace(sinks=draw(st.booleans()))  # (drawn last: the draws before it stay as they were)
+    # (drawn last: the draws before them stay as they were)
+    return spec.replace(sinks=draw(st.booleans()), alibi=draw(st.sampled_from((None, *ALIBI_KINDS))))
 
 
 def lengths(spec: AttentionSpec, max_len: int = 70) -> st.SearchStrategy[dict[str, int]]:

@@ -39,6 +39,12 @@ def test_verify_passes_and_reports(capsys):
     assert "PASS at n=19" in out and "max abs error" in out
 
 
+def test_verify_alibi(capsys):
+    code, out, _ = run(capsys, "verify", "--seq", "n", "--d-model", "32", "--heads", "2", "--causal", "--alibi",
+                       "signed", "--at", "n=19")
+    assert code == 0 and "PASS at n=19" in out and "alibi(signed)" in out
+
+
 def test_verify_all_presets(capsys):
     for name in PRESETS:
         code, out, _ = run(capsys, "verify", "--preset", name)

@@ -78,7 +78,10 @@ def test_template_serves_every_length(spec, tiling):
     {"attn_mask": "additive", "attn_mask_dims": "st", "softcap": 5.0},
     {"softcap": 2.0, "causal": True},
     {"sinks": True, "causal": True, "window": 20},
-], ids=["bool-mask", "additive-mask-softcap", "softcap-causal", "sinks-window"])
+    {"alibi": "signed", "causal": True, "sinks": True, "softcap": 5.0},
+    {"alibi": "symmetric", "key_padding": True, "causal_align": "bottom_right"},
+], ids=["bool-mask", "additive-mask-softcap", "softcap-causal", "sinks-window", "alibi-sinks-softcap",
+        "alibi-symmetric-padded"])
 def test_template_with_onnx_masks(fields):
     spec = core(seq_len=45, kv_seq_len=70, num_heads=4, num_kv_heads=2, head_dim=16, **fields)
     assert_matches_oracle(serial(spec, FlashTiles(16, 32, 2)))
@@ -108,6 +111,9 @@ CONFIGS = {
                                       window=128, dtype="bfloat16", sinks=True),
     "decode-4k": PRESETS["decode-4k"],
     "gpt2-small-layer": PRESETS["gpt2-small"],
+    "bloom-alibi-fp16": core(seq_len=1024, num_heads=16, head_dim=64, causal=True, dtype="float16", alibi="signed"),
+    "alibi-decode": core(batch=2, seq_len=1, kv_seq_len=4096, num_heads=32, head_dim=128, causal=True,
+                         causal_align="bottom_right", alibi="symmetric"),
 }
 ARCHS = ("sm_80", "sm_90")
 

@@ -43,7 +43,7 @@ def test_out_is_written_in_place_and_matches_the_oracle(dtype):
 def test_arrays_at_any_element_offset_cross_without_a_copy(spec):
     kernel = compiled(spec)
     arrays = [_one_element_past_a_cache_line(a) for a in random_inputs(spec, SIZES).values()]
-    crossing, _ = kernel._arguments(tuple(arrays), None, None, None)
+    crossing, _ = kernel._arguments(tuple(arrays), {})
     assert all(np.shares_memory(a, b) for a, b in zip(arrays, crossing.values()))
     ref = tvmattn.reference(spec, *arrays)
     out = _one_element_past_a_cache_line(np.zeros(ref.shape, arrays[0].dtype))

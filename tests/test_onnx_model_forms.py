@@ -17,6 +17,7 @@ from onnx import numpy_helper as nh
 from onnx_testing import assert_matches_ort, kernels_used, ort_run
 
 import tvmattn
+from tvmattn.compiler.verify import errors
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -103,8 +104,33 @@ def feeds(name: str) -> list[dict[str, np.ndarray]]:
 def test_attention_forms_on_kernels(name, exporter):
     imported = assert_matches_ort(exported(name, exporter), feeds(name), attentions=1, softmaxes=1)
     spec = imported.report.replacements[0].spec
-    if name == "bloom":  # the heads split back off the (B·h) batches; ALiBi a (B, h, 1, n_kv) bias; causal proved
-        assert (spec.h, spec.causal, spec.attn_mask, spec.attn_mask_dims) == (4, True, "additive", "bht")
+    if name == "bloom":  # the heads split back off the (B·h) batches; ALiBi proved slopes·positions; causal proved
+        assert (spec.h, spec.causal, spec.alibi, spec.attn_mask) == (4, True, "signed", None)
+
+
+def test_bloom_at_static_shapes_folds_alibi_into_a_constant_it_still_proves():
+    """Bound to (2, 7) the ALiBi bias folds into a constant (B·h, 1, n_kv): read back as slopes·positions."""
+    feed = feeds("bloom")[0]
+    imported = tvmattn.import_onnx(exported("bloom", "torchscript"), shapes={"x": (2, 7)})
+    (r,) = {r.spec for r in imported.report.replacements}
+    assert (r.alibi, r.attn_mask, r.batch, r.n_q) == ("signed", None, 2, 7), str(imported.report)
+    for got, want in zip(imported.run(feed), ort_run(exported("bloom", "torchscript"), feed), strict=True):
+        assert errors(got, want)[1] <= 1e-4
+
+
+@pytest.mark.parametrize("bias", [
+    np.where(np.tri(5, 6, 0, bool), 0, -np.inf),  # a causal mask, -inf or finfo.min: no distance
+    np.where(np.tri(5, 6, 0, bool), 0, np.finfo(np.float32).min),
+    np.zeros((1, 5, 6)),  # no bias at all
+    np.random.default_rng(0).standard_normal((4, 5, 6)),
+], ids=["causal-inf", "causal-finfo-min", "zeros", "random"])
+def test_a_constant_bias_that_is_not_alibi_stays_a_bias(bias):
+    from tvmattn.compiler.onnx.alibi import _constant_slopes
+
+    assert _constant_slopes(np.asarray(bias, np.float32), 4, batched=False) is None
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625], np.float32)
+    bloom = (slopes[:, None, None] * np.arange(6)).astype(np.float32)  # (h, 1, n_kv), as BLOOM's is
+    np.testing.assert_array_equal(_constant_slopes(np.tile(bloom, (2, 1, 1)), 4, batched=True), slopes)
 
 
 def test_zero_size_output():

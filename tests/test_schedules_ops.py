@@ -25,10 +25,7 @@ from tvm.s_tir import Schedule
 import tvmattn
 from tvmattn.compiler import build
 from tvmattn.compiler.cuda import tools as cuda_tools
-from tvmattn.compiler.onnx import graph, patterns
-from tvmattn.compiler.onnx.converters import find
-from tvmattn.compiler.onnx.importer import _Importer
-from tvmattn.compiler.onnx.kernels import Kernels
+from tvmattn.compiler.onnx.importer import relax_module
 from tvmattn.compiler.passes import polynomial_math
 from tvmattn.compiler.target import resolve_target, vector_lanes
 from tvmattn.compiler.verify import errors
@@ -343,11 +340,7 @@ MODELS = {"tiny": tiny_model, "gpt2": BUILDERS["gpt2"]}
 def legalized(model: onnx.ModelProto, target) -> tvm.IRModule:
     """The importer's Relax module (as `import_onnx` makes it) after the target's Relax legalisation and
     fusion: CPU as `compile_model` runs it before `ScheduleFunctions`; CUDA's includes dlight's rules."""
-    proto = graph.name_nodes(graph.name_dims(graph.load(model)))
-    proto = graph.fold_static(proto, keep=[(n.domain, n.op_type) for n in proto.graph.node if find(n)])
-    kernels = Kernels(target)
-    importer = _Importer(proto, kernels)
-    mod = patterns.rewrite(importer.convert(), kernels, importer.provenance, {})
+    mod = relax_module(model, target)
     with target:
         return tvm.transform.Sequential(build.until_scheduling(target))(mod)
 

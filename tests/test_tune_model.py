@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import tvmattn
-from tvmattn.compiler.onnx.check import random_feed
+from tvmattn.compiler.onnx.compare import random_feed
 from tvmattn.compiler.target import resolve_target
 from tvmattn.compiler.tuning import model as tune
+from tvmattn.compiler.tuning.lookup import TUNED_RULES
 from tvmattn.models.onnx_models import gpt2_block
 
 ort = pytest.importorskip("onnxruntime")
@@ -20,7 +21,7 @@ ort = pytest.importorskip("onnxruntime")
 def test_tuned_records_rebuild_the_model(tmp_path, monkeypatch):
     model = gpt2_block()  # x (batch, seq, 64): QKV and output projections, an MLP
     tasks = tune.tasks(model, resolve_target("cpu"))
-    assert tasks and len({t.key for t in tasks}) == len(tasks) and {t.rule for t in tasks} <= set(tune.TUNED_RULES)
+    assert tasks and len({t.key for t in tasks}) == len(tasks) and {t.rule for t in tasks} <= set(TUNED_RULES)
 
     reports, path = tune.tune_model(model, trials=3, at={"batch": 2, "seq": 17}, log_dir=tmp_path, progress=False)
     lines = [json.loads(line) for line in path.read_text().splitlines()]

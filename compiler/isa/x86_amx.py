@@ -36,6 +36,7 @@ from tvm import tirx
 from tvm.s_tir import SBlock, SBlockRealize, Schedule, TensorIntrin
 from tvm.script import tirx as T
 
+from tvmattn.compiler.annotations import AMX_TILES
 from tvmattn.compiler.isa.panels import PAIR, pair_words, transposed
 from tvmattn.compiler.isa.record import Tiles
 from tvmattn.compiler.isa.x86_bf16 import AVX512_BF16, DOT_LLVM
@@ -48,7 +49,7 @@ DOT = "tvmattn_amx_dot_32x32x32"
 STORE = "tvmattn_amx_store_32x32"
 BEGIN = "tvmattn_amx_begin"
 END = "tvmattn_amx_end"
-TILES = "tvmattn.amx_tiles"  # loop annotation: each iteration configures the tiles (`tile_configuration`)
+TILES = AMX_TILES
 BF16_BYTES, F32_BYTES = 2, 4
 AMX_FEATURES = ("amx-tile", "amx-bf16", "amx-int8", "amx-fp16")  # LLVM's names
 ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 0x1023, 18  # Linux's arch_prctl: the AMX tile data state

@@ -1,4 +1,4 @@
-"""ONNX attention ops → tvmattn kernels: one converter per op, in a table keyed by (domain, op type).
+"""ONNX attention ops → tvmattn kernels: one converter per op (the import finds them in `registry.OPS`).
 
 A converter gets the `Node` (its proto, attributes, the BlockBuilder and the module's kernels) and the
 node's inputs as Relax expressions (None where absent), and returns its outputs (None where the node
@@ -16,25 +16,11 @@ import onnx
 from tvm import relax
 
 from tvmattn.compiler.errors import TvmAttnError
-from tvmattn.compiler.onnx import checks
+from tvmattn.compiler.onnx import run_checks
 from tvmattn.compiler.onnx.kernels import Kernels, Mask, Sizes, attend, shape_of, static
 from tvmattn.compiler.target import is_cpu
 
 Converter = Callable[["Node", list], list]
-CONVERTERS: dict[tuple[str, str], Converter] = {}
-
-
-def converter(domain: str, op_type: str) -> Callable[[Converter], Converter]:
-    def register(fn: Converter) -> Converter:
-        CONVERTERS[(domain, op_type)] = fn
-        return fn
-
-    return register
-
-
-def find(node: onnx.NodeProto) -> Converter | None:
-    domain = "" if node.domain in ("", "ai.onnx") else node.domain
-    return CONVERTERS.get((domain, node.op_type))
 
 
 @dataclass
@@ -75,7 +61,7 @@ class Node:
 
     @property
     def checks(self) -> bool:
-        """Whether index inputs are checked at run time (`checks.in_range`: a serial CPU loop)."""
+        """Whether index inputs are checked at run time (`run_checks.in_range`: a serial CPU loop)."""
         return is_cpu(self.kernels.target)
 
     def in_range(self, values: relax.Expr, what: str, lo, hi, carry: relax.Expr | None = None) -> relax.Expr:
@@ -83,7 +69,7 @@ class Node:
         targets (elsewhere as it is): an error naming this node and ``what`` if not."""
         if not self.checks:
             return values if carry is None else carry
-        return checks.in_range(self.bb, f"node {self.name!r} ({self.op}): {what}", values, lo, hi, carry)
+        return run_checks.in_range(self.bb, f"node {self.name!r} ({self.op}): {what}", values, lo, hi, carry)
 
     def attend(self, q, k, v, **kw) -> list[relax.Var]:
         return attend(self.bb, self.kernels, q, k, v, nodes=(self.name,), source=f"{self.op} converter", **kw)
@@ -143,7 +129,6 @@ def with_past(node: Node, past: relax.Expr | None, new: relax.Expr) -> relax.Exp
 QK_OUTPUTS = {0: "scaled_scores", 1: "scaled_scores", 2: "logits", 3: "weights"}
 
 
-@converter("", "Attention")
 def onnx_attention(node: Node, inputs: list) -> list:
     """ONNX ``Attention``: Y = softmax(softcap(scale·Q·Kᵀ) + mask)·V, with caches, GQA and masks.
 

@@ -2,6 +2,7 @@
 MatMul/Softmax graph older runtimes need (opset 17). The full layer carries its weights as initializers.
 
     model, weights = export_onnx(spec, opset=23)   # weights: {"w_q": …} as the kernel takes them
+    model = peer_model(spec, "bool")               # the core as one Attention node over q, k, v and a mask M
 
 Graph inputs are the kernel's arguments (x[, x_kv] or q, k, v; kv_lens; attn_mask), with symbolic
 sizes as named dimensions. Masks the ``Attention`` op has no attribute for (bottom-right alignment,
@@ -39,6 +40,23 @@ def export_onnx(spec: AttentionSpec, opset: int = 23, seed: int = 0) -> tuple[on
                            "takes them as head_sink)")
     weights = {n: a for n, a in random_inputs(spec, _sizes(spec), seed).items() if n.startswith("w_")}
     return _Builder(spec, opset).build(weights), weights
+
+
+def peer_model(spec: AttentionSpec, mask: str | None) -> onnx.ModelProto:
+    """The core of ``spec`` (BHSD) as one ONNX ``Attention`` node (opset 23), for the benchmark's ONNX
+    Runtime peer: inputs q, k, v and, where ``mask`` says, M, the mask with every rule the spec has
+    ("bool": True attends, "additive": float32 added); without one, ``is_causal`` where the spec is causal."""
+    b = _Builder(spec, 23)
+    keep, bias = ("M", None) if mask == "bool" else (None, "M") if mask == "additive" else (None, None)
+    b.attention_op("q", "k", "v", keep, bias, "BHSD", causal=mask is None and spec.causal)
+    b.nodes[-1].output[0] = "out"
+    shapes = spec.input_shapes()
+    inputs = [helper.make_tensor_value_info(n, b.elem, list(shapes[n])) for n in ("q", "k", "v")]
+    if mask is not None:
+        inputs.append(helper.make_tensor_value_info("M", _ELEM["bool" if mask == "bool" else "float32"], None))
+    out = helper.make_tensor_value_info("out", b.elem, list(spec.output_shape()))
+    return helper.make_model(helper.make_graph(b.nodes, "attention", inputs, [out], initializer=b.inits),
+                             opset_imports=[helper.make_opsetid("", 23)])
 
 
 def _sizes(spec: AttentionSpec) -> dict[str, int]:
@@ -102,7 +120,9 @@ class _Builder:
                 o = self.merge(o)
         return self.op("Transpose", o, perm=[0, 2, 1, 3]) if layout == "BSHD" else o
 
-    def attention_op(self, q, k, v, keep: str | None, bias: str | None, layout: str) -> str:
+    def attention_op(self, q, k, v, keep: str | None, bias: str | None, layout: str,
+                     causal: bool | None = None) -> str:
+        """The ``Attention`` node; ``causal``: its is_causal (default: where the spec is plainly causal)."""
         spec = self.spec
         attrs = {"scale": spec.softmax_scale}
         if layout == "BSH":
@@ -115,7 +135,7 @@ class _Builder:
                 bias = self.op("Cast", bias, to=self.elem)
             hidden = self.const(np.array(-np.inf, dtype=numpy_dtype(spec.dtype)))
             mask = bias if keep is None else self.op("Where", keep, bias, hidden)
-        if variant.plain_causal(self.spec):
+        if variant.plain_causal(self.spec) if causal is None else causal:
             attrs["is_causal"] = 1
         return self.op("Attention", q, k, v, *([mask] if mask else []), **attrs)
 

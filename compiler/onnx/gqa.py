@@ -22,13 +22,13 @@ import tvm
 from tvm import relax, tirx
 
 from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.onnx import rotary
 from tvmattn.compiler.onnx.converters import (
     Node,
     _inputs,
     _refuse,
     _unsupported,
     bhsd,
-    converter,
     merge_heads,
     split_heads,
 )
@@ -39,7 +39,6 @@ op = relax.op
 I64 = "int64"
 
 
-@converter("com.microsoft", "GroupQueryAttention")
 def ms_group_query_attention(node: Node, inputs: list) -> list:
     """ORT GroupQueryAttention: GQA with a KV cache (see the module docstring), causal or not, local window,
     softcap, attention bias, smooth softmax and head_sink (the kernel's sinks), packed QKV when key is
@@ -90,8 +89,8 @@ def ms_group_query_attention(node: Node, inputs: list) -> list:
         positions = _positions(node, position_ids, first, first_prompt, batch, n_new)
         positions = node.in_range(positions, "the rotary positions (position_ids, or from seqlens_k) must index "
                                              "cos_cache's rows", 0, shape_of(cos, "cos_cache")[0])
-        q = rotary(node, q, cos, sin, positions, bool(a["rotary_interleaved"]), "query")
-        k = rotary(node, k, cos, sin, positions, bool(a["rotary_interleaved"]), "key")
+        q = _rotary(node, q, cos, sin, positions, bool(a["rotary_interleaved"]), "query")
+        k = _rotary(node, k, cos, sin, positions, bool(a["rotary_interleaved"]), "key")
     q, k, v = bhsd(node, q), bhsd(node, k), bhsd(node, v)
     if cache is not None:
         k, v = _write_at(node, past_k, k, first, rows), _write_at(node, past_v, v, first, rows)
@@ -203,38 +202,16 @@ def _sinks(node: Node, head_sink: relax.Expr | None, smooth: int, heads: int) ->
     return relax.const(np.zeros(heads, np.float32)) if smooth else None
 
 
-def rotary(node: Node, x: relax.Expr, cos: relax.Expr, sin: relax.Expr, positions: relax.Expr,
-           interleaved: bool, what: str) -> relax.Var:
-    """Rotary embedding of ``x`` (B, S, h, d) at ``positions`` (B, S) from (max_position, r/2) caches:
-    the first r features rotate in pairs (x[i], x[i + r/2]), or (x[2i], x[2i + 1]) interleaved; the
-    rest pass through. (Positions are checked on CPU; elsewhere one past the caches is clamped.)"""
-    batch, seq, heads, width = shape_of(x, what)
-    d = static(width, f"the head width of {what}")
+def _rotary(node: Node, x: relax.Expr, cos: relax.Expr, sin: relax.Expr, positions: relax.Expr,
+            interleaved: bool, what: str) -> relax.Var:
+    """`rotary.rotate` of ``x`` (B, S, h, d) at ``positions`` (B, S, checked by the caller) from
+    (max_position, r/2) caches."""
+    d = static(shape_of(x, what)[3], f"the head width of {what}")
     half = static(shape_of(cos, "cos_cache")[-1], "the rotary width of cos_cache")
     if len(shape_of(cos, "cos_cache")) != 2 or shape_of(sin, "sin_cache")[-1].value != half or 2 * half > d:
         raise TvmAttnError(f"cos_cache and sin_cache must be (max_position, r/2) with r ≤ the head width {d}")
-    c, s = (node.emit(op.reshape(node.emit(op.take(t, positions, axis=0, mode="clip")), [batch, seq, 1, half]))
-            for t in (cos, sin))
-    if str(c.ty.dtype) != str(x.ty.dtype):
-        c, s = node.emit(op.astype(c, str(x.ty.dtype))), node.emit(op.astype(s, str(x.ty.dtype)))
-    if interleaved:
-        pairs = node.emit(op.reshape(_features(node, x, 0, 2 * half), [batch, seq, heads, half, 2]))
-        x1, x2 = (node.emit(op.squeeze(node.emit(op.strided_slice(pairs, [4], [i], [i + 1])), [4])) for i in (0, 1))
-    else:
-        x1, x2 = _features(node, x, 0, half), _features(node, x, half, 2 * half)
-    r1 = node.emit(op.subtract(node.emit(op.multiply(x1, c)), node.emit(op.multiply(x2, s))))
-    r2 = node.emit(op.add(node.emit(op.multiply(x2, c)), node.emit(op.multiply(x1, s))))
-    if interleaved:
-        rotated = node.emit(op.reshape(node.emit(op.stack([r1, r2], axis=4)), [batch, seq, heads, 2 * half]))
-    else:
-        rotated = node.emit(op.concat([r1, r2], axis=3))
-    if 2 * half == d:
-        return rotated
-    return node.emit(op.concat([rotated, _features(node, x, 2 * half, d)], axis=3))
-
-
-def _features(node: Node, x: relax.Expr, lo: int, hi: int) -> relax.Var:
-    return node.emit(op.strided_slice(x, [3], [lo], [hi]))
+    c, s = rotary.at_positions(node, positions, cos, sin, check=False)
+    return rotary.rotate(node, x, c, s, interleaved, 2 * half, head_axis=2)
 
 
 def _write_at(node: Node, past: relax.Expr, new: relax.Expr, first: relax.Expr, rows) -> relax.Var:

@@ -12,7 +12,8 @@ import logging
 import os
 import re
 import tempfile
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Collection, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -30,8 +31,20 @@ _FOLD_LIMIT_BYTES = 64 << 20  # a folded value larger than this stays a computat
 _PROTOBUF_LIMIT = 2**31 - 1  # a serialised ModelProto must stay under it
 
 
-def load(model: Any) -> onnx.ModelProto:
-    """An ONNX model from a path, bytes or a ModelProto, checked; TvmAttnError if it is not one."""
+@dataclass(frozen=True)
+class Checked:
+    """An ONNX model `load` read and checked: handing it on (to `import_onnx`) skips a second check."""
+
+    proto: onnx.ModelProto
+
+
+def load(model: Any, contrib_in_onnx_domain: Collection[str] = ()) -> Checked:
+    """An ONNX model from a path, bytes, a ModelProto (or a `Checked` one, returned as it is), checked;
+    TvmAttnError if it is not one. ``contrib_in_onnx_domain``: ONNX Runtime contrib ops its transformer
+    optimizer writes in the ONNX domain (ONNX's checker knows no such op: it checks a copy with them in
+    com.microsoft, a domain it does not look into; the model keeps them where ONNX Runtime finds them)."""
+    if isinstance(model, Checked):
+        return model
     if isinstance(model, onnx.ModelProto):
         proto = model
     elif isinstance(model, (bytes, bytearray)):
@@ -50,7 +63,7 @@ def load(model: Any) -> onnx.ModelProto:
     if external:  # bytes or a ModelProto: there is no folder to read the side files from
         raise TvmAttnError(f"the model keeps its weights in external data ({external[0]!r}): import it from "
                            f"its path, import_onnx('model.onnx'), so the side files are read next to it")
-    checked = _ort_ops_in_their_domain(proto)
+    checked = _in_their_domain(proto, contrib_in_onnx_domain)
     try:
         # a model over protobuf's 2 GB limit is checked from its file (weights in side files are not read)
         big = isinstance(model, (str, os.PathLike)) and proto.ByteSize() >= _PROTOBUF_LIMIT
@@ -69,7 +82,7 @@ def load(model: Any) -> onnx.ModelProto:
     for data_prop in (True, False):
         try:
             onnx.shape_inference.infer_shapes(checked, check_type=True, strict_mode=True, data_prop=data_prop)
-            return proto
+            return Checked(proto)
         except _INFERENCE_ERRORS as err:
             first = first_line(err)
     raise TvmAttnError(f"the model's shapes or types are inconsistent ({first}): re-export it, or check "
@@ -89,20 +102,14 @@ def _check_input_types(g: onnx.GraphProto) -> None:
 _INFERENCE_ERRORS = (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, ValueError, RuntimeError)
 
 
-# Contrib ops ONNX Runtime registers in the ONNX domain (its transformer optimizer writes them there for
-# Llama-like models): ONNX's checker knows no such op, so it checks a copy with them in com.microsoft,
-# a domain it does not look into; the model keeps them where ONNX Runtime finds them.
-_ORT_OPS_IN_ONNX_DOMAIN = {"SimplifiedLayerNormalization"}
-
-
-def _ort_ops_in_their_domain(model: onnx.ModelProto) -> onnx.ModelProto:
-    moved = [n for n in model.graph.node if n.domain in DEFAULT_DOMAINS and n.op_type in _ORT_OPS_IN_ONNX_DOMAIN]
+def _in_their_domain(model: onnx.ModelProto, contrib: Collection[str]) -> onnx.ModelProto:
+    moved = [n for n in model.graph.node if n.domain in DEFAULT_DOMAINS and n.op_type in contrib]
     if not moved:
         return model
     out = onnx.ModelProto()
     out.CopyFrom(model)
     for node in out.graph.node:
-        if node.domain in DEFAULT_DOMAINS and node.op_type in _ORT_OPS_IN_ONNX_DOMAIN:
+        if node.domain in DEFAULT_DOMAINS and node.op_type in contrib:
             node.domain = "com.microsoft"
     if opset_of(out, "com.microsoft") is None:
         out.opset_import.add(domain="com.microsoft", version=1)

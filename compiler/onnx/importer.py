@@ -31,21 +31,11 @@ from tvmattn.compiler.build import compile_model
 from tvmattn.compiler.errors import TvmAttnError, first_line, tvm_reason
 from tvmattn.compiler.kernel import host_argument, host_tensor, numpy_dtype
 from tvmattn.compiler.logs import tvm_logs_to_logging
-
-# (gqa, ops and ort_attention fill the converters' table)
-from tvmattn.compiler.onnx import checks, gqa, graph, ops, ort_attention, patterns  # noqa: F401
-from tvmattn.compiler.onnx.converters import Node, find
+from tvmattn.compiler.onnx import graph, patterns, registry
+from tvmattn.compiler.onnx.converters import Node
 from tvmattn.compiler.onnx.kernels import Kernels, Replacement
 from tvmattn.compiler.onnx.profile import Profile, profile
-from tvmattn.compiler.onnx.shape_ops import (
-    BROADCASTING,
-    SHAPE_FIXES,
-    as_onnx_value,
-    nonempty,
-    state_broadcast,
-    state_shape,
-    tighten_shapes,
-)
+from tvmattn.compiler.onnx.shape_ops import as_onnx_value, state_broadcast, state_shape, tighten_shapes
 from tvmattn.compiler.spec import DTYPES
 from tvmattn.compiler.target import is_cpu, resolve_target
 from tvmattn.compiler.work import AttentionWork
@@ -222,7 +212,8 @@ class ImportedModel:
 
 def import_onnx(model: Any, target: Any = "cpu", *, arch: str | None = None,
                 shapes: Mapping[str, Sequence[int | str]] | None = None, dtype: str | None = None) -> ImportedModel:
-    """Import an ONNX model (a path, bytes or ModelProto), compile it for ``target``, attention on tvmattn.
+    """Import an ONNX model (a path, bytes, a ModelProto, or one `graph.load` checked), compile it for
+    ``target``, attention on tvmattn.
 
     ``shapes`` binds graph inputs' dimensions (input name → sizes or names, e.g. ``{"input_ids": (1, "n")}``):
     a size makes it static, a name keeps it symbolic. Dimensions the model leaves dynamic stay symbolic.
@@ -279,7 +270,7 @@ class _Converted:
 
 def _convert(model: Any, tgt: Target, shapes: Mapping[str, Sequence[int | str]],
              precision: str | None = None) -> _Converted:
-    proto = graph.load(model)
+    proto = load(model).proto
     if shapes:
         proto = graph.bind_shapes(proto, shapes)
         try:  # the bound sizes must fit the graph, as ONNX Runtime would find when it runs
@@ -290,7 +281,7 @@ def _convert(model: Any, tgt: Target, shapes: Mapping[str, Sequence[int | str]],
     proto = graph.name_nodes(graph.name_dims(proto))
     softmax_nodes = [n.name for n in graph.all_nodes(proto.graph)
                      if n.op_type == "Softmax" and n.domain in graph.DEFAULT_DOMAINS]
-    proto = graph.fold_static(proto, keep=[(n.domain, n.op_type) for n in proto.graph.node if find(n)])
+    proto = graph.fold_static(proto, keep=[(n.domain, n.op_type) for n in proto.graph.node if registry.converter(n)])
     kernels = Kernels(tgt, precision=precision)
     importer = _Importer(proto, kernels)
     reasons: dict[str, str] = {}
@@ -351,7 +342,7 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
     def _check_for_unsupported_ops(self, graph: onnx.GraphProto) -> None:
         stock = onnx_frontend._get_convert_map()
         for node in graph.node:
-            if not find(node) and node.op_type not in stock and node.op_type not in ("Constant", "If"):
+            if not registry.converter(node) and node.op_type not in stock and node.op_type not in ("Constant", "If"):
                 op = f"{node.domain}.{node.op_type}" if node.domain else node.op_type
                 raise TvmAttnError(f"node {node.name!r}: operator {op} is not supported (neither by tvmattn "
                                    f"nor by TVM's ONNX importer)")
@@ -359,31 +350,38 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
     def _convert_operator(self, op_name: str, inputs: list, attrs: dict, opset: int) -> relax.Expr:
         node = self._by_name.get(attrs["tvm_custom"]["name"])
         self._current = node
-        convert = find(node) if node is not None else None
-        if convert is None:
-            if op_name in BROADCASTING and node is not None and len(node.output) == 1:
-                inputs = state_broadcast(self.bb, list(inputs), self._shapes.get(node.output[0]), self._symbols)
-            if op_name == "Concat":
-                inputs = nonempty(list(inputs), int(attrs.get("axis", 0)))
-            fix = SHAPE_FIXES.get(op_name)
-            sym = fix(list(inputs)) if fix is not None else None
-            if op_name == "Gather" and node is not None and is_cpu(self.kernels.target):
-                sym = checks.gather(self.bb, node.name, list(inputs), attrs)
-            if sym is None:
-                sym = super()._convert_operator(op_name, inputs, attrs, opset)
-            if op_name == "Slice" and node is not None and is_cpu(self.kernels.target):
-                sym = checks.slice_bounds(self.bb, node.name, sym)
-            sym = self.bb.normalize(sym)
-            if node is not None and len(node.output) == 1:
-                out = node.output[0]
-                sym = self.bb.normalize(as_onnx_value(sym, self._shapes.get(out), self._readers.get(out, [])))
-                sym = state_shape(self.bb, sym, self._shapes.get(out), self._symbols, out)
-            if node is not None:
-                self.provenance[sym] = node.name
-            return sym
-        outs = convert(Node(node, self.bb, self.kernels, self._declared), list(inputs))
-        outs = [o if o is not None else outs[0] for o in outs[:max(len(node.output), 1)]]
-        return outs[0] if len(outs) == 1 else relax.Tuple(outs)
+        op = registry.op_of(node.domain, node.op_type) if node is not None else registry.op_of("", op_name)
+        if op.convert is not None:
+            outs = op.convert(Node(node, self.bb, self.kernels, self._declared), list(inputs))
+            outs = [o if o is not None else outs[0] for o in outs[:max(len(node.output), 1)]]
+            return outs[0] if len(outs) == 1 else relax.Tuple(outs)
+        # (``inputs`` stays TVM's onnx_input where nothing changes it: its converters index past the end)
+        if op.broadcasting and node is not None and len(node.output) == 1:
+            inputs = state_broadcast(self.bb, list(inputs), self._shapes.get(node.output[0]), self._symbols)
+        if op.before is not None:
+            inputs = op.before(list(inputs), attrs)
+        sym = op.fix(list(inputs)) if op.fix is not None else None
+        cpu = node is not None and is_cpu(self.kernels.target)  # (run-time checks: serial CPU loops)
+        if op.checked is not None and cpu:
+            sym = op.checked(self.bb, node.name, list(inputs), attrs)
+        if sym is None:
+            sym = super()._convert_operator(op_name, inputs, attrs, opset)
+        if op.check_after is not None and cpu:
+            sym = op.check_after(self.bb, node.name, sym)
+        sym = self.bb.normalize(sym)
+        if node is not None and len(node.output) == 1:
+            out = node.output[0]
+            sym = self.bb.normalize(as_onnx_value(sym, self._shapes.get(out), self._readers.get(out, [])))
+            sym = state_shape(self.bb, sym, self._shapes.get(out), self._symbols, out)
+        if node is not None:
+            self.provenance[sym] = node.name
+        return sym
+
+
+def load(model: Any) -> graph.Checked:
+    """``model`` read and checked (`graph.load`), the ONNX Runtime ops exporters write in the ONNX domain
+    checked in theirs."""
+    return graph.load(model, registry.CONTRIB_IN_ONNX_DOMAIN)
 
 
 def _host_view(out: tvm.runtime.Tensor, inputs: list[np.ndarray]) -> np.ndarray:

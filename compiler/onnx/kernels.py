@@ -15,11 +15,11 @@ from tvm.ir.expr import Expr as PrimExpr
 from tvm.sym import Analyzer
 from tvm.target import Target
 
+from tvmattn.compiler import arguments
+from tvmattn.compiler.annotations import IS_SCHEDULED, OP_PATTERN, OPAQUE
 from tvmattn.compiler.build import schedule_attention
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.spec import AttentionSpec, Dim
-
-OPAQUE = 8  # relax op_pattern kOpaque: FuseOps must not merge a scheduled kernel with its neighbours
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,8 @@ class Kernels:
         if spec not in self._funcs:
             mod, how = _schedule(spec, self.target)
             name = f"tvmattn_attention{len(self._funcs)}" + ("" if spec.output == "attn" else f"_{spec.output}")
-            func = (mod["main"].with_attr("global_symbol", name).with_attr("op_pattern", OPAQUE)
-                    .with_attr("tirx.is_scheduled", True))  # dlight must not reschedule it (CUDA)
+            func = (mod["main"].with_attr("global_symbol", name).with_attr(OP_PATTERN, OPAQUE)
+                    .with_attr(IS_SCHEDULED, True))  # dlight must not reschedule it (CUDA)
             self._funcs[spec] = (bb.add_func(func, name), how)
         return self._funcs[spec]
 
@@ -148,12 +148,12 @@ class Mask:
 def attend(bb: relax.BlockBuilder, kernels: Kernels, q: relax.Expr, k: relax.Expr, v: relax.Expr, *,
            layout: str, nodes: tuple[str, ...], source: str, mask: Mask | None = None,
            kv_lens: relax.Expr | None = None, outputs: tuple[str, ...] = ("attn",),
-           sinks: relax.Expr | None = None, **options) -> list[relax.Var]:
+           sinks: relax.Expr | None = None, alibi_slopes: relax.Expr | None = None, **options) -> list[relax.Var]:
     """Emit the attention of q, k, v (4-D, in ``layout``) as tvmattn kernels, one per requested output.
 
-    ``options`` are AttentionSpec fields (causal, causal_align, window, scale, softcap); the sizes,
+    ``options`` are AttentionSpec fields (causal, causal_align, window, scale, softcap, alibi); the sizes,
     heads, dtype and mask fields come from the tensors. ``kv_lens`` is an int32 (B,) tensor, ``sinks``
-    a float32 (h,) one.
+    and ``alibi_slopes`` float32 (h,) ones; the kernel takes them in `arguments.TABLE`'s order.
     """
     if kernels.precision and str(q.ty.dtype) == "float32" and outputs == ("attn",):
         # the kernel in 16 bits on q, k, v cast where they are produced, its output back in fp32
@@ -177,15 +177,18 @@ def attend(bb: relax.BlockBuilder, kernels: Kernels, q: relax.Expr, k: relax.Exp
                   num_heads=static(heads, "the query head count"), num_kv_heads=static(ks[1], "the key head count"),
                   head_dim=static(d_k, "the head width d_k"), v_head_dim=static(vs[3], "the value head width d_v"),
                   layout=layout, dtype=dtype, projections=False, key_padding=kv_lens is not None, **options)
-    args = [q, k, v] + ([kv_lens] if kv_lens is not None else [])
+    given = {"q": q, "k": k, "v": v, "kv_lens": kv_lens}
     if mask is not None:
-        value, dims = _broadcast_mask(bb, mask, [batch, heads, n_q, n_kv], sizes)
+        given["attn_mask"], dims = _broadcast_mask(bb, mask, [batch, heads, n_q, n_kv], sizes)
         fields.update(attn_mask=mask.kind, attn_mask_dims=dims)
-        args.append(value)
     if sinks is not None:
         fields["sinks"] = True
-        args.append(_conform(bb, sinks, [heads], sizes, "the sinks"))
+        given["sinks"] = _conform(bb, sinks, [heads], sizes, "the sinks")
+    if alibi_slopes is not None:
+        fields.setdefault("alibi", "signed")
+        given["alibi_slopes"] = _conform(bb, alibi_slopes, [heads], sizes, "the ALiBi slopes")
     spec = AttentionSpec(**fields)
+    args = [given[a.name] for a in arguments.taken(spec)]
     return [kernels.call(bb, spec.replace(output=o), args, sizes, nodes, source) for o in outputs]
 
 

@@ -1,5 +1,5 @@
 """Operators real exports contain that TVM 0.27's ONNX importer lacks (or gets wrong), one converter each
-in the converters' table (`converters.CONVERTERS`, keyed by (domain, op type)).
+(the import finds them in `registry.OPS`, keyed by (domain, op type)).
 
 The standard opset-23 ``RotaryEmbedding`` and ``RMSNormalization`` (torch's dynamo exporter at opset 23
 writes them for Llama, Mistral and Qwen2), and the contrib ops ONNX Runtime's transformer optimizer
@@ -16,7 +16,8 @@ import math
 from tvm import relax
 
 from tvmattn.compiler.errors import TvmAttnError
-from tvmattn.compiler.onnx.converters import Node, _inputs, converter
+from tvmattn.compiler.onnx import rotary
+from tvmattn.compiler.onnx.converters import Node, _inputs
 from tvmattn.compiler.onnx.kernels import shape_of, static
 
 op = relax.op
@@ -66,7 +67,6 @@ def _sum(node: Node, *terms: relax.Expr | None) -> relax.Expr:
 
 
 # ---- norms ---------------------------------------------------------------------------------------------
-@converter("", "RMSNormalization")
 def rms_normalization(node: Node, inputs: list) -> list:
     """ONNX RMSNormalization (opset 23): Y = X / √(mean(X², axes ≥ axis) + ε) · scale."""
     a = node.attrs({"axis": -1, "epsilon": 1e-5, "stash_type": 1})
@@ -74,7 +74,6 @@ def rms_normalization(node: Node, inputs: list) -> list:
     return [_rms_norm(node, x, scale, float(a["epsilon"]), a["axis"])]
 
 
-@converter("", "SimplifiedLayerNormalization")
 def simplified_layer_normalization(node: Node, inputs: list) -> list:
     """ORT SimplifiedLayerNormalization (a contrib op ORT registers in the ONNX domain):
     Y = X / √(mean(X², axes ≥ axis) + ε) · scale (RMSNorm)."""
@@ -84,7 +83,6 @@ def simplified_layer_normalization(node: Node, inputs: list) -> list:
     return [_rms_norm(node, x, scale, float(a["epsilon"]), a["axis"])]
 
 
-@converter("com.microsoft", "SkipLayerNormalization")
 def skip_layer_normalization(node: Node, inputs: list) -> list:
     """ORT SkipLayerNormalization: S = input + skip (+ bias); output = LayerNorm(S)·γ + β; outputs 1 and
     2 are S's mean and 1/√(var + ε) over the last axis (keeping it), output 3 is S."""
@@ -101,7 +99,6 @@ def skip_layer_normalization(node: Node, inputs: list) -> list:
     return [_layer_norm(node, total, gamma, beta, epsilon), mean, inv_std, total]
 
 
-@converter("com.microsoft", "SkipSimplifiedLayerNormalization")
 def skip_simplified_layer_normalization(node: Node, inputs: list) -> list:
     """ORT SkipSimplifiedLayerNormalization: S = input + skip (+ bias); output = S / √(mean(S²) + ε)·γ;
     output 2 is 1/√(mean(S²) + ε) over the last axis (keeping it), output 1 (mean) zeros as ORT's CPU EP
@@ -119,7 +116,6 @@ def skip_simplified_layer_normalization(node: Node, inputs: list) -> list:
     return [_rms_norm(node, total, gamma, epsilon), mean, inv_rms, total]
 
 
-@converter("com.microsoft", "EmbedLayerNormalization")
 def embed_layer_normalization(node: Node, inputs: list) -> list:
     """ORT EmbedLayerNormalization (BERT's embeddings):
     E = word[input_ids] + position[position_ids or 0‥S−1] (+ segment[segment_ids]);
@@ -155,21 +151,18 @@ def _erf_gelu(node: Node, x: relax.Expr) -> relax.Var:
                                  op.add(_const(1.0, x), op.erf(op.multiply(x, _const(1 / math.sqrt(2), x))))))
 
 
-@converter("com.microsoft", "Gelu")
 def ms_gelu(node: Node, inputs: list) -> list:
     """ORT Gelu: Y = X · ½(1 + erf(X / √2))."""
     node.attrs({})
     return [_erf_gelu(node, inputs[0])]
 
 
-@converter("com.microsoft", "BiasGelu")
 def bias_gelu(node: Node, inputs: list) -> list:
     """ORT BiasGelu: Y = Gelu(A + B), Gelu with erf."""
     node.attrs({})
     return [_erf_gelu(node, node.emit(op.add(inputs[0], inputs[1])))]
 
 
-@converter("com.microsoft", "FastGelu")
 def fast_gelu(node: Node, inputs: list) -> list:
     """ORT FastGelu: x = X (+ bias); Y = ½x(1 + tanh(√(2/π)(x + 0.044715x³))), GELU's tanh form."""
     node.attrs({})
@@ -180,7 +173,6 @@ def fast_gelu(node: Node, inputs: list) -> list:
     return [node.emit(op.multiply(op.multiply(_const(0.5, x), x), op.add(_const(1.0, x), op.tanh(inner))))]
 
 
-@converter("com.microsoft", "QuickGelu")
 def quick_gelu(node: Node, inputs: list) -> list:
     """ORT QuickGelu: Y = X · sigmoid(α·X), α = 1.702 by default (CLIP's activation)."""
     a = node.attrs({"alpha": 1.702})
@@ -188,48 +180,22 @@ def quick_gelu(node: Node, inputs: list) -> list:
     return [node.emit(op.multiply(x, op.sigmoid(op.multiply(x, _const(float(a["alpha"]), x)))))]
 
 
-# ---- rotary position embeddings ------------------------------------------------------------------------
+# ---- rotary position embeddings (`rotary`) ---------------------------------------------------------------
 def _rotate(node: Node, x: relax.Expr, cos: relax.Expr, sin: relax.Expr, interleaved: bool, rotary_dim: int,
             heads: int) -> relax.Var:
-    """RoPE on x (B, h, S, d) or (B, S, h·d) with cos, sin (B, S, r/2): the first r features of each head
-    rotate in pairs (x₁, x₂) → (x₁cos − x₂sin, x₁sin + x₂cos), the pairs being (i, i + r/2), or
-    (2i, 2i + 1) when interleaved; features past r pass through."""
+    """`rotary.rotate` of x (B, h, S, d), or of (B, S, h·d) seen as (B, S, h, d)."""
     shape = shape_of(x, "the input")
-    if len(shape) == 3:  # (B, S, h·d) → (B, S, h, d): the heads sit on axis 2, cos/sin get a head axis there
-        if not heads:
-            raise TvmAttnError("a 3-D input needs the num_heads attribute")
-        width = static(shape[2], "the hidden size")
-        x4 = node.emit(op.reshape(x, [shape[0], shape[1], heads, width // heads]))
-        head_axis = 2
-    elif len(shape) == 4:
-        x4, head_axis = x, 1
-    else:
+    if len(shape) == 4:
+        return rotary.rotate(node, x, cos, sin, interleaved, rotary_dim, head_axis=1)
+    if len(shape) != 3:
         raise TvmAttnError(f"the input has rank {len(shape)}: RotaryEmbedding takes (B, h, S, d) or (B, S, h·d)")
-    dims = shape_of(x4, "the input")
-    head = static(dims[3], "the head size")
-    rotary_dim = rotary_dim or head
-    if rotary_dim % 2 or rotary_dim > head:
-        raise TvmAttnError(f"rotary_embedding_dim={rotary_dim} must be even and at most the head size {head}")
-    cos, sin = (node.emit(op.expand_dims(c, head_axis)) for c in (cos, sin))
-    half = rotary_dim // 2
-
-    def features(begin: int, end: int, stride: int = 1) -> relax.Var:
-        return node.emit(op.strided_slice(x4, axes=[3], begin=[begin], end=[end], strides=[stride]))
-
-    x1, x2 = (features(0, rotary_dim, 2), features(1, rotary_dim, 2)) if interleaved else \
-        (features(0, half), features(half, rotary_dim))
-    real = node.emit(op.subtract(op.multiply(x1, cos), op.multiply(x2, sin)))
-    imag = node.emit(op.add(op.multiply(x1, sin), op.multiply(x2, cos)))
-    if interleaved:  # (…, r/2, 2) → (…, r): each pair back in its place
-        rotated = node.emit(op.reshape(op.stack([real, imag], axis=4), dims[:3] + [rotary_dim]))
-    else:
-        rotated = node.emit(op.concat([real, imag], axis=3))
-    if rotary_dim < head:
-        rotated = node.emit(op.concat([rotated, features(rotary_dim, head)], axis=3))
-    return node.emit(op.reshape(rotated, shape)) if len(shape) == 3 else rotated
+    if not heads:
+        raise TvmAttnError("a 3-D input needs the num_heads attribute")
+    width = static(shape[2], "the hidden size")
+    x4 = node.emit(op.reshape(x, [shape[0], shape[1], heads, width // heads]))
+    return node.emit(op.reshape(rotary.rotate(node, x4, cos, sin, interleaved, rotary_dim, head_axis=2), shape))
 
 
-@converter("", "RotaryEmbedding")
 def rotary_embedding(node: Node, inputs: list) -> list:
     """ONNX RotaryEmbedding (opset 23): X (B, h, S, d) or (B, S, h·d); cos_cache, sin_cache (B, S, r/2),
     or (max_position, r/2) indexed by position_ids (B, S); each pair (x₁, x₂) of the first r features
@@ -237,11 +203,10 @@ def rotary_embedding(node: Node, inputs: list) -> list:
     a = node.attrs({"interleaved": 0, "rotary_embedding_dim": 0, "num_heads": 0})
     x, cos, sin, position_ids = _inputs(inputs, 4)
     if position_ids is not None:
-        cos, sin = _at_positions(node, position_ids, cos, sin)
+        cos, sin = rotary.at_positions(node, position_ids, cos, sin)
     return [_rotate(node, x, cos, sin, bool(a["interleaved"]), a["rotary_embedding_dim"], a["num_heads"])]
 
 
-@converter("com.microsoft", "RotaryEmbedding")
 def ms_rotary_embedding(node: Node, inputs: list) -> list:
     """ORT RotaryEmbedding: as ONNX's, with inputs (input, position_ids, cos_cache, sin_cache); the caches
     are (max_position, r/2) and position_ids (B, S) or (1,), an offset: positions offset + 0‥S−1. A 3-D
@@ -266,12 +231,5 @@ def ms_rotary_embedding(node: Node, inputs: list) -> list:
         seq = shape[1 if len(shape) == 3 else 2]
         steps = node.emit(op.arange(seq, dtype=str(position_ids.ty.dtype)))
         position_ids = node.emit(op.expand_dims(op.add(steps, position_ids), 0))
-    cos, sin = _at_positions(node, position_ids, cos, sin)
+    cos, sin = rotary.at_positions(node, position_ids, cos, sin)
     return [_rotate(node, x, cos, sin, bool(a["interleaved"]), a["rotary_embedding_dim"], heads)]
-
-
-def _at_positions(node: Node, position_ids: relax.Expr, cos: relax.Expr, sin: relax.Expr) -> tuple:
-    """The caches' rows at ``position_ids``, which are checked to lie in them (on CPU; elsewhere clamped)."""
-    rows = shape_of(cos, "cos_cache")[0]
-    position_ids = node.in_range(position_ids, "input 'position_ids' must index cos_cache's rows", 0, rows)
-    return tuple(node.emit(op.take(c, position_ids, axis=0, mode="clip")) for c in (cos, sin))

@@ -19,7 +19,6 @@ from tvmattn.compiler.onnx.converters import (
     _refuse,
     _unsupported,
     bhsd,
-    converter,
     merge_heads,
     split_heads,
     with_past,
@@ -98,7 +97,6 @@ def _causal(on: bool, past: relax.Expr | None, window: int | None = None) -> dic
     return {"causal": True, "causal_align": "bottom_right" if past is not None else "top_left", "window": window}
 
 
-@converter("com.microsoft", "MultiHeadAttention")
 def ms_multi_head_attention(node: Node, inputs: list) -> list:
     """ORT MultiHeadAttention: 3-D Q/K/V (or 4-D BNSH K/V), packed QKV (B, S, N, 3, H) or packed KV
     (B, L, N, 2, H), projection bias (on Q only where K, V are BNSH: those are taken as they are, as ORT
@@ -172,7 +170,6 @@ def _add_projection_bias(node: Node, bias: relax.Expr, heads: int, q, k, v, kv_b
     return tuple(out)
 
 
-@converter("com.microsoft", "Attention")
 def ms_attention(node: Node, inputs: list) -> list:
     """ORT Attention: X·W (+ bias) split into Q, K, V, then attention with mask_index, bias and past.
     A 1-D mask_index is (B,) key counts, or (2·B,) ends then starts: where its length is not provably B,

@@ -38,91 +38,18 @@ from dataclasses import dataclass
 import numpy as np
 import tvm
 from tvm import relax, tirx
-from tvm.relax.dpl import DFPattern, is_const, is_op, is_tuple_get_item, wildcard
+from tvm.relax.dpl import DFPattern
 
 from tvmattn.compiler.errors import TvmAttnError
-from tvmattn.compiler.onnx import checks, key_masks, positions
+from tvmattn.compiler.onnx import alibi, key_masks, positions, run_checks
 from tvmattn.compiler.onnx.canonical import canonical
+from tvmattn.compiler.onnx.chain import ROOTS, AttentionPattern
 from tvmattn.compiler.onnx.kernels import Kernels, Mask, attend, shape_of
 from tvmattn.compiler.onnx.shape_ops import bounded_below
 
 SOURCE = "pattern: decomposed attention"
 _HUGE_NEGATIVE = -1e30  # a fill at or below this absorbs any score: where(keep, s, f) == s + where(keep, 0, f)
 _SOFTMAX = tvm.ir.Op.get("relax.nn.softmax")
-
-
-def _op(name: str, *args: DFPattern) -> DFPattern:
-    return is_op(f"relax.{name}")(*args)
-
-
-def _cast(x: DFPattern) -> DFPattern:
-    """``x``, or ``x`` cast once or twice (softmax(…, dtype=float32).to(q.dtype) exports as two)."""
-    return _op("astype", _op("astype", x)) | _op("astype", x) | x
-
-
-def _repeat(x: DFPattern) -> DFPattern:
-    """GQA's head repetition (B, h_kv, n, d) → (B, h_kv·g, n, d), as exporters spell it."""
-    return _op("reshape", _op("broadcast_to", _op("expand_dims", x), wildcard()), wildcard())
-
-
-@dataclass
-class _Scale:
-    """``x``, or x times / divided by a constant; the constants are the handles the rewriter reads."""
-
-    mul: DFPattern
-    div: DFPattern
-
-    @staticmethod
-    def around(x: DFPattern) -> tuple[DFPattern, "_Scale"]:
-        mul, div = is_const(), is_const()
-        pattern = _op("multiply", x, mul) | _op("multiply", mul, x) | _op("divide", x, div) | x
-        return pattern, _Scale(mul, div)
-
-
-ROOTS = ("merged", "out", "weights")  # the chain ending in the head merge, in probs @ v, in the probs
-
-
-class AttentionPattern:
-    """The dpl pattern of decomposed attention, keeping a handle on every part the rewriter reads."""
-
-    def __init__(self, root: str) -> None:
-        self.q, self.k, self.v = wildcard(), wildcard(), wildcard()
-        self.q_perm = _op("permute_dims", self.q)
-        self.k_perm, self.v_perm = _op("permute_dims", self.k), _op("permute_dims", self.v)
-        self.k_rep, self.v_rep = _repeat(self.k_perm | self.k), _repeat(self.v_perm | self.v)
-        self.kt_perm = _op("permute_dims", self.k_rep | self.k_perm | self.k)
-        q_side, q_scale = _Scale.around(self.q_perm | self.q)
-        k_side, k_scale = _Scale.around(self.kt_perm | self.k)
-        self.scores = _op("matmul", q_side, k_side)
-        scaled, s_scale = _Scale.around(_cast(self.scores))
-        self.scales = (q_scale, k_scale, s_scale)
-        self.cap_in, self.cap_out = is_const(), is_const()
-        tanh = _op("tanh", _op("divide", scaled, self.cap_in))
-        logits = _cast(_op("multiply", tanh, self.cap_out) | _op("multiply", self.cap_out, tanh) | scaled)
-        self.batch_bias = wildcard()  # added on (B·h, n, n_kv) before the heads split
-        self.split = _op("reshape", _op("add", logits, self.batch_bias) | _op("add", self.batch_bias, logits)
-                         | logits, wildcard())
-        logits = self.split | logits
-        self.bias, self.keep, self.hide = wildcard(), wildcard(), wildcard()
-        self.keep_fill, self.hide_fill = is_const(), is_const()
-        self.bias2 = wildcard()  # a second additive term (T5: its relative position bias, then the mask)
-        biased = _op("add", logits, self.bias) | _op("add", self.bias, logits)
-        masked = (_op("add", biased, self.bias2) | _op("add", self.bias2, biased) | biased
-                  | _op("where", self.keep, logits, self.keep_fill) | _op("where", self.hide, self.hide_fill, logits)
-                  | logits)
-        self.softmax = _op("nn.softmax", _cast(masked))
-        probs = _cast(self.softmax)
-        probs = is_tuple_get_item(_op("nn.dropout", probs), 0) | probs
-        self.guard, self.zero = wildcard(), is_const()
-        self.weights = _op("where", self.guard, self.zero, probs) | probs
-        self.unsplit = _op("reshape", self.weights, wildcard())  # (B, h, n, n_kv) back to (B·h, n, n_kv)
-        self.out = _op("matmul", self.unsplit | self.weights, self.v_rep | self.v_perm | self.v)
-        self.root = {"merged": _op("permute_dims", self.out), "out": self.out, "weights": self.weights}[root]
-        # ONNX's guard: a row whose bias is -inf everywhere gets zeros
-        self.guard_bias = wildcard()
-        self.guard_rule = _op("equal", _op("max", self.guard_bias), is_const())
-        # torch's exporter's: where(isnan(probs), 0, probs), NaN exactly in the rows that see no key
-        self.guard_nan = _op("isnan", _cast(self.softmax))
 
 
 def rewrite(mod: tvm.IRModule, kernels: Kernels, provenance: dict,
@@ -229,6 +156,7 @@ class _Match:
         self.r, self.m, self.p = rewriter, matched, rewriter.pattern
         self.bb: relax.BlockBuilder = rewriter.builder_
         self.empty_rows: tuple | None = None  # (key mask, rule): rows to average afterwards (`_split_keys`)
+        self.alibi_slopes: np.ndarray | None = None  # each head's slope, where a bias is ALiBi's (`alibi`)
 
     def leaf(self, pattern: DFPattern) -> relax.Expr:
         """A matched input of the chain, as the rewritten function names it."""
@@ -271,6 +199,8 @@ class _Match:
         if str(self.m[self.p.root].ty.dtype) != str(operands[0].ty.dtype):
             raise _NoMatch(f"the attention output is {self.m[self.p.root].ty.dtype}, its operands "
                            f"{operands[0].ty.dtype}")
+        if self.alibi_slopes is not None:
+            options.update(alibi="signed", alibi_slopes=relax.const(self.alibi_slopes))
         out, = attend(self.bb, self.r.kernels, *operands, layout="BSHD" if bshd else "BHSD", mask=mask,
                       nodes=self._nodes(), source=SOURCE, outputs=("weights" if weights else "attn",),
                       **options)
@@ -301,9 +231,9 @@ class _Match:
         return split[0], int(split[1].value)
 
     def _with_batch_bias(self, mask: Mask | None, heads: tuple[tirx.PrimExpr, int]) -> Mask | None:
-        """``mask`` with the bias added to the (B·h, n, n_kv) scores before their heads split (BLOOM's ALiBi),
-        as (B|1, h|1, n|1, n_kv|1)."""
-        if self.p.batch_bias not in self.m:
+        """``mask`` with the bias added to the (B·h, n, n_kv) scores before their heads split, as (B|1, h|1,
+        n|1, n_kv|1); BLOOM's ALiBi goes on the kernel's variant instead."""
+        if self.p.batch_bias not in self.m or self._alibi(self.p.batch_bias, heads[1], batched=True):
             return mask
         bias = self.leaf(self.p.batch_bias)
         shape = shape_of(bias, "the batched bias")
@@ -393,29 +323,47 @@ class _Match:
         """The tensor mask, if any; the spec fields a constant causal mask becomes instead; and, when
         the mask is a constant, which keys it lets each query see (None when that is decided at run
         time)."""
-        if self.p.bias2 in self.m:  # two additive terms: the kernel adds their sum
+        heads = self._scores_shape()[-3] if len(self._scores_shape()) == 4 else None
+        if self.p.bias2 in self.m:  # two additive terms: ALiBi (MPT's) and a mask, or the sum the kernel adds
+            for alibi, other in ((self.p.bias, self.p.bias2), (self.p.bias2, self.p.bias)):
+                if heads is not None and self._alibi(alibi, heads, batched=False):
+                    return self._additive(other)
             terms = [self.leaf(self.p.bias), self.leaf(self.p.bias2)]
             if any(str(t.ty.dtype) != "float32" for t in terms):
                 raise _NoMatch("additive terms on the scores that are not float32")
             return Mask(self.bb.emit(relax.op.add(*terms)), "additive"), {}, None
         if self.p.bias in self.m:
-            bias = self.leaf(self.p.bias)
-            if not isinstance(bias, tvm.ir.GenericConst):
-                causal = self._positional_causal(self.m[self.p.bias], negate=False, additive=True)
-                if causal:
-                    return None, causal, None
-                keep, fill = self._where_keep(self.m[self.p.bias])
-                split = self._split_keys(keep, fill) if keep is not None else None
-                return split or (Mask(_either(self._per_key(self.p.bias), bias), "additive"), {}, None)
-            values = bias.value.numpy().astype(np.float64)
-            keep = values == 0
-            if np.all(keep | (values <= _HUGE_NEGATIVE)) and _hides_only(keep, values):
-                return (*_keep(keep, self._scores_shape()), keep)
-            return Mask(bias, "additive"), {}, values != -np.inf
+            if heads is not None and self._alibi(self.p.bias, heads, batched=False):
+                return None, {}, np.ones((1,), dtype=bool)
+            return self._additive(self.p.bias)
         for cond, fill, negate in ((self.p.keep, self.p.keep_fill, False), (self.p.hide, self.p.hide_fill, True)):
             if cond in self.m:
                 return self._select_mask(self.leaf(cond), _scalar(self.m[fill]), negate)
         return None, {}, np.ones((1,), dtype=bool)
+
+    def _additive(self, handle: DFPattern) -> tuple[Mask | None, dict, np.ndarray | None]:
+        """`_mask` of the additive term the pattern ``handle`` matched."""
+        bias = self.leaf(handle)
+        if not isinstance(bias, tvm.ir.GenericConst):
+            causal = self._positional_causal(self.m[handle], negate=False, additive=True)
+            if causal:
+                return None, causal, None
+            keep, fill = self._where_keep(self.m[handle])
+            split = self._split_keys(keep, fill) if keep is not None else None
+            return split or (Mask(_either(self._per_key(handle), bias), "additive"), {}, None)
+        values = bias.value.numpy().astype(np.float64)
+        keep = values == 0
+        if np.all(keep | (values <= _HUGE_NEGATIVE)) and _hides_only(keep, values):
+            return (*_keep(keep, self._scores_shape()), keep)
+        return Mask(bias, "additive"), {}, values != -np.inf
+
+    def _alibi(self, handle: DFPattern, heads: int, batched: bool) -> bool:
+        """Whether the bias ``handle`` matched is ALiBi's (`alibi.slopes`; on (B·h, n, n_kv) scores where
+        ``batched``): then its slopes are the kernel's."""
+        found = alibi.slopes(self.m[handle], heads, batched, self.r.values)
+        if found is not None:
+            self.alibi_slopes = found
+        return found is not None
 
     def _select_mask(self, cond: relax.Expr, fill: float,
                      negate: bool) -> tuple[Mask | None, dict, np.ndarray | None]:
@@ -457,7 +405,7 @@ class _Match:
             for axis, b in zip(axes, begins):
                 axis = int(axis) % rank
                 begin[axis] = begin.get(axis, 0) + b  # a window of a window: offsets add up
-            expr = checks.unchecked(self.r.var2val.get(data, data), self.r.var2val)
+            expr = run_checks.unchecked(self.r.var2val.get(data, data), self.r.var2val)
         if not begin or not isinstance(expr, tvm.ir.GenericConst):
             return {}
         keep = expr.value.numpy() != negate

@@ -10,13 +10,14 @@ instead of reading an (n, n_kv) mask.
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import tvm
 from tvm import relax, tirx
 from tvm.ir.expr import Expr as PrimExpr
 
-from tvmattn.compiler.onnx import checks
+from tvmattn.compiler.onnx import run_checks
 from tvmattn.compiler.onnx.shape_ops import bounded_below
 
 Index = list[PrimExpr]  # one index per axis of the tensor being read
@@ -35,12 +36,10 @@ def rule(expr: relax.Expr, index: Index | None, var2val: dict) -> PrimExpr | Non
     input, a constant of more than one value) or through an op no rule of `_RULES` follows."""
     if index is None:
         return None
-    expr = checks.unchecked(var2val.get(expr, expr), var2val)
+    expr = run_checks.unchecked(var2val.get(expr, expr), var2val)
     expr = var2val.get(expr, expr)
-    if isinstance(expr, tvm.ir.GenericConst):  # one value everywhere (an all-True mask broadcast to the batch)
-        value = expr.value.numpy()
-        return tirx.const(value.flat[0].item(), str(value.dtype)) if value.size and (value == value.flat[0]).all() \
-            else None
+    if isinstance(expr, tvm.ir.GenericConst):
+        return _constant(expr.value.numpy(), index)
     if not isinstance(expr, relax.Call) or not isinstance(expr.op, tvm.ir.Op):
         return None
     if expr.op.name in _BINARY:
@@ -48,6 +47,18 @@ def rule(expr: relax.Expr, index: Index | None, var2val: dict) -> PrimExpr | Non
         return None if a is None or b is None else _BINARY[expr.op.name](*_same_type(a, b))
     follow = _RULES.get(expr.op.name)
     return follow(expr, index, var2val) if follow is not None else None
+
+
+def _constant(value, index: Index) -> PrimExpr | None:
+    """One value everywhere (an all-True mask broadcast to the batch), or the element at an index known
+    when the model is compiled (ALiBi's slope of one head: `onnx.alibi`)."""
+    if value.size and (value == value.flat[0]).all():
+        return tirx.const(value.flat[0].item(), str(value.dtype))
+    analyzer = tvm.sym.Analyzer()
+    at = [analyzer.simplify(i) for i in index]
+    if len(at) != value.ndim or not all(isinstance(i, tirx.IntImm) for i in at):
+        return None
+    return tirx.const(value[tuple(int(i.value) for i in at)].item(), str(value.dtype))
 
 
 # ---- one rule per op: the element at ``index`` of the op's output, from its operands' ----------------------
@@ -145,11 +156,29 @@ def _unit_axes(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None
     return None if inner is None else rule(expr.args[0], inner, var2val)
 
 
+_TILE = re.compile(r"(dyn_)?tile\d*")  # topi's, as TVM's importer calls it for ONNX Tile (its names deduplicated)
+
+
+def _call_tir(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
+    """ONNX Tile, which TVM's importer writes as a call of topi's tile (dyn_tile where the repeats are
+    known only at run time): each axis's element i is the input's element i mod its size."""
+    callee, args = expr.args[0], getattr(expr.args[1], "fields", [])
+    data = args[0] if args else None
+    into, out = (_dims(data) if data is not None else None), _dims(expr)
+    if not isinstance(callee, tvm.ir.GlobalVar) or not _TILE.fullmatch(callee.name_hint) or into is None \
+            or out is None or not len(into) == len(out) == len(index):
+        return None
+    analyzer = tvm.sym.Analyzer()  # (an axis the tile repeats once keeps its index: i < its size)
+    return rule(data, [i if analyzer.can_prove_equal(d, e) else tirx.floormod(*_same_type(i, d))
+                       for i, d, e in zip(index, into, out)], var2val)
+
+
 _RULES: dict[str, Callable[[relax.Call, Index, dict], PrimExpr | None]] = {
     "relax.arange": _arange, "relax.shape_to_tensor": _shape_to_tensor, "relax.astype": _astype,
     "relax.strided_slice": _strided_slice, "relax.concat": _concat, "relax.gather_nd": _gather_nd,
     "relax.cumsum": _cumsum, "relax.logical_not": _logical_not, "relax.where": _where,
     "relax.broadcast_to": _unit_axes, "relax.reshape": _unit_axes, "relax.expand_dims": _unit_axes,
+    "relax.call_tir": _call_tir,
 }
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import operator
-from typing import Callable
 
 import numpy as np
 import tvm
@@ -39,8 +38,6 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.ir.expr import Expr as PrimExpr
 from tvm.sym import Analyzer
-
-ShapeFix = Callable[[list], relax.Expr | None]
 
 
 def expand(inputs: list) -> relax.Expr | None:
@@ -124,9 +121,6 @@ def _int_scalar(x: relax.Expr) -> PrimExpr | None:
     if isinstance(getattr(x, "ty", None), tvm.ir.PrimType) and "int" in str(x.ty):
         return x if str(x.ty) == "int64" else tirx.Cast("int64", x)
     return None
-
-
-SHAPE_FIXES: dict[str, ShapeFix] = {"Expand": expand, "Range": range_, "Reshape": reshape, "Slice": slice_}
 
 
 def nonempty(inputs: list, axis: int) -> list:
@@ -224,11 +218,6 @@ def state_shape(bb: relax.BlockBuilder, value: relax.Expr, dims: tuple[int | str
 def _in_terms_of(dim: tirx.PrimExpr, known: set) -> bool:
     """Whether ``dim`` is a number or an expression of the graph inputs' sizes only."""
     return all(any(v.same_as(k) for k in known) for v in tirx.analysis.undefined_vars(dim))
-
-
-# Elementwise ops that broadcast their inputs (ONNX's multidirectional broadcasting).
-BROADCASTING = {"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Where", "Equal", "Less", "LessOrEqual", "Greater",
-                "GreaterOrEqual", "And", "Or", "Xor", "Max", "Min", "Sum", "Mean", "BitShift"}
 
 
 def state_broadcast(bb: relax.BlockBuilder, inputs: list, dims: tuple[int | str, ...] | None,

@@ -15,14 +15,10 @@ from tvm.sym.pattern import detect_linear_equation
 from tvm.tirx import For, ForKind, PrimFunc
 
 from tvmattn.compiler import variant
+from tvmattn.compiler.annotations import KEY_BLOCKS, KEY_STAGE
 from tvmattn.compiler.passes.ir import conjuncts, substitute, uses, visit_blocks
 from tvmattn.compiler.spec import AttentionSpec
-from tvmattn.compiler.te_attention import KEY_STAGE
 
-# Block annotation of a key stage whose iterators run over blocks of queries or keys (a tensorized
-# block): "b=v_b_o,s=v_s_o*16,t=v_t_o*2" — batch v_b_o, queries 16·v_s_o + [0, 16), keys 2·v_t_o + [0, 2).
-# Keys in blocks make every key stage compute whole blocks (the other keys of a block are hidden: 0).
-KEY_BLOCKS = "tvmattn.key_blocks"
 GUARD_NAME = "sees_keys"  # the flag `skip_masked_key_tiles` guards a key loop's body with
 
 

@@ -10,6 +10,7 @@ from tvm.ir.expr import Call
 from tvm.ir.expr import Expr as PrimExpr
 from tvm.tirx import PrimFunc
 
+from tvmattn.compiler.annotations import EXP2_COEFFICIENTS
 from tvmattn.compiler.passes.ir import element_dtype
 from tvmattn.compiler.target import isa_of
 
@@ -24,7 +25,6 @@ SMALL_POWER = 4  # x**k by multiplication up to this k (GPT-2's GELU cubes its i
 EXP2_P = (1.8775766751932426e-3, 8.989340090486452e-3, 5.58263180533071e-2, 0.24015361704436922,
           0.6931530732001702, 0.9999999250635262)
 EXP2_P_BF16 = (7.802452264047931e-2, 0.22606715542748335, 0.6958335404947529, 0.9999252185627155)
-EXP2_COEFFICIENTS = "tvmattn.exp2_coefficients"  # function attribute: `polynomial_math`'s p, for `vector_exp2`
 
 
 def polynomial_math(exp2_coefficients: tuple[float, ...] = EXP2_P) -> tvm.transform.Pass:

@@ -11,9 +11,8 @@ from tvm.ir.expr import Expr as PrimExpr
 from tvm.s_tir import SBlock
 from tvm.tirx import PrimFunc
 
+from tvmattn.compiler.annotations import KEEP_16BIT
 from tvmattn.compiler.passes.ir import element_dtype
-
-KEEP_16BIT = "tvmattn.keep_16bit"  # a block annotation: its bf16 output keeps 16 bits (a copy FMAs widen as they load)
 
 
 def exact_widenings() -> tvm.transform.Pass:

@@ -12,10 +12,10 @@ from tvm.sym import Analyzer, IntervalSet
 from tvm.sym.pattern import detect_linear_equation
 from tvm.tirx import For, ForKind, PrimFunc
 
+from tvmattn.compiler.annotations import PADDED_AXES
 from tvmattn.compiler.passes.ir import conjuncts, substitute, uses, visit_blocks
 from tvmattn.compiler.passes.key_tiles import GUARD_NAME
 
-PADDED_AXES = "tvmattn.padded_axes"  # block annotation: iterators whose tail its inputs are padded for
 
 # ---- query tiles computed whole ------------------------------------------------------------------
 def pad_query_tiles() -> tvm.transform.Pass:

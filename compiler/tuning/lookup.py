@@ -24,6 +24,9 @@ import warnings
 from pathlib import Path
 from typing import Iterable, Sequence
 
+import numpy as np
+import tvm_ffi
+from tvm import tirx
 from tvm.s_tir import Schedule
 from tvm.target import Target
 
@@ -38,6 +41,8 @@ from tvmattn.compiler.tuning.records import (
     read_dirs,
     spec_key,
 )
+from tvmattn.schedules.ops import RULES
+from tvmattn.schedules.ops.matmul import Matmul
 
 SIZE_FIELDS = ("batch", "seq_len", "kv_seq_len")
 
@@ -156,3 +161,32 @@ def _covered(binding: dict[str, int], points: list[dict[str, int]]) -> bool:
 
 def _distance(binding: dict[str, int], at: dict[str, int]) -> float:
     return sum(abs(math.log(v / at[n])) for n, v in binding.items() if n in at)
+
+
+# ---- the records of an imported model's functions (`tvmattn tune model.onnx`: `tuning.model`) ---------------
+TUNED_RULES = tuple(name for name, rule in RULES if isinstance(rule, Matmul))
+
+
+def workload_key(func: tirx.PrimFunc) -> str:
+    """A model function's key in its records: its structural hash."""
+    return f"{tvm_ffi.structural_hash(func) & (2**64 - 1):016x}"
+
+
+def tuned_knobs(target: Target, log_dirs: Sequence[str | Path] = ()):
+    """`ScheduleFunctions`' ``tuned`` hook: a function's best record at the largest sizes measured."""
+    records = [r for r in read_dirs(search_dirs(log_dirs), target_key(target)) if r.ok and r.schedule in TUNED_RULES]
+    by_key: dict[str, list[Record]] = {}
+    for r in records:
+        by_key.setdefault(r.spec.get("workload", ""), []).append(r)
+
+    def lookup(func: tirx.PrimFunc, rule: str) -> dict | None:
+        mine = [r for r in by_key.get(workload_key(func), []) if r.schedule == rule]
+        if not mine:
+            return None
+        largest = max(np.prod(list(r.at.values())) for r in mine)
+        pick = chosen(r for r in mine if np.prod(list(r.at.values())) == largest)
+        return dict(pick.knobs) if pick else None
+
+    return lookup
+
+

@@ -6,8 +6,8 @@ for tvmattn.
   (MetaSchedule's default build does: about a minute per fresh worker, past its timeout).
 - Artifacts are shared libraries linked in the build workers, not tarballs the runner would link
   one by one.
-- Arguments are random, except ``kv_lens`` (key padding), which is set to the full key length: a
-  random int32 there would send key loops out of bounds.
+- Arguments are random, except those `arguments.TABLE` gives a ``measure_fill`` (the key padding's
+  lengths, set to the full key length: a random int32 there would send key loops out of bounds).
 - Local measurement runs in a worker process whose TVM thread pool uses every core of this process
   (TVM's runtime starts with one thread otherwise). RPC servers need ``TVM_NUM_THREADS`` set where
   they are started.
@@ -38,6 +38,7 @@ from tvm.s_tir.meta_schedule.utils import get_global_func_on_rpc_session
 from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 from tvm.target import Target
 
+from tvmattn.compiler import arguments
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import cpu_cores
@@ -127,7 +128,7 @@ class PooledBuilder(LocalBuilder._cls):
 
 def local_runner(spec: AttentionSpec) -> LocalRunner:
     return LocalRunner(timeout_sec=RUN_TIMEOUT_S, evaluator_config=EVALUATOR,
-                       f_alloc_argument=functools.partial(alloc_local, _kv_lens_fill(spec)),
+                       f_alloc_argument=functools.partial(alloc_local, _fills(spec)),
                        initializer=functools.partial(use_threads, cpu_cores()))
 
 
@@ -136,7 +137,7 @@ def rpc_runner(spec: AttentionSpec, remote: RemoteDevices) -> RPCRunner:
     config = RPCConfig(tracker_host=remote.host, tracker_port=remote.port, tracker_key=remote.key,
                        session_timeout_sec=int(RUN_TIMEOUT_S))
     return RPCRunner(rpc_config=config, evaluator_config=EVALUATOR, max_workers=remote.servers(),
-                     f_alloc_argument=functools.partial(alloc_remote, _kv_lens_fill(spec)))
+                     f_alloc_argument=functools.partial(alloc_remote, _fills(spec)))
 
 
 # ---- functions that run in MetaSchedule's worker processes (pickled by reference) -----------------
@@ -159,36 +160,39 @@ def use_threads(cores: int) -> None:
     os.environ["TVM_NUM_THREADS"] = str(cores)
 
 
-KvLensFill = tuple[int, "int | tuple[int, int]"]  # kv_lens' argument index; n_kv, or where to read it
+Fill = tuple[int, "int | tuple[int, int]"]  # an argument's index; its value, or where to read it (a size)
 
 
-def alloc_local(kv_lens: KvLensFill | None, device, args_info, alloc_repeat: int) -> list:
+def alloc_local(fills: list[Fill], device, args_info, alloc_repeat: int) -> list:
     fill = tvm.get_global_func(RANDOM_FILL)
-    return _with_kv_lens(alloc_argument_common(fill, device, args_info, alloc_repeat), args_info, kv_lens)
+    return _with_fills(alloc_argument_common(fill, device, args_info, alloc_repeat), args_info, fills)
 
 
-def alloc_remote(kv_lens: KvLensFill | None, session, device, args_info, alloc_repeat: int) -> list:
+def alloc_remote(fills: list[Fill], session, device, args_info, alloc_repeat: int) -> list:
     fill = get_global_func_on_rpc_session(session, RANDOM_FILL, "the RPC server's TVM lacks random fill")
-    return _with_kv_lens(alloc_argument_common(fill, device, args_info, alloc_repeat), args_info, kv_lens)
+    return _with_fills(alloc_argument_common(fill, device, args_info, alloc_repeat), args_info, fills)
 
 
-def _with_kv_lens(repeated_args: list, args_info, kv_lens: KvLensFill | None) -> list:
-    if kv_lens is not None:
-        index, length = kv_lens
-        if not isinstance(length, int):  # a symbolic n_kv: read it from the shape of an input
-            arg, axis = length
-            length = int(args_info[arg][2][axis])
+def _with_fills(repeated_args: list, args_info, fills: list[Fill]) -> list:
+    for index, value in fills:
+        if not isinstance(value, int):  # a symbolic size: read it from the shape of an input
+            arg, axis = value
+            value = int(args_info[arg][2][axis])
         for args in repeated_args:
-            args[index].copyfrom(np.full(tuple(args[index].shape), length, dtype="int32"))
+            args[index].copyfrom(np.full(tuple(args[index].shape), value, dtype=args[index].dtype))
     return repeated_args
 
 
-def _kv_lens_fill(spec: AttentionSpec) -> KvLensFill | None:
-    """How to fill kv_lens for any instance of ``spec`` (tasks share one runner)."""
-    if not spec.key_padding:
-        return None
+def _fills(spec: AttentionSpec) -> list[Fill]:
+    """The arguments `arguments.TABLE` fills with one value, for any instance of ``spec`` (tasks share
+    one runner)."""
     shapes = list(spec.input_shapes().values())
-    index = list(spec.input_shapes()).index("kv_lens")
-    if isinstance(spec.n_kv, int):
-        return index, spec.n_kv
-    return index, next((i, axis) for i, shape in enumerate(shapes) for axis, d in enumerate(shape) if d == spec.n_kv)
+    out = []
+    for index, row in enumerate(arguments.taken(spec)):
+        if row.measure_fill is None:
+            continue
+        size = row.measure_fill(spec)
+        if not isinstance(size, int):
+            size = next((i, axis) for i, shape in enumerate(shapes) for axis, d in enumerate(shape) if d == size)
+        out.append((index, size))
+    return out

@@ -32,19 +32,14 @@ from tvm.target import Target
 
 from tvmattn.compiler.build import CPU_PIPELINE, until_scheduling
 from tvmattn.compiler.errors import TvmAttnError, tvm_reason
+from tvmattn.compiler.onnx.importer import _graph_inputs, load, relax_module
 from tvmattn.compiler.passes import polynomial_math, substitute
 from tvmattn.compiler.target import resolve_target, target_key
-from tvmattn.compiler.tuning.lookup import search_dirs, user_dir
+from tvmattn.compiler.tuning.lookup import TUNED_RULES, user_dir, workload_key
 from tvmattn.compiler.tuning.progress import Progress
 from tvmattn.compiler.tuning.records import CONFIRM_ROUNDS, FINALISTS, SUFFIX, Record, append, chosen, read_dirs
 from tvmattn.schedules.ops import RULES, first_rule, unscheduled
-from tvmattn.schedules.ops.matmul import KNOBS, Matmul
-
-TUNED_RULES = tuple(name for name, rule in RULES if isinstance(rule, Matmul))
-
-
-def workload_key(func: tirx.PrimFunc) -> str:
-    return f"{tvm_ffi.structural_hash(func) & (2**64 - 1):016x}"
+from tvmattn.schedules.ops.matmul import KNOBS
 
 
 @dataclass(frozen=True)
@@ -66,8 +61,6 @@ class TaskReport:
 
 def tasks(model: Any, target: Target, shapes: Mapping[str, Sequence[int | str]] | None = None) -> list[OpTask]:
     """The distinct GEMM functions of ``model`` that a tuned rule takes, as `ScheduleFunctions` gives them."""
-    from tvmattn.compiler.onnx.importer import relax_module
-
     mod = relax_module(model, target, shapes)
     with target:  # the passes `build.compile_model` runs before scheduling: the functions it schedules
         mod = tvm.transform.Sequential(until_scheduling(target))(mod)
@@ -93,15 +86,13 @@ def tune_model(model: Any, target: Any = "cpu", *, trials: int = 32, at: Mapping
                shapes: Mapping[str, Sequence[int | str]] | None = None, log_dir: str | Path | None = None,
                seed: int = 0, progress: bool = True) -> tuple[list[TaskReport], Path]:
     """Tune every GEMM task of ``model`` with ``trials`` measurements each (records → ``log_dir``)."""
-    from tvmattn.compiler.onnx.graph import load
-    from tvmattn.compiler.onnx.importer import _graph_inputs
-
     tgt = resolve_target(target)
     if tgt.kind.name != "llvm":
         raise TvmAttnError("tvmattn tune model.onnx tunes CPU models; CUDA models take TVM dlight's rules")
-    proto = load(model)
+    checked = load(model)  # read and checked once: the tasks' import reads it as it is
+    proto = checked.proto
     sizes = {**default_sizes(_graph_inputs(proto)), **(at or {})}
-    todo = tasks(proto, tgt, shapes)
+    todo = tasks(checked, tgt, shapes)
     out = Path(log_dir).expanduser() if log_dir else user_dir()
     path = out / target_key(tgt) / f"model-{proto.graph.name or 'model'}{SUFFIX}"
     earlier = [r for r in read_dirs([out], target_key(tgt)) if r.schedule in TUNED_RULES]
@@ -221,23 +212,3 @@ def _flops(func: tirx.PrimFunc, sizes: dict[str, int]) -> float:
     for it in block.iters:
         total *= it.dom if isinstance(it.dom, int) else _at(it.dom, sizes)
     return total
-
-
-def tuned_knobs(target: Target, log_dirs: Sequence[str | Path] = ()):
-    """`ScheduleFunctions`' ``tuned`` hook: a function's best record at the largest sizes measured."""
-    records = [r for r in read_dirs(search_dirs(log_dirs), target_key(target)) if r.ok and r.schedule in TUNED_RULES]
-    by_key: dict[str, list[Record]] = {}
-    for r in records:
-        by_key.setdefault(r.spec.get("workload", ""), []).append(r)
-
-    def lookup(func: tirx.PrimFunc, rule: str) -> dict | None:
-        mine = [r for r in by_key.get(workload_key(func), []) if r.schedule == rule]
-        if not mine:
-            return None
-        largest = max(np.prod(list(r.at.values())) for r in mine)
-        pick = chosen(r for r in mine if np.prod(list(r.at.values())) == largest)
-        return dict(pick.knobs) if pick else None
-
-    return lookup
-
-

@@ -24,11 +24,12 @@ from tvm.target import Target
 from tvm.tirx import PrimFunc
 
 from tvmattn import schedules
+from tvmattn.compiler.annotations import SPEC
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.schedules.knobs import Knob, sample
 
 Point = tuple[int, ...]
-SPEC_ATTR = "tvmattn.spec"  # the workload's AttentionSpec (JSON), for the build workers
+SPEC_ATTR = SPEC  # the workload's AttentionSpec (JSON), for the build workers
 
 
 @dataclass(frozen=True)

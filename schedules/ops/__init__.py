@@ -30,6 +30,7 @@ from tvm import relax, tirx
 from tvm.s_tir import dlight
 from tvm.target import Target
 
+from tvmattn.compiler.annotations import IS_SCHEDULED
 from tvmattn.compiler.passes import polynomial_math
 from tvmattn.compiler.work import TirWork, tir_work
 from tvmattn.schedules.ops.conv import conv_as_gemm
@@ -60,7 +61,7 @@ BEFORE_LEGALIZE = (conv_as_gemm, small_powers)
 
 
 def is_scheduled(func: tirx.PrimFunc) -> bool:
-    return bool(func.attrs and func.attrs.get("tirx.is_scheduled", False))
+    return bool(func.attrs and func.attrs.get(IS_SCHEDULED, False))
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvmattn.ScheduleFunctions")
@@ -71,7 +72,7 @@ class ScheduleFunctions:
     A rule may lay out a parameter that every call passes a constant (a weight) as it likes to read it
     (`matmul.pack`): the functions see which parameters are constants (``CONSTANT_PARAMS``), and the
     calls then pass the constants packed, at compile time. ``tuned`` gives the GEMM rules the knobs of
-    a tuning record (`tvmattn.compiler.tuning.model`) for the functions that have one.
+    a tuning record (`tvmattn.compiler.tuning.lookup.tuned_knobs`) for the functions that have one.
     """
 
     def __init__(self, target: Target, tuned: Callable[[tirx.PrimFunc, str], dict | None] | None = None) -> None:
@@ -94,7 +95,7 @@ class ScheduleFunctions:
             rule = dict(RULES)[name]
             lowering = [*getattr(rule, "passes", ()), polynomial_math()]
             scheduled = tvm.transform.Sequential(lowering)(sch.mod)["main"]
-            scheduled = scheduled.without_attr(CONSTANT_PARAMS).with_attr("tirx.is_scheduled", True)
+            scheduled = scheduled.without_attr(CONSTANT_PARAMS).with_attr(IS_SCHEDULED, True)
             if _signature(scheduled) == _signature(func):
                 mod[gvar] = scheduled
             else:

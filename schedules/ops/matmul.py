@@ -19,7 +19,8 @@ from tvm.s_tir import Schedule
 from tvm.s_tir.dlight import ScheduleRule, normalize_prim_func
 from tvm.target import Target
 
-from tvmattn.compiler.passes import PADDED_AXES, clamp_row_tails, uses
+from tvmattn.compiler.annotations import CONSTANT_PARAMS, PADDED_AXES
+from tvmattn.compiler.passes import clamp_row_tails, uses
 from tvmattn.compiler.target import vector_lanes
 from tvmattn.schedules.knobs import resolve
 from tvmattn.schedules.micro_kernels import GEMM_KNOBS, gemm, gemm_defaults
@@ -28,7 +29,6 @@ from tvmattn.schedules.ops.injective import spatial
 KNOBS = GEMM_KNOBS
 WIDE = 8192  # output columns from which a GEMM takes taller register tiles (`Matmul.defaults`)
 SYMBOLIC_REDUCTION = 1024  # the reduction length assumed for a symbolic one's task sizes
-CONSTANT_PARAMS = "tvmattn.constant_params"  # function attribute: the parameters every call passes a constant
 
 
 def pack(w: np.ndarray, shape: list[int]) -> np.ndarray:

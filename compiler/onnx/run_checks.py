@@ -21,8 +21,8 @@ import tvm
 from tvm import relax, tirx
 from tvm.script import tirx as T
 
+from tvmattn.compiler.annotations import IS_SCHEDULED, OP_PATTERN, OPAQUE
 from tvmattn.compiler.errors import TvmAttnError
-from tvmattn.compiler.onnx.kernels import OPAQUE
 
 
 def gather(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict) -> relax.Expr | None:
@@ -75,7 +75,7 @@ def _checked_indices(dtype: str, extent: int, node: str) -> tirx.PrimFunc:
                 out[vi] = T.if_then_else(idx[vi] < 0, idx[vi] + T.Cast(dtype, extent), idx[vi])
 
     # opaque: Relax's fusion must not look into it (its op-pattern analysis wants block bodies)
-    return check.with_attr("op_pattern", OPAQUE).with_attr("tirx.is_scheduled", True)
+    return check.with_attr(OP_PATTERN, OPAQUE).with_attr(IS_SCHEDULED, True)
 
 
 _STRIDED_SLICE = tvm.ir.Op.get("relax.strided_slice")
@@ -147,7 +147,7 @@ def _checked_end(dtype: str, extent: int, axis: int, node: str) -> tirx.PrimFunc
                 assert end <= extent, message
                 out[vi] = data[vi]
 
-    return check.with_attr("op_pattern", OPAQUE).with_attr("tirx.is_scheduled", True)
+    return check.with_attr(OP_PATTERN, OPAQUE).with_attr(IS_SCHEDULED, True)
 
 
 def in_range(bb: relax.BlockBuilder, where: str, values: relax.Expr, lo, hi,
@@ -188,4 +188,4 @@ def _checked_range(dtype: str, carried: str, message: str) -> tirx.PrimFunc:
                 vi = T.axis.spatial(m, i)
                 out[vi] = carry[vi]
 
-    return check.with_attr("op_pattern", OPAQUE).with_attr("tirx.is_scheduled", True)
+    return check.with_attr(OP_PATTERN, OPAQUE).with_attr(IS_SCHEDULED, True)
