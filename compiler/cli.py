@@ -172,10 +172,11 @@ def parse_shapes(items: list[str] | None) -> dict[str, tuple[int | str, ...]]:
 
 def cmd_import(args: argparse.Namespace) -> int:
     from tvmattn.compiler.onnx.compare import compare_with_ort, random_feed
-    from tvmattn.compiler.onnx.importer import import_onnx, load
+    from tvmattn.compiler.onnx.importer import graph_inputs, import_onnx, load
 
     model = load(args.model)  # read and checked once
-    imported = import_onnx(model, args.target, arch=args.arch, shapes=parse_shapes(args.shape), dtype=args.dtype)
+    imported = import_onnx(model, args.target, arch=args.arch, shapes=parse_shapes(args.shape), dtype=args.dtype,
+                           cache_dtype=args.cache_dtype)
     print(imported.report)
     if args.output:
         out = Path(args.output)
@@ -186,7 +187,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     if not args.check:
         return 0
     sizes = parse_sizes(args.at)
-    checks = compare_with_ort(model.proto, imported, random_feed(imported.inputs, sizes, args.seed), sizes)
+    feed = random_feed(graph_inputs(model.proto), sizes, args.seed)  # in the model's dtypes, as ORT takes them
+    checks = compare_with_ort(model.proto, imported, feed, sizes)
     for c in checks:
         print(c.line())
     return 0 if all(c.ok for c in checks) else 1
@@ -319,12 +321,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _bench_model(args: argparse.Namespace) -> int:
     from tvmattn.compiler.onnx.bench import bench_model
     from tvmattn.compiler.onnx.compare import random_feed
-    from tvmattn.compiler.onnx.importer import import_onnx, load
+    from tvmattn.compiler.onnx.importer import graph_inputs, import_onnx, load
 
     model = load(args.model)  # read and checked once
-    imported = import_onnx(model, args.target, arch=args.arch, shapes=parse_shapes(args.shape), dtype=args.dtype)
+    imported = import_onnx(model, args.target, arch=args.arch, shapes=parse_shapes(args.shape), dtype=args.dtype,
+                           cache_dtype=args.cache_dtype)
     print(imported.report, flush=True)
-    feed = random_feed(imported.inputs, parse_sizes(args.at), args.seed)
+    feed = random_feed(graph_inputs(model.proto), parse_sizes(args.at), args.seed)  # in the model's dtypes
     print(bench_model(model.proto, imported, feed, args.budget, Path(args.model).name).table())
     if args.profile:
         from tvmattn.compiler.onnx.profile import profile
@@ -363,6 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", type=int, nargs="?", const=25, default=0, metavar="N",
                    help="(model) also time each compiled function: the N slowest (default 25) with their "
                    "schedule rule, GFLOP/s and GB/s")
+    p.add_argument("--cache-dtype", help="(model) bf16 | fp16: a decoder's KV cache inputs and outputs (past_* → "
+                   "present_*) in that dtype: half the bytes a decode step reads")
     add_spec_flags(p)
     add_target_flags(p)
     add_log_flags(p)
@@ -406,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "--shape input_ids=1xn (repeatable)")
     p.add_argument("--dtype", help="bf16 | fp16: the matmuls by the model's weights in that precision "
                    "(fp32 accumulation; inputs and outputs keep the model's dtypes)")
+    p.add_argument("--cache-dtype", help="bf16 | fp16: a decoder's KV cache inputs and outputs (past_* → "
+                   "present_*) in that dtype: half the bytes a decode step reads")
     p.set_defaults(run=cmd_import)
 
     p = sub.add_parser("export-onnx", help="write the attention layer as a standard ONNX model with its weights")

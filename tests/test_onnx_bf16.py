@@ -104,6 +104,34 @@ def test_zoo_model_in_16_bits(name, dtype):
 def test_bad_dtype_is_one_error():
     with pytest.raises(tvmattn.TvmAttnError, match="dtype='int8'"):
         tvmattn.import_onnx(zoo.get("bert").export(), dtype="int8")
+    with pytest.raises(tvmattn.TvmAttnError, match="cache_dtype='int8'"):
+        tvmattn.import_onnx(zoo.get("bert").export(), dtype="bfloat16", cache_dtype="int8")
+    with pytest.raises(tvmattn.TvmAttnError, match="no KV cache"):  # an encoder has none
+        tvmattn.import_onnx(zoo.get("bert").export(), dtype="bfloat16", cache_dtype="bfloat16")
+
+
+def test_decode_loop_with_a_16_bit_cache():
+    """``cache_dtype``: past_* inputs and present_* outputs in bf16, a decode loop feeding present back as
+    past for three steps, against ONNX Runtime in fp32 fed the same cache (widened), at bf16's tolerance;
+    each present extends its past with the past's bits unchanged."""
+    m = zoo.get("falcon-decode")
+    proto = m.export()
+    imported = tvmattn.import_onnx(proto, dtype="bfloat16", cache_dtype="bfloat16")
+    cache = dict(imported.report.cache)  # past → present
+    assert len(cache) == 4 and all(i.dtype == "bfloat16" for i in imported.inputs if i.name in cache)
+    ours = imported.declared(m.feed(m.shapes[0]))
+    for token in (5, 17, 3):
+        ours["input_ids"] = np.array([[token]], dtype=np.int64)
+        wide = {k: v.astype(np.float32) if k in cache else v for k, v in ours.items()}
+        got = dict(zip(imported.output_names, imported.run(ours)))
+        for name, want in zip(imported.output_names, ort_run(proto, wide)):
+            assert errors(got[name].astype(np.float32), want)[1] <= TOLERANCE["bfloat16"], name
+        for past, present in cache.items():
+            assert str(got[present].dtype) == "bfloat16"
+            n = ours[past].shape[2]
+            assert got[present].shape[2] == n + 1
+            assert np.array_equal(got[present][:, :, :n].view(np.uint16), ours[past].view(np.uint16))
+        ours.update({past: got[present] for past, present in cache.items()})
 
 
 @pytest.mark.parametrize("dtype", [pytest.param("float16", marks=pytest.mark.slow), "bfloat16"])

@@ -46,7 +46,7 @@ def compare_with_ort(model: onnx.ModelProto, imported: ImportedModel, feed: dict
     except Exception as err:  # ORT's own errors: the reference cannot run this model
         raise TvmAttnError(f"ONNX Runtime cannot run this model: {str(err).strip().splitlines()[0]}") from None
     checks = []
-    for name, ref, out in zip(imported.output_names, expected, imported.run(feed)):
+    for name, ref, out in zip(imported.output_names, expected, imported.run(imported.declared(feed))):
         dtype = str(np.asarray(ref).dtype)
         tolerance = TOLERANCE.get(dtype, 0.0)  # integer and bool outputs: exact
         checks.append(Check(f"{name} {dtype}", sizes, *errors(out, ref), tolerance))

@@ -31,7 +31,7 @@ from tvmattn.compiler.build import compile_model
 from tvmattn.compiler.errors import TvmAttnError, first_line, tvm_reason
 from tvmattn.compiler.kernel import host_argument, host_tensor, numpy_dtype
 from tvmattn.compiler.logs import tvm_logs_to_logging
-from tvmattn.compiler.onnx import graph, patterns, registry
+from tvmattn.compiler.onnx import cache16, graph, patterns, registry
 from tvmattn.compiler.onnx.converters import Node
 from tvmattn.compiler.onnx.kernels import Kernels, Replacement
 from tvmattn.compiler.onnx.profile import Profile, profile
@@ -74,6 +74,8 @@ class ImportReport:
     tuned: list[str] = field(default_factory=list)  # those built from a tuning record (`tvmattn tune model.onnx`)
     work: dict[str, Any] = field(default_factory=dict, repr=False)  # function → its FLOPs by shape (`compiler.work`)
     dtype: str | None = None  # the matmuls' precision where the import was asked for one (`import_onnx(dtype=…)`)
+    cache: list[tuple[str, str]] = field(default_factory=list)  # (past, present) stored in ``cache_dtype``
+    cache_dtype: str | None = None
 
     @property
     def scheduled(self) -> dict[str, int]:
@@ -88,6 +90,9 @@ class ImportReport:
         lines = [f"{self.model}: {len(self.replacements)} attention(s) on tvmattn kernels, target {self.target}, "
                  f"imported and compiled in {self.seconds:.2f} s"
                  + (f"; matmuls by the weights in {self.dtype}, accumulated in float32" if self.dtype else "")]
+        if self.cache:
+            lines.append(f"  KV cache in {self.cache_dtype} ({len(self.cache)} pairs, as "
+                         f"{self.cache[0][0]} → {self.cache[0][1]}): feed the present outputs back as they are")
         lines += [f"  {i}. {r.line()}" for i, r in enumerate(self.replacements, 1)]
         if self.softmaxes:
             lines.append(f"  {self.softmaxes_on_kernels} of {len(self.softmaxes)} Softmax node(s) on tvmattn kernels:")
@@ -138,6 +143,14 @@ class ImportedModel:
         if not dev.exist:
             raise TvmAttnError("no CUDA device on this machine: export_library() and run it where one is")
         return dev
+
+    def declared(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``feed`` with each float array converted to its input's declared float dtype: a 16-bit KV cache
+        (``cache_dtype``) filled from the fp32 arrays a peer takes. `run` itself converts nothing."""
+        kinds = {spec.name: numpy_dtype(spec.dtype) for spec in self.inputs}
+        return {name: arr.astype(kinds[name]) if name in kinds and arr.dtype != kinds[name]
+                and np.dtype(arr.dtype).kind == "f" and np.dtype(kinds[name]).kind in "fV" else arr
+                for name, arr in feed.items()}
 
     def run(self, feed: Mapping[str, Any]) -> list[np.ndarray]:
         """The graph's outputs, in order, for the inputs in ``feed`` (name → array)."""
@@ -211,31 +224,37 @@ class ImportedModel:
 
 
 def import_onnx(model: Any, target: Any = "cpu", *, arch: str | None = None,
-                shapes: Mapping[str, Sequence[int | str]] | None = None, dtype: str | None = None) -> ImportedModel:
+                shapes: Mapping[str, Sequence[int | str]] | None = None, dtype: str | None = None,
+                cache_dtype: str | None = None) -> ImportedModel:
     """Import an ONNX model (a path, bytes, a ModelProto, or one `graph.load` checked), compile it for
     ``target``, attention on tvmattn.
 
     ``shapes`` binds graph inputs' dimensions (input name → sizes or names, e.g. ``{"input_ids": (1, "n")}``):
     a size makes it static, a name keeps it symbolic. Dimensions the model leaves dynamic stay symbolic.
     ``dtype`` ("bfloat16" or "float16"): matrix products by the model's weights in that precision,
-    accumulated in fp32 (`schedules.ops.precision`); inputs and outputs keep the model's dtypes.
+    accumulated in fp32 (`schedules.ops.precision`); inputs and outputs keep the model's dtypes, but for
+    ``cache_dtype`` ("bfloat16" or "float16"): a decoder's KV cache (past_* inputs, present_* outputs)
+    stored in that dtype, half the bytes a decode step reads (`onnx.cache16`).
     """
     if dtype is not None and dtype not in DTYPES:
         raise TvmAttnError(f"dtype={dtype!r}: use 'bfloat16' or 'float16' (or None: the model's own)")
     precision = None if dtype is None or DTYPES[dtype] == "float32" else DTYPES[dtype]
+    if cache_dtype is not None and DTYPES.get(cache_dtype) not in ("bfloat16", "float16"):
+        raise TvmAttnError(f"cache_dtype={cache_dtype!r}: use 'bfloat16' or 'float16' (or None: the model's own)")
+    cache_dtype = DTYPES[cache_dtype] if cache_dtype is not None else None
     try:
         with tvm_logs_to_logging():
-            return _import(model, target, arch, shapes or {}, precision)
+            return _import(model, target, arch, shapes or {}, precision, cache_dtype)
     except UnicodeDecodeError:  # protobuf decodes string fields when they are first read
         raise TvmAttnError("the ONNX model is corrupt: one of its names or string attributes is not valid "
                            "UTF-8; re-export it") from None
 
 
 def _import(model: Any, target: Any, arch: str | None, shapes: Mapping[str, Sequence[int | str]],
-            dtype: str | None = None) -> ImportedModel:
+            dtype: str | None = None, cache_dtype: str | None = None) -> ImportedModel:
     start = time.perf_counter()
     tgt = resolve_target(target, arch)
-    c = _convert(model, tgt, shapes, dtype)
+    c = _convert(model, tgt, shapes, dtype, cache_dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -249,8 +268,8 @@ def _import(model: Any, target: Any, arch: str | None, shapes: Mapping[str, Sequ
                           time.perf_counter() - start,
                           _softmax_fates(c.softmax_nodes, c.kernels.replacements, remaining, c.reasons),
                           scheduler.rule_of if scheduler else {}, scheduler.tuned_functions if scheduler else [],
-                          (scheduler.work if scheduler else {}) | work, dtype)
-    return ImportedModel(tgt, executable, _graph_inputs(c.proto), [o.name for o in c.proto.graph.output], report)
+                          (scheduler.work if scheduler else {}) | work, dtype, c.cache, cache_dtype)
+    return ImportedModel(tgt, executable, graph_inputs(c.proto), [o.name for o in c.proto.graph.output], report)
 
 
 def relax_module(model: Any, target: Target, shapes: Mapping[str, Sequence[int | str]] | None = None) -> tvm.IRModule:
@@ -266,11 +285,15 @@ class _Converted:
     importer: "_Importer"
     reasons: dict[str, str]
     softmax_nodes: list[str]
+    cache: list[tuple[str, str]]
 
 
 def _convert(model: Any, tgt: Target, shapes: Mapping[str, Sequence[int | str]],
-             precision: str | None = None) -> _Converted:
+             precision: str | None = None, cache_dtype: str | None = None) -> _Converted:
     proto = load(model).proto
+    cache: list[tuple[str, str]] = []
+    if cache_dtype is not None:
+        proto, cache = cache16.caches_in(proto, cache_dtype)
     if shapes:
         proto = graph.bind_shapes(proto, shapes)
         try:  # the bound sizes must fit the graph, as ONNX Runtime would find when it runs
@@ -289,8 +312,8 @@ def _convert(model: Any, tgt: Target, shapes: Mapping[str, Sequence[int | str]],
         mod = patterns.rewrite(importer.convert(), kernels, importer.provenance, reasons)
         mod = tighten_shapes(mod)  # after: the position rules compare sizes as the graph wrote them
     except TvmAttnError as err:
-        raise TvmAttnError(str(err) + _binding_hint(str(err), _graph_inputs(proto))) from None
-    return _Converted(proto, mod, kernels, importer, reasons, softmax_nodes)
+        raise TvmAttnError(str(err) + _binding_hint(str(err), graph_inputs(proto))) from None
+    return _Converted(proto, mod, kernels, importer, reasons, softmax_nodes, cache)
 
 
 class _Importer(onnx_frontend.ONNXGraphImporter):
@@ -407,7 +430,7 @@ def _binding_hint(message: str, inputs: list[GraphInput]) -> str:
             f"{first.name}={'x'.join(map(str, sizes))}")
 
 
-def _graph_inputs(model: onnx.ModelProto) -> list[GraphInput]:
+def graph_inputs(model: onnx.ModelProto) -> list[GraphInput]:
     initializers = {t.name for t in model.graph.initializer}
     return [GraphInput(info.name, _dims(info), _dtype_name(info.type.tensor_type.elem_type))
             for info in model.graph.input if info.name not in initializers]

@@ -32,7 +32,7 @@ from tvm.target import Target
 
 from tvmattn.compiler.build import CPU_PIPELINE, until_scheduling
 from tvmattn.compiler.errors import TvmAttnError, tvm_reason
-from tvmattn.compiler.onnx.importer import _graph_inputs, load, relax_module
+from tvmattn.compiler.onnx.importer import graph_inputs, load, relax_module
 from tvmattn.compiler.passes import polynomial_math, substitute
 from tvmattn.compiler.target import resolve_target, target_key
 from tvmattn.compiler.tuning.lookup import TUNED_RULES, user_dir, workload_key
@@ -91,7 +91,7 @@ def tune_model(model: Any, target: Any = "cpu", *, trials: int = 32, at: Mapping
         raise TvmAttnError("tvmattn tune model.onnx tunes CPU models; CUDA models take TVM dlight's rules")
     checked = load(model)  # read and checked once: the tasks' import reads it as it is
     proto = checked.proto
-    sizes = {**default_sizes(_graph_inputs(proto)), **(at or {})}
+    sizes = {**default_sizes(graph_inputs(proto)), **(at or {})}
     todo = tasks(checked, tgt, shapes)
     out = Path(log_dir).expanduser() if log_dir else user_dir()
     path = out / target_key(tgt) / f"model-{proto.graph.name or 'model'}{SUFFIX}"
