@@ -79,9 +79,9 @@ def test_bf16_gemm_assembly(target, instruction):
     assert re.search(r"vfmadd\d+ps", asm) or instruction
 
 
-QUICK = {("bert", "bfloat16"), ("falcon-decode", "float16")}  # the default run's; -m slow: every pair
+QUICK = {("bert", "bfloat16"), ("falcon-decode", "float16"), ("bloom", "bfloat16")}  # -m slow: every pair
 MODELS = [pytest.param(name, dtype, marks=[] if (name, dtype) in QUICK else [pytest.mark.slow])
-          for name in ("bert", "falcon-decode", "vit-ort", "t5", "qwen3", "whisper-encoder")
+          for name in ("bert", "falcon-decode", "bloom", "vit-ort", "t5", "qwen3", "whisper-encoder")
           for dtype in ("bfloat16", "float16")]
 
 
