@@ -478,6 +478,35 @@ def test_slice_from_a_symbolic_start_to_the_end():
     assert_matches_ort(model, [{"x": randn(rng, 2, t), "y": randn(rng, 2, s)} for t, s in ((7, 3), (4, 6))], 0)
 
 
+def test_gather_of_a_shape_by_constant_indices():
+    """Gather(Shape(y), perm), ONNX Runtime's transpose optimizer's Shape(Transpose(y)) (#44): the picked
+    sizes stay a shape (x[:, -S:] from them, as the slice above); an index past the shape is one error
+    naming it, from the folding of static shapes and from the converter's shape fix alike."""
+    c = onnx.numpy_helper.from_array
+    nodes = [oh.make_node("Shape", ["y"], ["shape"]), oh.make_node("Gather", ["shape", "perm"], ["swapped"], axis=0),
+             oh.make_node("Gather", ["swapped", "first"], ["s"]), oh.make_node("Neg", ["s"], ["minus_s"]),
+             oh.make_node("Unsqueeze", ["minus_s", "zero"], ["start"]),
+             oh.make_node("Slice", ["x", "start", "end", "one"], ["out"])]
+    model = _model(nodes, [("x", TP.FLOAT, ["B", "T"]), ("y", TP.FLOAT, ["B", "S"])], [("out", TP.FLOAT, ["B", None])],
+                   (("", 17),))
+    model.graph.initializer.extend([c(np.array([1, 0], np.int64), "perm"), c(np.array([2**63 - 1], np.int64), "end"),
+                                    c(np.array([0], np.int64), "zero"), c(np.array([1], np.int64), "one"),
+                                    c(np.array(0, np.int64), "first")])
+    rng = np.random.default_rng(5)
+    assert_matches_ort(model, [{"x": randn(rng, 2, t), "y": randn(rng, 2, s)} for t, s in ((7, 3), (4, 6))], 0)
+    model.graph.initializer[0].CopyFrom(c(np.array([1, -3], np.int64), "perm"))
+    with pytest.raises(tvmattn.TvmAttnError, match="Gather.*index -3 is out of range: axis 0 \\(a shape\\) has 2"):
+        tvmattn.import_onnx(model)
+    from tvm import relax, tirx
+
+    from tvmattn.compiler.onnx import shape_ops
+    b, s = tirx.Var("B", "int64"), tirx.Var("S", "int64")
+    picked = shape_ops.gather([relax.ShapeExpr([b, s]), relax.const(np.array([1, -2, 1]))])
+    assert [v.same_as(w) for v, w in zip(picked.values, (s, b, s))] == [True] * 3
+    with pytest.raises(tvmattn.TvmAttnError, match="index 2 is out of range"):
+        shape_ops.gather([relax.ShapeExpr([b, s]), relax.const(np.array([0, 2]))])
+
+
 @pytest.mark.parametrize("start,limit,step", [("s", "zero", "minus_one"), ("one", "s", "two"), ("zero", "s", "one")])
 def test_range_of_symbolic_bounds(start, limit, step):
     """Range with a bound of shape arithmetic (the sequence length): counting down, by two, from zero."""

@@ -1,7 +1,7 @@
 """Forms of attention and of graphs from models outside the test matrix, each a small reproduction against
 ONNX Runtime: a rotary over the whole head (a zero-width slice concatenated back), attention on (B·h, n, d)
 batches (torch.nn.MultiheadAttention's own form as a pooling head; BLOOM's baddbmm with ALiBi), zero-size
-outputs, and a corrupt input type."""
+outputs, a corrupt input type, and GPT-2's attention as ONNX Runtime's transformer optimizer leaves it."""
 
 from __future__ import annotations
 
@@ -161,3 +161,75 @@ def test_graph_input_of_no_onnx_type_is_one_error():
     model.graph.input[1].type.tensor_type.elem_type = 999
     with pytest.raises(tvmattn.TvmAttnError, match="graph input 'z' has element type 999"):
         tvmattn.import_onnx(model)
+
+
+def gpt2_optimized(opset: int, padding_mask: bool) -> onnx.ModelProto:
+    """One layer of GPT-2's eager attention (transformers 4.x) as ONNX Runtime's transformer optimizer leaves
+    it (optimize_model(model_type="gpt2") of a TorchScript export) when it fuses no Attention: the causal
+    window ``bias[:, :, k_len - q_len : k_len, :k_len]`` of a tril buffer, k_len from Gather(Shape(k), perm),
+    as ORT's transpose optimizer writes Shape(Transpose(k)); where(causal, scores, finfo.min), then (with
+    ``padding_mask``) the padding mask (1 - mask)·finfo.min added; the norm before it a LayerNormalization
+    in the ONNX domain even below opset 17, where it is ONNX Runtime's contrib op."""
+    hidden, heads, width, positions, lowest = 32, 2, 16, 16, float(np.finfo(np.float32).min)
+    rng = np.random.default_rng(3)
+    consts = {"gamma": 1 + 0.1 * rng.standard_normal(hidden), "beta": 0.1 * rng.standard_normal(hidden),
+              "w": rng.standard_normal((hidden, 3 * hidden)) / np.sqrt(hidden),
+              "split": np.array([hidden] * 3), "heads_shape": np.array([0, 0, heads, width]),
+              "merged_shape": np.array([0, 0, hidden]), "perm": np.array([0, 2, 1, 3]),
+              "m2": np.array([-2]), "m1": np.array([-1]), "i0": np.array([0]), "i1": np.array([1]),
+              "i2": np.array([2]), "i3": np.array([3]), "i12": np.array([1, 2]), "sqrt_d": np.float32(4.0),
+              "one": np.float32(1.0), "lowest": np.float32(lowest),
+              "tril": np.tri(positions, dtype=bool)[None, None]}
+    initializers = [nh.from_array(v.astype(np.float32) if v.dtype == np.float64 else v, k) for k, v in consts.items()]
+    n = oh.make_node
+    nodes = [n("LayerNormalization", ["x", "gamma", "beta"], ["ln"], epsilon=1e-5),
+             n("MatMul", ["ln", "w"], ["qkv"]), n("Split", ["qkv", "split"], ["q", "k", "v"], axis=2)]
+    nodes += [n("Reshape", [t, "heads_shape"], [f"{t}_heads"]) for t in "qkv"]
+    nodes += [n("Transpose", ["q_heads"], ["qt"], perm=[0, 2, 1, 3]),
+              n("Transpose", ["k_heads"], ["kt"], perm=[0, 2, 3, 1]),
+              n("Transpose", ["v_heads"], ["vt"], perm=[0, 2, 1, 3]),
+              n("MatMul", ["qt", "kt"], ["qk"]), n("Div", ["qk", "sqrt_d"], ["scores"]),
+              n("Shape", ["qt"], ["q_shape"]), n("Slice", ["q_shape", "m2", "m1", "i0"], ["q_len1"]),
+              n("Squeeze", ["q_len1", "i0"], ["q_len"]),
+              n("Shape", ["k_heads"], ["k_heads_shape"]), n("Gather", ["k_heads_shape", "perm"], ["k_shape"], axis=0),
+              n("Slice", ["k_shape", "m2", "m1", "i0"], ["k_len1"]), n("Squeeze", ["k_len1", "i0"], ["k_len"]),
+              n("Sub", ["k_len", "q_len"], ["past"]), n("Unsqueeze", ["past", "i0"], ["start"]),
+              n("Unsqueeze", ["k_len", "i0"], ["end"]),
+              n("Slice", ["tril", "start", "end", "i2", "i1"], ["rows"]),
+              n("Slice", ["rows", "i0", "end", "i3", "i1"], ["causal"]),
+              n("Where", ["causal", "scores", "lowest"], ["masked"])]
+    logits, inputs = "masked", [oh.make_tensor_value_info("x", TP.FLOAT, ["B", "S", hidden])]
+    if padding_mask:
+        inputs.append(oh.make_tensor_value_info("attention_mask", TP.INT64, ["B", "S"]))
+        nodes += [n("Unsqueeze", ["attention_mask", "i12"], ["mask4"]), n("Cast", ["mask4"], ["maskf"], to=TP.FLOAT),
+                  n("Sub", ["one", "maskf"], ["hidden_keys"]), n("Mul", ["hidden_keys", "lowest"], ["pad"]),
+                  n("Add", ["masked", "pad"], ["padded"])]
+        logits = "padded"
+    nodes += [n("Softmax", [logits], ["probs"], axis=-1), n("MatMul", ["probs", "vt"], ["o"]),
+              n("Transpose", ["o"], ["o_bshd"], perm=[0, 2, 1, 3]), n("Reshape", ["o_bshd", "merged_shape"], ["y"])]
+    g = oh.make_graph(nodes, "gpt2_layer", inputs, [oh.make_tensor_value_info("y", TP.FLOAT, ["B", "S", hidden])],
+                      initializers)
+    model = oh.make_model(g, opset_imports=[oh.make_opsetid("", opset)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.mark.parametrize("opset", [14, 17])
+@pytest.mark.parametrize("padding_mask", [False, True])
+def test_gpt2_ort_optimizer_form(opset, padding_mask):
+    """An ORT-transformer-optimizer export of GPT-2 from transformers 4.47 (#44): TVM's Gather made the
+    key length a tensor, its Sub with the query length a (1,) tensor, the Unsqueeze after it the causal
+    Slice's ``starts`` 2-D ("Expected a 1-D tensor, but got ndim=2"); at opset 14 the LayerNormalization
+    was refused as no ONNX op. It imports, matches ONNX Runtime, the attention one kernel: causal where
+    the buffer is the only mask, the two masks' sum as one additive mask with the padding one (left and
+    right padded rows, a row that sees no key)."""
+    model = gpt2_optimized(opset, padding_mask)
+    rng = np.random.default_rng(0)
+    masks = [np.array([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0, 0]]), np.array([[0] * 12, [1] * 12, [1] * 12])]
+    feeds = [{"x": rng.standard_normal((m.shape[0], m.shape[1], 32)).astype(np.float32),
+              **({"attention_mask": m} if padding_mask else {})} for m in masks]
+    spec = assert_matches_ort(model, feeds, attentions=1, softmaxes=1).report.replacements[0].spec
+    if padding_mask:
+        assert (spec.causal, spec.attn_mask, spec.attn_mask_dims) == (False, "additive", "bst")
+    else:
+        assert (spec.causal, spec.attn_mask) == (True, None)

@@ -64,9 +64,10 @@ class AttentionPattern:
         self.keep_fill, self.hide_fill = is_const(), is_const()
         self.bias2 = wildcard()  # a second additive term (T5: its relative position bias, then the mask)
         biased = _op("add", logits, self.bias) | _op("add", self.bias, logits)
+        # a bool mask, then a float one as bias2 (GPT-2's eager attention: its causal buffer, then the padding)
+        selected = _op("where", self.keep, logits, self.keep_fill) | _op("where", self.hide, self.hide_fill, logits)
         masked = (_op("add", biased, self.bias2) | _op("add", self.bias2, biased) | biased
-                  | _op("where", self.keep, logits, self.keep_fill) | _op("where", self.hide, self.hide_fill, logits)
-                  | logits)
+                  | _op("add", selected, self.bias2) | _op("add", self.bias2, selected) | selected | logits)
         self.softmax = _op("nn.softmax", _cast(masked))
         probs = _cast(self.softmax)
         probs = is_tuple_get_item(_op("nn.dropout", probs), 0) | probs

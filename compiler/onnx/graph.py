@@ -13,7 +13,7 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Collection, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -38,11 +38,13 @@ class Checked:
     proto: onnx.ModelProto
 
 
-def load(model: Any, contrib_in_onnx_domain: Collection[str] = ()) -> Checked:
+def load(model: Any, contrib_in_onnx_domain: Mapping[str, int | None] | None = None) -> Checked:
     """An ONNX model from a path, bytes, a ModelProto (or a `Checked` one, returned as it is), checked;
     TvmAttnError if it is not one. ``contrib_in_onnx_domain``: ONNX Runtime contrib ops its transformer
-    optimizer writes in the ONNX domain (ONNX's checker knows no such op: it checks a copy with them in
-    com.microsoft, a domain it does not look into; the model keeps them where ONNX Runtime finds them)."""
+    optimizer writes in the ONNX domain, each with the opset from which ONNX defines an op of that name
+    (None: never; below it the op is ONNX Runtime's). ONNX's checker knows no such op: it checks a copy
+    with them in com.microsoft, a domain it does not look into; the model keeps them where ONNX Runtime
+    finds them."""
     if isinstance(model, Checked):
         return model
     if isinstance(model, onnx.ModelProto):
@@ -63,7 +65,7 @@ def load(model: Any, contrib_in_onnx_domain: Collection[str] = ()) -> Checked:
     if external:  # bytes or a ModelProto: there is no folder to read the side files from
         raise TvmAttnError(f"the model keeps its weights in external data ({external[0]!r}): import it from "
                            f"its path, import_onnx('model.onnx'), so the side files are read next to it")
-    checked = _in_their_domain(proto, contrib_in_onnx_domain)
+    checked = _in_their_domain(proto, contrib_in_onnx_domain or {})
     try:
         # a model over protobuf's 2 GB limit is checked from its file (weights in side files are not read)
         big = isinstance(model, (str, os.PathLike)) and proto.ByteSize() >= _PROTOBUF_LIMIT
@@ -102,9 +104,10 @@ def _check_input_types(g: onnx.GraphProto) -> None:
 _INFERENCE_ERRORS = (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, ValueError, RuntimeError)
 
 
-def _in_their_domain(model: onnx.ModelProto, contrib: Collection[str]) -> onnx.ModelProto:
-    moved = [n for n in model.graph.node if n.domain in DEFAULT_DOMAINS and n.op_type in contrib]
-    if not moved:
+def _in_their_domain(model: onnx.ModelProto, contrib: Mapping[str, int | None]) -> onnx.ModelProto:
+    opset = opset_of(model) or 1
+    contrib = {op for op, onnx_from in contrib.items() if onnx_from is None or opset < onnx_from}
+    if not any(n.domain in DEFAULT_DOMAINS and n.op_type in contrib for n in model.graph.node):
         return model
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -358,6 +361,10 @@ def _fold(node: onnx.NodeProto, consts: dict[str, np.ndarray], shapes: dict[str,
             return None
         return {node.output[0]: value}
     if node.op_type == "Gather" and node.input[0] in partial and node.input[1] in consts:
+        try:
+            check_shape_indices(consts[node.input[1]], len(partial[node.input[0]]))
+        except TvmAttnError as err:
+            raise TvmAttnError(f"node {node.name!r} (Gather): {err}") from None
         picked = np.asarray(partial[node.input[0]], dtype=object)[consts[node.input[1]]]
         known = all(d is not None for d in np.ravel(picked))
         return {node.output[0]: np.asarray(picked, dtype=np.int64)} if known else None
@@ -371,6 +378,15 @@ def _fold(node: onnx.NodeProto, consts: dict[str, np.ndarray], shapes: dict[str,
     if sum(np.asarray(r).nbytes for r in results) > _FOLD_LIMIT_BYTES:
         return None
     return {name: np.asarray(r) for name, r in zip(node.output, results) if name}
+
+
+def check_shape_indices(indices: np.ndarray, rank: int) -> None:
+    """TvmAttnError naming the first of constant ``indices`` into a shape of ``rank`` entries that is out of range."""
+    flat = np.ravel(indices)
+    outside = flat[(flat < -rank) | (flat >= rank)]
+    if outside.size:
+        raise TvmAttnError(f"index {int(outside[0])} is out of range: axis 0 (a shape) has {rank} entries, so "
+                           f"indices lie in [{-rank}, {rank - 1}]")
 
 
 def _shape_value(node: onnx.NodeProto, shape: tuple[int | None, ...]) -> np.ndarray | None:

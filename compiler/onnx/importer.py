@@ -385,7 +385,7 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
             inputs = op.before(list(inputs), attrs)
         sym = op.fix(list(inputs)) if op.fix is not None else None
         cpu = node is not None and is_cpu(self.kernels.target)  # (run-time checks: serial CPU loops)
-        if op.checked is not None and cpu:
+        if sym is None and op.checked is not None and cpu:
             sym = op.checked(self.bb, node.name, list(inputs), attrs)
         if sym is None:
             sym = super()._convert_operator(op_name, inputs, attrs, opset)

@@ -10,6 +10,8 @@ expansion of ``Attention``), every step but the two matmuls and the softmax opti
     logits = logits + bias                     a float mask or bias (HF's finfo.min masks, T5 biases)
            | where(keep, logits, fill)         a bool mask; fill -inf or ≤ -1e30
            | where(hide, fill, logits)
+           [+ bias2]                           a second float term (T5: its bias, then its mask; GPT-2's
+                                               eager attention: where(causal, …), then its padding mask)
     probs  = softmax(logits, axis=-1)          float casts around any of these
     probs  = where(row sees no key, 0, probs)  ONNX's fully-masked-row guard
     out    = probs @ v                         [then permute (0,2,1,3): the head merge]
@@ -44,6 +46,7 @@ from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.onnx import alibi, key_masks, positions, run_checks
 from tvmattn.compiler.onnx.canonical import canonical
 from tvmattn.compiler.onnx.chain import ROOTS, AttentionPattern
+from tvmattn.compiler.onnx.constant_masks import hides_only, keep_rule
 from tvmattn.compiler.onnx.kernels import Kernels, Mask, attend, shape_of
 from tvmattn.compiler.onnx.shape_ops import bounded_below
 
@@ -326,9 +329,10 @@ class _Match:
         heads = self._scores_shape()[-3] if len(self._scores_shape()) == 4 else None
         if self.p.bias2 in self.m:  # two additive terms: ALiBi (MPT's) and a mask, or the sum the kernel adds
             for alibi, other in ((self.p.bias, self.p.bias2), (self.p.bias2, self.p.bias)):
-                if heads is not None and self._alibi(alibi, heads, batched=False):
+                if self.p.bias in self.m and heads is not None and self._alibi(alibi, heads, batched=False):
                     return self._additive(other)
-            terms = [self.leaf(self.p.bias), self.leaf(self.p.bias2)]
+            first = self.leaf(self.p.bias) if self.p.bias in self.m else self._selected()
+            terms = [first, self.leaf(self.p.bias2)]
             if any(str(t.ty.dtype) != "float32" for t in terms):
                 raise _NoMatch("additive terms on the scores that are not float32")
             return Mask(self.bb.emit(relax.op.add(*terms)), "additive"), {}, None
@@ -353,8 +357,8 @@ class _Match:
             return split or (Mask(_either(self._per_key(handle), bias), "additive"), {}, None)
         values = bias.value.numpy().astype(np.float64)
         keep = values == 0
-        if np.all(keep | (values <= _HUGE_NEGATIVE)) and _hides_only(keep, values):
-            return (*_keep(keep, self._scores_shape()), keep)
+        if np.all(keep | (values <= _HUGE_NEGATIVE)) and hides_only(keep, values):
+            return (*keep_rule(keep, self._scores_shape()), keep)
         return Mask(bias, "additive"), {}, values != -np.inf
 
     def _alibi(self, handle: DFPattern, heads: int, batched: bool) -> bool:
@@ -367,14 +371,11 @@ class _Match:
 
     def _select_mask(self, cond: relax.Expr, fill: float,
                      negate: bool) -> tuple[Mask | None, dict, np.ndarray | None]:
-        if str(cond.ty.dtype) != "bool":
-            raise _NoMatch(f"where() on a {cond.ty.dtype} condition")
-        if fill > _HUGE_NEGATIVE:  # a moderate fill gives a fully masked row uniform weights, not what a mask does
-            raise _NoMatch(f"the mask's fill {fill:g} does not hide a key (it must be -inf or ≤ -1e30)")
+        _check_select(cond, fill)
         if isinstance(cond, tvm.ir.GenericConst):
             keep = cond.value.numpy() != negate
-            if _hides_only(keep, np.where(keep, 0.0, fill)):
-                return (*_keep(keep, self._scores_shape()), keep)
+            if hides_only(keep, np.where(keep, 0.0, fill)):
+                return (*keep_rule(keep, self._scores_shape()), keep)
             bias = np.where(keep, 0.0, fill).astype(np.float32)
             return Mask(relax.const(bias), "additive"), {}, np.ones_like(keep)
         causal = self._sliced_causal(cond, negate, fill) or self._positional_causal(cond, negate, fill=fill)
@@ -389,6 +390,19 @@ class _Match:
             return Mask(keep, "bool"), {}, None
         zero, hidden = relax.const(0.0, "float32"), relax.const(fill, "float32")
         return Mask(self.bb.emit(relax.op.where(keep, zero, hidden)), "additive"), {}, None
+
+    def _selected(self) -> relax.Expr:
+        """The mask of where(keep, s, fill) as the term where(keep, 0, fill) of s + where(keep, 0, fill) (of
+        where(hide, fill, s) likewise), for the float term added after it: the same values, the fill absorbing
+        any score. Dense, as GPT-2's causal buffer then its padding mask: a causal rule would hide the keys a
+        row that sees none averages over (a left-padded query's row: its causal keys, and the later ones the
+        padding mask keeps)."""
+        negate = self.p.keep not in self.m
+        cond = self.leaf(self.p.hide if negate else self.p.keep)
+        fill = _scalar(self.m[self.p.hide_fill if negate else self.p.keep_fill])
+        _check_select(cond, fill)
+        zero, hidden = relax.const(0.0, "float32"), relax.const(fill, "float32")
+        return self.bb.emit(relax.op.where(cond, hidden, zero) if negate else relax.op.where(cond, zero, hidden))
 
     def _sliced_causal(self, cond: relax.Expr, negate: bool, fill: float) -> dict:
         """The spec's causal rule when ``cond`` is a window of a constant lower-triangular matrix C
@@ -558,36 +572,19 @@ def _either(expr: relax.Expr | None, otherwise: relax.Expr) -> relax.Expr:
     return otherwise if expr is None else expr
 
 
+def _check_select(cond: relax.Expr, fill: float) -> None:
+    """A where() mask the kernel can apply: a bool condition, a fill that hides a key."""
+    if str(cond.ty.dtype) != "bool":
+        raise _NoMatch(f"where() on a {cond.ty.dtype} condition")
+    if fill > _HUGE_NEGATIVE:  # a moderate fill gives a fully masked row uniform weights, not what a mask does
+        raise _NoMatch(f"the mask's fill {fill:g} does not hide a key (it must be -inf or ≤ -1e30)")
+
+
 def _scalar(const: tvm.ir.GenericConst) -> float:
     values = const.value.numpy()
     if values.size != 1:
         raise _NoMatch(f"a scale or cap of {values.size} values, not one number")
     return float(values.reshape(()))
-
-
-def _hides_only(keep: np.ndarray, bias: np.ndarray) -> bool:
-    """Whether a constant bias acts as the bool mask ``keep``: -inf where hidden, or a fill that
-    absorbs every score (≤ -1e30) in rows that keep a key (exp(fill - max) is then exactly 0)."""
-    return bool(np.all(bias[~keep] == -np.inf) or keep.any(axis=-1).all())
-
-
-def _keep(keep: np.ndarray, scores: tuple[int | None, ...]) -> tuple[Mask | None, dict]:
-    """A constant bool mask: nothing if it hides nothing, the spec's causal rule if it is one. One query
-    that sees every key of a mask spanning the keys is a decode step's causal mask (bottom-right: the
-    query sits after the whole cache), the same values either way."""
-    n, n_kv = scores[-2], scores[-1]
-    if keep.all():
-        if n == 1 and n_kv is not None and n_kv > 1 and keep.shape[-1] == n_kv:
-            return None, {"causal": True, "causal_align": "bottom_right"}
-        return None, {}
-    if keep.shape[-2:] == (n, n_kv) and n is not None and n_kv is not None:
-        rows = keep.reshape(-1, n, n_kv)
-        if (rows == rows[0]).all():
-            i, j = np.arange(n)[:, None], np.arange(n_kv)[None, :]
-            for align, offset in (("top_left", 0), ("bottom_right", n_kv - n)):
-                if np.array_equal(rows[0], j <= i + offset):
-                    return None, {"causal": True, "causal_align": align}
-    return Mask(relax.const(keep), "bool"), {}
 
 
 def _reduces_last_axis(equal: relax.Call, var2val: dict) -> bool:

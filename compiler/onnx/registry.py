@@ -9,13 +9,15 @@ convert       tvmattn's converter (`converters.Node`, inputs → outputs): the a
 fix           inputs → a Relax expression, or None to leave the node to TVM's converter: shape
               arithmetic TVM's converter loses (`shape_ops`).
 before        (inputs, attrs) → inputs for TVM's converter (a Concat's empty parts dropped).
-checked       CPU targets: (bb, node name, inputs, attrs) → the node with its index inputs checked when
-              the model runs (`run_checks`), or None: TVM's converter.
+checked       CPU targets, where ``fix`` gave None: (bb, node name, inputs, attrs) → the node with its
+              index inputs checked when the model runs (`run_checks`), or None: TVM's converter.
 check_after   CPU targets: (bb, node name, converted) → it with a run-time check (`run_checks`).
 broadcasting  the op broadcasts its inputs: their shapes are stated first (`shape_ops.state_broadcast`).
 contrib_in_onnx_domain
               an ONNX Runtime contrib op its transformer optimizer writes in the ONNX domain: ONNX's checker
-              reads a copy with it in com.microsoft (`graph.load`).
+              reads a copy with it in com.microsoft (`graph.load`). True, or the opset from which ONNX
+              defines the same op itself: a contrib op only in a model of a lower opset (ONNX Runtime's
+              optimizer fuses GPT-2's and BERT's norms into LayerNormalization whatever the opset).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class Op:
     checked: Callable | None = None
     check_after: Callable | None = None
     broadcasting: bool = False
-    contrib_in_onnx_domain: bool = False
+    contrib_in_onnx_domain: bool | int = False
 
 
 MS = "com.microsoft"
@@ -53,6 +55,7 @@ OPS: dict[tuple[str, str], Op] = {
     (MS, "GroupQueryAttention"): Op(gqa.ms_group_query_attention),
     # norms, GELUs, rotary embeddings
     ("", "RMSNormalization"): Op(ops.rms_normalization),
+    ("", "LayerNormalization"): Op(contrib_in_onnx_domain=17),  # TVM's converter (ONNX's at 17, the same op)
     ("", "SimplifiedLayerNormalization"): Op(ops.simplified_layer_normalization, contrib_in_onnx_domain=True),
     (MS, "SkipLayerNormalization"): Op(ops.skip_layer_normalization),
     (MS, "SkipSimplifiedLayerNormalization"): Op(ops.skip_simplified_layer_normalization),
@@ -69,11 +72,13 @@ OPS: dict[tuple[str, str], Op] = {
     ("", "Reshape"): Op(fix=shape_ops.reshape),
     ("", "Slice"): Op(fix=shape_ops.slice_, check_after=run_checks.slice_bounds),
     ("", "Concat"): Op(before=lambda inputs, attrs: shape_ops.nonempty(inputs, int(attrs.get("axis", 0)))),
-    ("", "Gather"): Op(checked=run_checks.gather),
+    ("", "Gather"): Op(fix=shape_ops.gather, checked=run_checks.gather),
     **{("", name): Op(broadcasting=True) for name in _BROADCASTING},
 }
 
-CONTRIB_IN_ONNX_DOMAIN = frozenset(op_type for (_, op_type), op in OPS.items() if op.contrib_in_onnx_domain)
+# op type → the opset from which ONNX defines it (None: never)
+CONTRIB_IN_ONNX_DOMAIN = {op_type: None if op.contrib_in_onnx_domain is True else op.contrib_in_onnx_domain
+                          for (_, op_type), op in OPS.items() if op.contrib_in_onnx_domain}
 _NONE = Op()
 
 

@@ -19,6 +19,11 @@ Slice    a start of shape arithmetic (T5's ``bias[:, :, -seq:]``, ends INT64_MAX
 Reshape  a scalar of shape arithmetic (``batch * heads`` from Shape → Squeeze → Mul, as the dynamo
          exporter writes it) reshaped to one element: the stock converter wants a tensor; a
          one-element shape is what the following Concat builds a shape from.
+Gather   constant 1-D indices into a shape (ONNX Runtime's transpose optimizer writes
+         ``Shape(Transpose(x))`` as ``Gather(Shape(x), perm)``): the stock converter makes the shape a
+         tensor, and the sizes after it are no longer symbolic (GPT-2's causal ``Slice`` of the window
+         ``key_len - query_len``: a (1,) tensor of TVM's Sub, unsqueezed to 2-D ``starts``); the picked
+         sizes stay a shape.
 
 TVM's importer keeps shape arithmetic as values (a scalar PrimExpr, a ShapeExpr) rather than tensors,
 which only some converters read; `as_onnx_value` gives such a value the rank ONNX says it has, as an
@@ -38,6 +43,8 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.ir.expr import Expr as PrimExpr
 from tvm.sym import Analyzer
+
+from tvmattn.compiler.onnx.graph import check_shape_indices
 
 
 def expand(inputs: list) -> relax.Expr | None:
@@ -101,6 +108,17 @@ def bounded_below(expr: PrimExpr, least: int = 0) -> Analyzer:
     for var in tirx.analysis.undefined_vars(expr):
         analyzer.update(var, tvm.sym.ConstIntBound(least, tvm.sym.ConstIntBound.POS_INF))
     return analyzer
+
+
+def gather(inputs: list) -> relax.Expr | None:
+    data, indices = inputs[0], inputs[1]
+    if not isinstance(data, relax.ShapeExpr) or not isinstance(indices, tvm.ir.GenericConst):
+        return None
+    picks = indices.value.numpy()
+    if picks.ndim != 1 or picks.dtype.kind not in "iu":
+        return None  # a scalar index (the stock converter's PrimValue) or indices of another rank
+    check_shape_indices(picks, len(data.values))  # (a shape is 1-D: the axis is 0)
+    return relax.ShapeExpr([data.values[int(i)] for i in picks])
 
 
 def range_(inputs: list) -> relax.Expr | None:
