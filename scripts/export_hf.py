@@ -57,6 +57,8 @@ class _Outputs(torch.nn.Module):
 
 def export(family: str, layers: int, decode: bool = False) -> onnx.ModelProto:
     model = build(family, layers)
+    if decode and family == "bert":
+        raise SystemExit("bert is an encoder: it has no decode step (--decode is for gpt2 and llama)")
     if decode:
         return hf_decoders.export(model, "dynamo", past=True)
     bert = family == "bert"
