@@ -24,6 +24,7 @@ from tvmattn.schedules.knobs import resolve
 from tvmattn.schedules.micro_kernels import PADDED_ROW_BLOCK, gemm
 from tvmattn.schedules.ops.injective import spatial
 from tvmattn.schedules.ops.matmul import CONSTANT_PARAMS, KNOBS, Matmul, _chain
+from tvmattn.schedules.primitives import divisor_at_most
 
 # x's padded copy keeps its bf16 bits for the instruction (whichever record's dot product reads it)
 _READERS = tuple(sorted({reader for isa in RECORDS for reader in isa.packed_readers}))
@@ -54,7 +55,10 @@ class MatmulPairs(Matmul):
         if isinstance(rows, tirx.IntImm) and rows.value < MIN_PAIR_ROWS:
             return None  # a few rows: the widened tiles read the weight once, as fast
         knobs = resolve(KNOBS, {**defaults, **(knobs or {})})
-        if not isinstance(rows, tirx.IntImm):
+        tile = knobs["gemm_rows"] if isinstance(knobs["gemm_rows"], int) else defaults["gemm_rows"]
+        static = isinstance(rows, tirx.IntImm)
+        if not static or divisor_at_most(rows.value, tile) < tile:
+            # symbolic rows, or static ones without the tile's rows as a divisor (ViT's 2·197): padded
             _whole_row_blocks(sch, block, len(stmt.iter_vars), lanes)
         steps: list = []
         epilogue = _chain(sch, [info.block_rv for info in infos[at + 1:]])
