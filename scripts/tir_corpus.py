@@ -62,6 +62,7 @@ def _attention_specs() -> dict[str, dict]:
                                      **core),
         "core-f16-long": dict(dtype="float16", batch=1, seq_len=64, kv_seq_len=256, num_heads=2, head_dim=64, **core),
         "core-bf16-d16": dict(dtype="bfloat16", batch=1, seq_len=64, num_heads=2, head_dim=16, **core),
+        "core-bf16-vit": dict(dtype="bfloat16", batch=2, seq_len=197, num_heads=6, head_dim=64, layout="BSHD", **core),
         "core-f32-weights": dict(batch=1, seq_len=64, num_heads=2, head_dim=32, output="weights", **core),
         "core-f32-sinks-softcap": dict(batch=1, seq_len=64, num_heads=2, head_dim=32, sinks=True, softcap=30.0,
                                        **core),

@@ -50,6 +50,22 @@ def test_bf16_dot_products_match_the_oracle(spec):
 
 @needs_bf16_dot
 @settings(max_examples=8, deadline=None)
+@given(specs(dtype="bfloat16", symbolic=False, intermediate=False), st.integers(17, 220), st.data())
+def test_ragged_static_lengths_run_on_the_bf16_dot_products(spec, n, data):
+    """Static lengths with no whole query tile (a ViT's 197 tokens) run padded to blocks of 16 on the
+    dot products, the padded rows and keys hidden."""
+    n_kv = data.draw(st.one_of(st.none(), st.integers(17, 220)))
+    if n % 16 == 0 and (n_kv is None or n_kv % 16 == 0):
+        n += 1
+    d = data.draw(st.sampled_from((32, 64)))
+    spec = spec.replace(head_dim=d, v_head_dim=None, seq_len=n, kv_seq_len=n_kv, d_model=spec.h * d, window=None)
+    kernel = compiled(spec, NO_AMX)
+    assert {"QKᵀ", "P·V"} <= products_on(kernel, "dot"), kernel.schedule
+    assert_matches_oracle(kernel)
+
+
+@needs_bf16_dot
+@settings(max_examples=8, deadline=None)
 @given(specs(dtype="bfloat16", symbolic=True, intermediate=False), st.data())
 def test_symbolic_lengths_run_on_the_bf16_dot_products(spec, data):
     """One symbolic kernel, core or full layer, on the dot products (its lengths run in whole blocks

@@ -100,7 +100,7 @@ def describe(plan: CpuPlan, knobs: Mapping[str, KnobValue]) -> str:
         used = ["key_chunks"]
         what = f"split-K decode over {plan.key_chunks} key chunks"
     else:
-        used = ["q_tile", "qk_keys", "pv_rows", "pv_vecs"]
+        used = ["q_tile", "qk_keys", "pv_rows", "pv_vecs"] if plan.q_tile_read else ["qk_keys", "pv_rows", "pv_vecs"]
         what = f"query tiles × {lanes}-lane vectors"
         if plan.along_head_dim:  # (qk_keys, and q_tile = n_q, unread)
             used = ["pv_rows", "pv_vecs"] if plan.q_tile > 1 else ["pv_vecs"]

@@ -84,6 +84,7 @@ class CpuPlan:
     key_chunks: int  # > 1: the split-K decode kernel
     q_tile: int
     q_tile_is_knob: bool  # the query axis is split by the knob itself (a sampled variable when tuning)
+    q_tile_read: bool  # another choice of the q_tile knob builds another kernel (`describe` names it)
     qk_keys: int
     qk_keys_is_knob: bool
     pv_rows: int
@@ -154,6 +155,9 @@ def _plan(spec: AttentionSpec, target: Target, given: Mapping[str, KnobValue] | 
     q_tile = at_most(None, knobs["q_tile"], n_q)  # decode: one exact tile
     dot_tile = _dot_tile(spec, isa, parts_core, padding, q_tile)  # dot products: whole tiles
     q_tile_is_knob = dot_tile is None and not (isinstance(n_q, int) and n_q < knobs["q_tile"])
+    choices = next(k for k in KNOBS if k.name == "q_tile").choices
+    q_tile_read = q_tile_is_knob or dot_tile is None or len(
+        {_dot_tile(spec, isa, parts_core, padding, c) for c in choices}) > 1
     q_tile = dot_tile or q_tile
     if padding > 1 and not isinstance(spec.n_kv, int):  # the padded keys come in whole blocks
         qk_keys, qk_keys_is_knob = divisor_at_most(isa.dot.lanes, knobs["qk_keys"]), False
@@ -176,7 +180,8 @@ def _plan(spec: AttentionSpec, target: Target, given: Mapping[str, KnobValue] | 
     v_pairs = pv_pairs and not on_tiles and not spec.projections and n_kv == spec.n_kv
     per_head = (widen_k or widen_v or v_pairs) and head_tasks
     return CpuPlan(spec, isa, cores, knobs, defaults, parts_core, padding, parts, projections, head_tasks, chunks,
-                   q_tile, q_tile_is_knob, qk_keys, qk_keys_is_knob, divisor_at_most(q_tile, knobs["pv_rows"]),
+                   q_tile, q_tile_is_knob, q_tile_read, qk_keys, qk_keys_is_knob,
+                   divisor_at_most(q_tile, knobs["pv_rows"]),
                    along_head_dim, on_tiles, qk_pairs, pv_pairs, widen_k, widen_v, v_pairs and per_head, per_head)
 
 
@@ -212,7 +217,9 @@ def _padding(spec: AttentionSpec, isa: Isa, parts: bool) -> int:
                                                           for x in (n_q, n_kv)):
         return isa.tiles.block
     symbolic = any(isinstance(x, str) for x in (n_q, n_kv))
-    return isa.dot.lanes if symbolic and (isinstance(n_q, str) or n_q % isa.dot.lanes == 0) else 1
+    # static lengths with no whole query tile (a ViT's 197 tokens): padded, the dot products over whole tiles
+    ragged = not symbolic and n_q != 1 and any(x % isa.dot.lanes for x in (n_q, n_kv))
+    return isa.dot.lanes if ragged or (symbolic and (isinstance(n_q, str) or n_q % isa.dot.lanes == 0)) else 1
 
 
 def _dot_tile(spec: AttentionSpec, isa: Isa, parts: bool, padding: int, q_tile: int) -> int | None:
