@@ -171,8 +171,8 @@ def parse_shapes(items: list[str] | None) -> dict[str, tuple[int | str, ...]]:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from tvmattn.compiler.onnx.compare import compare_with_ort, random_feed
-    from tvmattn.compiler.onnx.importer import graph_inputs, import_onnx, load
+    from tvmattn.compiler.onnx.compare import compare_with_ort, model_feed, random_feed
+    from tvmattn.compiler.onnx.importer import import_onnx, load
 
     model = load(args.model)  # read and checked once
     imported = import_onnx(model, args.target, arch=args.arch, shapes=parse_shapes(args.shape), dtype=args.dtype,
@@ -187,7 +187,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     if not args.check:
         return 0
     sizes = parse_sizes(args.at)
-    feed = random_feed(graph_inputs(model.proto), sizes, args.seed)  # in the model's dtypes, as ORT takes them
+    feed = model_feed(imported, random_feed(imported.inputs, sizes, args.seed))  # the model's dtypes, as ORT takes them
     checks = compare_with_ort(model.proto, imported, feed, sizes)
     for c in checks:
         print(c.line())
@@ -320,14 +320,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_model(args: argparse.Namespace) -> int:
     from tvmattn.compiler.onnx.bench import bench_model
-    from tvmattn.compiler.onnx.compare import random_feed
-    from tvmattn.compiler.onnx.importer import graph_inputs, import_onnx, load
+    from tvmattn.compiler.onnx.compare import model_feed, random_feed
+    from tvmattn.compiler.onnx.importer import import_onnx, load
 
     model = load(args.model)  # read and checked once
     imported = import_onnx(model, args.target, arch=args.arch, shapes=parse_shapes(args.shape), dtype=args.dtype,
                            cache_dtype=args.cache_dtype)
     print(imported.report, flush=True)
-    feed = random_feed(graph_inputs(model.proto), parse_sizes(args.at), args.seed)  # in the model's dtypes
+    feed = model_feed(imported, random_feed(imported.inputs, parse_sizes(args.at), args.seed))
     print(bench_model(model.proto, imported, feed, args.budget, Path(args.model).name).table())
     if args.profile:
         from tvmattn.compiler.onnx.profile import profile

@@ -145,3 +145,20 @@ def test_tune_model_writes_records_the_import_reports(capsys, tmp_path, monkeypa
     monkeypatch.setenv("TVMATTN_TUNING_LOGS", str(tmp_path / "logs"))
     code, out, _ = run(capsys, "import", str(path))
     assert code == 0 and "from tuning records" in out
+
+
+def test_import_check_with_a_16_bit_cache(capsys, tmp_path):
+    """`tvmattn import decoder.onnx --dtype bf16 --cache-dtype bf16 --check`: the cache stored in bf16,
+    every output checked against ONNX Runtime (fed the fp32 cache) at bf16's tolerance."""
+    pytest.importorskip("onnxruntime")
+    import onnx
+
+    from tvmattn.models import zoo
+
+    path = tmp_path / "decode.onnx"
+    onnx.save(zoo.get("falcon-decode").export(), str(path))
+    code, out, _ = run(capsys, "import", str(path), "--dtype", "bf16", "--cache-dtype", "bf16", "--check",
+                       "--at", "past=40")
+    assert code == 0 and "KV cache in bfloat16 (4 pairs" in out, out
+    checks = [line for line in out.splitlines() if "PASS" in line or "FAIL" in line]
+    assert len(checks) == 5 and all("PASS" in line for line in checks), checks
