@@ -40,7 +40,7 @@ def main() -> None:
     for name in names:
         m = zoo.get(name)
         imported = tvmattn.import_onnx(m.export(), dtype=args.dtype)
-        feed = imported.declared(m.feed((batch, n) if m.kind not in (zoo.VISION,) else m.shapes[0]))
+        feed = imported.declared(m.feed((batch, n) if m.kind not in (zoo.VISION, zoo.AUDIO) else m.shapes[0]))
         prof = profile(imported, feed, peak_gflops=peak)
         gemms = [f for f in prof.functions if f.rule in GEMM_RULES and f.flops / 1e9 >= LEAST_GFLOP]
         if not gemms:
