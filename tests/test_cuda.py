@@ -145,9 +145,13 @@ def quadratic_buffers(spec: AttentionSpec, fallback: bool = False) -> list[str]:
             if elements(size, 2048) > 2 * elements(size, 1024)]
 
 
+QUICK_CONFIGS = ("gpt2-core-fp16-causal", "decode-4k", "gpt2-small-layer", "bloom-alibi-fp16")  # -m slow: all
+
+
 @needs_nvcc
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in QUICK_CONFIGS else [pytest.mark.slow])
+                                  for n in CONFIGS])
 def test_default_kernels_compile_without_spills_within_shared_memory(name, arch):
     spec = CONFIGS[name]
     mod, target = scheduled(spec, arch)

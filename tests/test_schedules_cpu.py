@@ -300,9 +300,13 @@ NAMED = [(spec, "cpu") for spec in DECODE + SHAPES] + [
 ]
 
 
-@pytest.mark.parametrize("spec,target", NAMED, ids=["many-heads", "split-k-gqa-padding", "split-k-window",
-                                                    "three-queries", "gqa-causal-tail", "cross-window-padding-bshd",
-                                                    "layer-symbolic", "bf16-dots", "bf16-amx", "fp16-decode"])
+NAMED_IDS = ["many-heads", "split-k-gqa-padding", "split-k-window", "three-queries", "gqa-causal-tail",
+             "cross-window-padding-bshd", "layer-symbolic", "bf16-dots", "bf16-amx", "fp16-decode"]
+SLOW_NAMED = ("layer-symbolic", "bf16-amx")  # 20 s and 12 s: -m slow
+
+
+@pytest.mark.parametrize("spec,target", [pytest.param(*case, id=name, marks=[pytest.mark.slow] if name in SLOW_NAMED
+                                                      else []) for case, name in zip(NAMED, NAMED_IDS)])
 def test_schedule_names_the_knobs_its_kernel_reads(spec, target):
     """`kernel.schedule` lists a knob only if another of its choices builds another kernel (the
     scheduled TIR's hash), so a user reading it knows what a tuning record changes."""

@@ -23,6 +23,8 @@ import numpy as np
 import tvm
 from tvm import relax, te, tirx
 
+from tvmattn.schedules.ops.rewrite import rewrite_functions
+
 MAX_TAPS = 64  # a per-channel convolution's terms, unrolled (a larger one stays TVM's)
 _CONVS = {"relax.nn.conv1d": ("NCW", "OIW"), "relax.nn.conv2d": ("NCHW", "OIHW")}
 
@@ -40,10 +42,7 @@ class _ConvAsGemm(relax.PyExprMutator):
         self.mod_ = mod
 
     def run(self) -> tvm.IRModule:
-        for gvar, func in self.mod_.functions_items():
-            if isinstance(func, relax.Function):
-                self.builder_.update_func(gvar, self.visit_expr(func))
-        return self.builder_.get()
+        return rewrite_functions(self, self.mod_)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)

@@ -14,6 +14,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from tvmattn.schedules.ops.rewrite import rewrite_functions
+
 
 @tvm.transform.module_pass(opt_level=0, name="tvmattn.SmallPowers")
 def small_powers(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -27,10 +29,7 @@ class _SmallPowers(relax.PyExprMutator):
         self.mod_ = mod
 
     def run(self) -> tvm.IRModule:
-        for gvar, func in self.mod_.functions_items():
-            if isinstance(func, relax.Function):
-                self.builder_.update_func(gvar, self.visit_expr(func))
-        return self.builder_.get()
+        return rewrite_functions(self, self.mod_)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)

@@ -15,6 +15,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from tvmattn.schedules.ops.rewrite import rewrite_functions
+
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
@@ -36,10 +38,7 @@ class _Matmuls(relax.PyExprMutator):
         self.casts: dict = {}  # an activation → its one cast (Q, K and V read one normed x)
 
     def run(self) -> tvm.IRModule:
-        for gvar, func in self.mod_.functions_items():
-            if isinstance(func, relax.Function):
-                self.builder_.update_func(gvar, self.visit_expr(func))
-        return self.builder_.get()
+        return rewrite_functions(self, self.mod_)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
