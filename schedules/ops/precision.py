@@ -18,6 +18,17 @@ from tvm import relax
 from tvmattn.schedules.ops.rewrite import rewrite_functions
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+CACHE_RESIDENT = 1 << 20  # fp32 weight bytes an L2 keeps between a decode step's calls
+
+
+def _cache_resident_gemv(x: relax.Expr, w) -> bool:
+    """One row (a decode step) by a weight that stays in cache: half its bytes saves nothing, and the
+    activation's cast would be one more kernel of a step that is the VM's fixed cost per kernel."""
+    shape = getattr(x.ty, "shape", None)
+    dims = getattr(shape, "values", None)
+    if dims is None or not all(isinstance(d, tvm.tirx.IntImm) for d in dims[:-1]):
+        return False
+    return int(np.prod([int(d) for d in dims[:-1]])) == 1 and w.value.numpy().nbytes <= CACHE_RESIDENT
 
 
 def matmuls_in(dtype: str) -> tvm.transform.Pass:
@@ -42,13 +53,26 @@ class _Matmuls(relax.PyExprMutator):
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
+        if getattr(call.op, "name", "") == "relax.astype":
+            return self._round_trip(call)
         if getattr(call.op, "name", "") != "relax.matmul":
             return call
         x, w = call.args
         if not isinstance(w, tvm.ir.GenericConst) or str(w.value.dtype) != "float32" or w.value.ndim < 2 \
-                or str(getattr(x.ty, "dtype", "")) != "float32":
+                or str(getattr(x.ty, "dtype", "")) != "float32" or _cache_resident_gemv(x, w):
             return call
         weight = relax.const(w.value.numpy().astype(DTYPES[self.dtype]), self.dtype)
         if x not in self.casts:
             self.casts[x] = self.builder_.emit(relax.op.astype(x, self.dtype))
         return relax.op.matmul(self.casts[x], weight, out_dtype="float32")
+
+    def _round_trip(self, call: relax.Call) -> relax.Expr:
+        """astype(astype(z, float32), dtype) of a ``dtype`` z is z (exact): a 16-bit KV cache the graph
+        reads widened (`onnx.cache16`) and the 16-bit attention kernel narrows again."""
+        x = call.args[0]
+        inner = self.lookup_binding(x) if isinstance(x, relax.Var) else None
+        if isinstance(inner, relax.Call) and getattr(inner.op, "name", "") == "relax.astype" \
+                and str(call.ty.dtype) == self.dtype == str(inner.args[0].ty.dtype) \
+                and str(x.ty.dtype) == "float32":
+            return inner.args[0]
+        return call
