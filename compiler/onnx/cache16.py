@@ -6,7 +6,7 @@ into a graph output (``present_key_0``) that the decode loop feeds back as the n
 such pair is rewritten in the ONNX graph before the import: the input and the output take the 16-bit
 dtype, the new keys are cast to it before the Concat, and the graph's own readers of the Concat (the
 attention's K or V) read it cast back to fp32: the same graph with the cache rounded to 16 bits. The
-attention kernels of a 16-bit import then read the concatenated cache as it is (`kernels`: a cast back
+attention kernels of a 16-bit import then read the concatenated cache as it is (`schedules.ops.precision`: a cast back
 to the dtype it came from is no cast), so no step converts the cache again.
 """
 

@@ -157,7 +157,7 @@ def attend(bb: relax.BlockBuilder, kernels: Kernels, q: relax.Expr, k: relax.Exp
     """
     if kernels.precision and str(q.ty.dtype) == "float32" and outputs == ("attn",):
         # the kernel in 16 bits on q, k, v cast where they are produced, its output back in fp32
-        q, k, v = (_narrowed(bb, x, kernels.precision) for x in (q, k, v))
+        q, k, v = (bb.emit(relax.op.astype(x, kernels.precision)) for x in (q, k, v))
         out = attend(bb, kernels, q, k, v, layout=layout, nodes=nodes, source=source, mask=mask, kv_lens=kv_lens,
                      outputs=outputs, sinks=sinks, alibi_slopes=alibi_slopes, **options)
         return [bb.emit(relax.op.astype(o, "float32")) for o in out]
@@ -210,12 +210,3 @@ def _broadcast_mask(bb: relax.BlockBuilder, mask: Mask, scores: list[PrimExpr], 
         value = bb.emit(relax.op.astype(value, want))
     return value, dims
 
-
-def _narrowed(bb: relax.BlockBuilder, x: relax.Expr, dtype: str) -> relax.Expr:
-    """``x`` cast to ``dtype``, where it was widened from ``dtype`` already (a 16-bit KV cache,
-    `cache16`): the value it was widened from, not a second conversion."""
-    bound = bb.lookup_binding(x) if isinstance(x, relax.Var) else None
-    if isinstance(bound, relax.Call) and getattr(bound.op, "name", "") == "relax.astype" \
-            and str(bound.args[0].ty.dtype) == dtype:
-        return bound.args[0]
-    return bb.emit(relax.op.astype(x, dtype))
