@@ -40,7 +40,7 @@ def dot_specs(draw, symbolic: bool = False) -> AttentionSpec:
 
 
 @needs_bf16_dot
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(dot_specs())
 def test_bf16_dot_products_match_the_oracle(spec):
     kernel = compiled(spec, NO_AMX)
@@ -49,7 +49,7 @@ def test_bf16_dot_products_match_the_oracle(spec):
 
 
 @needs_bf16_dot
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(specs(dtype="bfloat16", symbolic=False, intermediate=False), st.integers(17, 220), st.data())
 def test_ragged_static_lengths_run_on_the_bf16_dot_products(spec, n, data):
     """Static lengths with no whole query tile (a ViT's 197 tokens) run padded to blocks of 16 on the
