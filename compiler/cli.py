@@ -333,7 +333,7 @@ def _bench_model(args: argparse.Namespace) -> int:
         from tvmattn.compiler.onnx.profile import profile
         from tvmattn.compiler.peak import peak_gflops
 
-        print("tvmattn by function (the median of 5 instrumented runs):")
+        print("tvmattn by function (its profile):")
         print(profile(imported, feed, peak_gflops=peak_gflops()[0]).table(args.profile))
     return 0
 

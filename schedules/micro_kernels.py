@@ -40,9 +40,13 @@ def gemm_defaults(d_in: int, lanes: int, bits: int, widths: tuple[int, ...] = ()
     predicated lane by lane). As many column tiles per task as keep the task's W panel (``d_in``
     rows) within `PANEL_BYTES` (wide models: fewer columns, or W streams from memory)."""
     vecs = 4 if lanes >= 16 else 3 if widths and all(w % (3 * lanes) == 0 for w in widths) else 2
+    knobs = {}
+    if widths and max(-(-w // lanes) for w in widths) < vecs:  # narrow (a grouped conv's 16 channels)
+        vecs = max(-(-w // lanes) for w in widths)
+        knobs["gemm_rows"] = 8  # the accumulators the width cannot give, from rows
     tile_bytes = d_in * vecs * lanes * bits // 8
     cols = next((c for c in (8, 4, 2) if c * tile_bytes <= PANEL_BYTES), 1)
-    return {"gemm_vecs": vecs, "gemm_block_cols": cols}
+    return {**knobs, "gemm_vecs": vecs, "gemm_block_cols": cols}
 
 
 def gemm(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: tuple = (),
@@ -69,7 +73,8 @@ def gemm(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: t
     block_factor = fit(k["gemm_block_rows"], row_tiles)
     r_task, r_out, r_in = sch.split(s, [None, block_factor, rows_factor])
     lanes_m = lanes if padded_columns else lanes_for(width, lanes)
-    vecs = k["gemm_vecs"] if lanes_m == lanes else 1
+    # never more vectors than the width has: the rest would be padding behind a guard on every lane
+    vecs = at_most(sch, k["gemm_vecs"], -(-width // lanes_m)) if lanes_m == lanes else 1
     if dot is not None:
         vecs = divisor_at_most(width // lanes_m, knob_int(sch, vecs))
     col_tiles = -(-width // (knob_int(sch, vecs) * lanes_m))

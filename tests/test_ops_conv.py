@@ -43,6 +43,7 @@ CASES = [  # x's shape (names: symbolic), W's shape, bias, GELU after, Conv attr
      (2, 16, 9, 9)),
     (["b", 8, "n"], (8, 1, 5), False, False, {"group": 8, "pads": [2, 2]}, (3, 8, 29)),  # depthwise 1-D
     ([1, 512, 50], (7, 512, 10), True, False, {"strides": [5]}, (1, 512, 50)),  # Wav2Vec2's first, narrow out
+    (["b", 32, "n"], (32, 16, 8), True, False, {"group": 2, "pads": [4, 4]}, (2, 32, 21)),  # W2V2 positions: 16 wide
 ]
 
 
@@ -57,4 +58,27 @@ def test_conv_matches_onnx_runtime(x_shape, w_shape, bias, gelu, attrs, at):
     x = np.random.default_rng(1).standard_normal(at).astype(np.float32)
     got, want = imported.run({"x": x})[0], ort_run(model, {"x": x})[0]
     assert got.shape == want.shape
+    assert errors(got, want)[1] <= 1e-5, errors(got, want)
+
+
+def test_transposes_around_a_norm_cancel():
+    """conv → Transpose → LayerNorm → Transpose → Gelu (Wav2Vec2's feature extractor): the GEMM's rows
+    go to the norm as they are, no function is a transposition alone."""
+    model = conv_model(["b", 1, "n"], (16, 1, 10), False, **{"strides": [5]})
+    rng = np.random.default_rng(2)
+    g = oh.make_graph(
+        list(model.graph.node[:1]) + [
+            oh.make_node("Transpose", ["out"], ["t"], perm=[0, 2, 1]),
+            oh.make_node("LayerNormalization", ["t", "g", "beta"], ["ln"], axis=-1),
+            oh.make_node("Transpose", ["ln"], ["back"], perm=[0, 2, 1]),
+            oh.make_node("Gelu", ["back"], ["y"])],
+        "w2v", list(model.graph.input), [oh.make_tensor_value_info("y", TP.FLOAT, [None, 16, None])],
+        initializer=[*model.graph.initializer, nh.from_array(rng.standard_normal(16).astype(np.float32), "g"),
+                     nh.from_array(rng.standard_normal(16).astype(np.float32), "beta")])
+    model = oh.make_model(g, opset_imports=[oh.make_opsetid("", 20)])
+    model.ir_version = 9
+    imported = tvmattn.import_onnx(model)
+    assert not [f for f in imported.report.rule_of if f.startswith("transpose")], imported.report.rule_of
+    x = rng.standard_normal((2, 1, 103)).astype(np.float32)
+    got, want = imported.run({"x": x})[0], ort_run(model, {"x": x})[0]
     assert errors(got, want)[1] <= 1e-5, errors(got, want)

@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import functools
 import statistics
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import onnx
-import tvm
-from tvm import relax
 
 from tvmattn.compiler.bench import interleaved
 from tvmattn.compiler.errors import first_line
 from tvmattn.compiler.onnx.importer import ImportedModel
+from tvmattn.compiler.onnx.profile import profile
 from tvmattn.compiler.target import cpu_cores
 
 ROUNDS = 20  # turns of a few runs each: the implementations alternate closely
@@ -47,7 +45,7 @@ class ModelBench:
     tvmattn_ms: float
     ort_ms: float | None
     ort_note: str = ""  # the peer's version and settings, or why it did not run
-    by_class: dict[str, float] = field(default_factory=dict)  # ms of one run per class (instrumented run)
+    by_class: dict[str, float] = field(default_factory=dict)  # ms of one run per class (its profile)
     ov_ms: float | None = None
     ov_note: str = ""
     baseline_ms: float | None = None  # the model imported in fp32, where ``tvmattn`` ran it in 16 bits
@@ -67,7 +65,7 @@ class ModelBench:
         lines += [f"  {name:<13} {ms:9.2f} ms  ({note})" if ms else f"  {name:<13} not run: {note}"
                   for name, ms, note in peers]
         total = sum(self.by_class.values()) or 1.0
-        lines.append("  tvmattn by operator class (one instrumented run):")
+        lines.append("  tvmattn by operator class (its profile):")
         lines += [f"    {name:<12} {ms:8.2f} ms  {100 * ms / total:5.1f} %" for name, ms in self.by_class.items()]
         return "\n".join(lines)
 
@@ -133,25 +131,13 @@ def _openvino_run(model: onnx.ModelProto, feed: dict[str, np.ndarray], precision
 
 
 def by_class(imported: ImportedModel, feed: dict[str, np.ndarray]) -> dict[str, float]:
-    """Milliseconds per operator class in one run, timed around every call the VM makes."""
+    """Milliseconds per operator class of one run, from the model's profile (`compiler.onnx.profile`)."""
     if imported.target.kind.name != "llvm":
         return {}
-    vm = relax.VirtualMachine(imported.executable, tvm.cpu())
-    args = [tvm.runtime.tensor(a) for a in imported._arguments(feed)]
     spent: dict[str, float] = defaultdict(float)
-    started: list[float] = []
-
-    def instrument(_func, symbol, before, _ret, *_args):
-        if before:
-            started.append(time.perf_counter())
-        else:
-            spent[_class_of(symbol, imported.report.rule_of)] += time.perf_counter() - started.pop()
-        return 0  # carry on
-
-    vm["main"](*args)  # warm
-    vm.set_instrument(instrument)
-    vm["main"](*args)
-    return {c: spent[c] * 1e3 for c in CLASSES if c in spent}
+    for f in profile(imported, feed, runs=3).functions:
+        spent[_class_of(f.name, imported.report.rule_of)] += f.ms
+    return {c: spent[c] for c in CLASSES if c in spent}
 
 
 def _class_of(symbol: str, rule_of: dict[str, str]) -> str:

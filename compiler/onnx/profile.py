@@ -2,12 +2,14 @@
 `tvmattn bench model.onnx --profile` (what ONNX Runtime's profiler and OpenVINO's
 ``benchmark_app -pc`` show their users).
 
-Every call the Relax VM makes is timed (`VirtualMachine.set_instrument`): the compiled functions,
-each with the schedule rule that took it (``attention`` for tvmattn's kernels) and its rate, and the
-VM's own builtins (allocation, shape checks) under ``vm``. A function's FLOPs are counted from its
-TIR: two per multiply-add of each reduction block whose body multiplies (a GEMM, a convolution; the
-attention kernels: `explain.useful_flops`); its bytes are those of its arguments, each read or
-written once (a lower bound of its traffic: GB/s for the memory-bound functions).
+Every call a run makes is recorded (`VirtualMachine.set_instrument`) with a copy of its arguments;
+each compiled function is then timed on its own on them, back to back (each with the schedule rule that
+took it, ``attention`` for tvmattn's kernels, and its rate), and what they leave of the uninstrumented
+run is the VM's own (dispatch, allocation, shape checks) and the cache misses a hot loop does not see,
+under ``vm``. A function's FLOPs are counted from its TIR: two per multiply-add of each reduction block
+whose body multiplies (a GEMM, a convolution; the attention kernels: `explain.useful_flops`); its bytes
+are those of its arguments, each read or written once (a lower bound of its traffic: GB/s for the
+memory-bound functions).
 """
 
 from __future__ import annotations
@@ -50,14 +52,13 @@ class Profile:
     functions: list[FunctionTime]  # slowest first
     run_ms: float  # a whole run, uninstrumented (median)
     peak_gflops: float | None = None
-    overhead_ms: float = 0.0
     by_rule: dict[str, float] = field(default_factory=dict)
 
     def table(self, top: int = 25) -> str:
         total = sum(f.ms for f in self.functions) or 1.0
-        lines = [f"a run: {self.run_ms:.3f} ms; its calls add up to {total:.3f} ms (each less the time its "
-                 f"timing adds, {1e3 * self.overhead_ms:.1f} µs; the rest is the VM's own)"
-                 + (f"; peak {self.peak_gflops:.0f} GFLOP/s" if self.peak_gflops else ""),
+        lines = [f"a run: {self.run_ms:.3f} ms; each function timed on its own, called back to back on the "
+                 f"arguments it had in the run; 'vm' is what they leave of the run (dispatch, allocation, "
+                 f"cache misses)" + (f"; peak {self.peak_gflops:.0f} GFLOP/s" if self.peak_gflops else ""),
                  f"  {'function':<44} {'rule':<12} {'calls':>5} {'ms':>9} {'share':>6} {'GFLOP/s':>8} "
                  f"{'%peak':>6} {'GB/s':>7}"]
         for f in self.functions[:top]:
@@ -73,24 +74,18 @@ class Profile:
 
 
 def profile(imported, feed: Mapping[str, np.ndarray], runs: int = 5, peak_gflops: float | None = None) -> Profile:
-    """Time every call of ``imported`` (a CPU `ImportedModel`) on ``feed``: the median of ``runs``
-    instrumented runs per function, and of as many plain runs for the whole."""
+    """Time every call of ``imported`` (a CPU `ImportedModel`) on ``feed``: each compiled function
+    called again and again on a copy of the arguments it had in a run (the median of ``runs`` rounds),
+    and the whole run, uninstrumented (the median of as many runs); what the functions leave of the run
+    is the VM's own (dispatch, allocation, shape checks) and the caches' misses."""
     vm = relax.VirtualMachine(imported.executable, tvm.cpu())
     args = [host_tensor(a) for a in imported._arguments(feed)]
-    work = imported.report.work
-    calls: dict[str, list[list[float]]] = defaultdict(list)  # function → per run, each call's seconds
-    sizes: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    started: list[float] = []
-    run_calls: dict[str, list[float]] = defaultdict(list)
-    run_sizes: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    calls: list[tuple[str, list]] = []  # (function, a copy of its arguments) in run order
 
     def instrument(_func, symbol, before, _ret, *call_args):
-        if before:
-            started.append(time.perf_counter())
-            return 0
-        run_calls[symbol].append(time.perf_counter() - started.pop())
-        if len(run_calls[symbol]) > len(run_sizes[symbol]):
-            run_sizes[symbol].append(_work_of(symbol, call_args, work))
+        if before:  # a copy: the VM reuses its storage, and an index argument must stay in range
+            calls.append((symbol, [tvm.runtime.tensor(a.numpy()) if isinstance(a, tvm.runtime.Tensor) else a
+                                   for a in call_args]))
         return 0
 
     vm["main"](*args)  # warm
@@ -99,29 +94,47 @@ def profile(imported, feed: Mapping[str, np.ndarray], runs: int = 5, peak_gflops
         start = time.perf_counter()
         vm["main"](*args)
         plain.append(time.perf_counter() - start)
+    run_ms = statistics.median(plain) * 1e3
     vm.set_instrument(instrument)
-    for _ in range(runs):
-        run_calls.clear()
-        run_sizes.clear()
-        vm["main"](*args)
-        for symbol, times in run_calls.items():
-            calls[symbol].append(times)
-            sizes[symbol] = run_sizes[symbol]
-    # what timing a call adds to it (Python entered around it): the fastest call's time, a builtin
-    # that returns at once
-    overhead = min(min(t) for per_run in calls.values() for t in per_run if t)
-    out = []
-    for symbol, per_run in calls.items():
-        ms = statistics.median(sum(max(0.0, x - overhead) for x in t) for t in per_run) * 1e3
-        flops = sum(f for f, _ in sizes[symbol])
-        nbytes = sum(b for _, b in sizes[symbol])
-        out.append(FunctionTime(symbol, _rule_of(symbol, imported.report.rule_of), len(per_run[0]), ms, flops, nbytes))
+    vm["main"](*args)
+    # Timed apart from the run: a Python callback around each call in the run put TVM's idle workers to
+    # sleep before every kernel, and the wake-up (tens of µs) made a 40 µs GEMM read as 100 µs.
+    lib = imported.executable.mod
+    work = imported.report.work
+    timed: dict[str, list[float]] = defaultdict(list)  # function → seconds of each call
+    sizes: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for symbol, call_args in calls:
+        fn = lib.get_function(symbol, True) if _rule_of(symbol, imported.report.rule_of) != VM else None
+        if fn is None:
+            continue
+        timed[symbol].append(_seconds(fn, call_args, runs))
+        sizes[symbol].append(_work_of(symbol, call_args, work))
+    out = [FunctionTime(symbol, _rule_of(symbol, imported.report.rule_of), len(ts), sum(ts) * 1e3,
+                        sum(f for f, _ in sizes[symbol]), sum(b for _, b in sizes[symbol]))
+           for symbol, ts in timed.items()]
+    own = run_ms - sum(f.ms for f in out)
+    out.append(FunctionTime(VM, VM, len(calls) - sum(f.calls for f in out), max(0.0, own)))
     out.sort(key=lambda f: -f.ms)
     by_rule: dict[str, float] = defaultdict(float)
     for f in out:
         by_rule[f.rule] += f.ms
-    return Profile(out, statistics.median(plain) * 1e3, peak_gflops, overhead * 1e3,
-                   dict(sorted(by_rule.items(), key=lambda kv: -kv[1])))
+    return Profile(out, run_ms, peak_gflops, dict(sorted(by_rule.items(), key=lambda kv: -kv[1])))
+
+
+def _seconds(fn, call_args: list, rounds: int) -> float:
+    """One call's time: back to back (workers awake, its arguments in cache), as many calls a round as
+    fill ~0.2 ms, the median of ``rounds``."""
+    start = time.perf_counter()
+    fn(*call_args)
+    once = time.perf_counter() - start
+    reps = max(1, min(100, int(2e-4 / max(once, 1e-7))))
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn(*call_args)
+        samples.append((time.perf_counter() - start) / reps)
+    return statistics.median(samples)
 
 
 def _rule_of(symbol: str, rule_of: Mapping[str, str]) -> str:
