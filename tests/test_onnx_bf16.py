@@ -92,7 +92,8 @@ def test_zoo_model_in_16_bits(name, dtype):
     m = zoo.get(name)
     imported = tvmattn.import_onnx(m.export(), dtype=dtype)
     assert imported.report.dtype == dtype
-    assert all(r.spec.dtype == dtype for r in imported.report.replacements)  # the attention kernels too
+    # the attention kernels too, but a decode step's over its fp32 cache (casting the cache costs more)
+    assert all(r.spec.dtype == ("float32" if m.kind == zoo.DECODE else dtype) for r in imported.report.replacements)
     if dtype == "bfloat16" and HAS_DOT and m.kind != zoo.DECODE:  # (a decode step's are GEMVs)
         assert "matmul-bf16" in imported.report.rule_of.values()
     feed = m.feed(m.shapes[0])
@@ -119,6 +120,7 @@ def test_decode_loop_with_a_16_bit_cache():
     imported = tvmattn.import_onnx(proto, dtype="bfloat16", cache_dtype="bfloat16")
     cache = dict(imported.report.cache)  # past → present
     assert len(cache) == 4 and all(i.dtype == "bfloat16" for i in imported.inputs if i.name in cache)
+    assert all(r.spec.dtype == "bfloat16" for r in imported.report.replacements)  # the cache read in 16 bits
     ours = imported.declared(m.feed(m.shapes[0]))
     for token in (5, 17, 3):
         ours["input_ids"] = np.array([[token]], dtype=np.int64)

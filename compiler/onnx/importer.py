@@ -305,7 +305,7 @@ def _convert(model: Any, tgt: Target, shapes: Mapping[str, Sequence[int | str]],
     softmax_nodes = [n.name for n in graph.all_nodes(proto.graph)
                      if n.op_type == "Softmax" and n.domain in graph.DEFAULT_DOMAINS]
     proto = graph.fold_static(proto, keep=[(n.domain, n.op_type) for n in proto.graph.node if registry.converter(n)])
-    kernels = Kernels(tgt, precision=precision)
+    kernels = Kernels(tgt, precision=precision, cache_16=cache_dtype is not None)
     importer = _Importer(proto, kernels)
     reasons: dict[str, str] = {}
     try:

@@ -45,6 +45,7 @@ class Kernels:
     replacements: list[Replacement] = field(default_factory=list)
     _funcs: dict[AttentionSpec, tuple[relax.GlobalVar, str]] = field(default_factory=dict)
     precision: str | None = None  # fp32 attention computed in this 16-bit dtype (`import_onnx(dtype=…)`)
+    cache_16: bool = False  # the KV cache arrives in 16 bits (`import_onnx(cache_dtype=…)`)
 
     def call(self, bb: relax.BlockBuilder, spec: AttentionSpec, args: list[relax.Expr], sizes: "Sizes",
              nodes: tuple[str, ...], source: str) -> relax.Var:
@@ -155,7 +156,8 @@ def attend(bb: relax.BlockBuilder, kernels: Kernels, q: relax.Expr, k: relax.Exp
     heads, dtype and mask fields come from the tensors. ``kv_lens`` is an int32 (B,) tensor, ``sinks``
     and ``alibi_slopes`` float32 (h,) ones; the kernel takes them in `arguments.TABLE`'s order.
     """
-    if kernels.precision and str(q.ty.dtype) == "float32" and outputs == ("attn",):
+    if kernels.precision and str(q.ty.dtype) == "float32" and outputs == ("attn",) \
+            and _worth_16_bits(kernels, q, layout):
         # the kernel in 16 bits on q, k, v cast where they are produced, its output back in fp32
         q, k, v = (bb.emit(relax.op.astype(x, kernels.precision)) for x in (q, k, v))
         out = attend(bb, kernels, q, k, v, layout=layout, nodes=nodes, source=source, mask=mask, kv_lens=kv_lens,
@@ -190,6 +192,15 @@ def attend(bb: relax.BlockBuilder, kernels: Kernels, q: relax.Expr, k: relax.Exp
     spec = AttentionSpec(**fields)
     args = [given[a.name] for a in arguments.taken(spec)]
     return [kernels.call(bb, spec.replace(output=o), args, sizes, nodes, source) for o in outputs]
+
+
+def _worth_16_bits(kernels: Kernels, q: relax.Expr, layout: str) -> bool:
+    """Whether a 16-bit import runs this attention in 16 bits. Not a one-query step (decode) over an
+    fp32 cache: it is bound by reading K and V, and casting the whole cache every step reads all of it
+    and writes half again (GPT-2's decode step: 4 casts of its cache a token). A cache that arrives in
+    16 bits (`import_onnx(cache_dtype=...)`: widened by the graph, narrowed back for free) is read in 16."""
+    n_q = shape_of(q, "q")[2 if layout == "BHSD" else 1]
+    return kernels.cache_16 or not (isinstance(n_q, tirx.IntImm) and n_q.value == 1)
 
 
 def _broadcast_mask(bb: relax.BlockBuilder, mask: Mask, scores: list[PrimExpr], sizes: Sizes) -> tuple[relax.Expr, str]:

@@ -1,4 +1,5 @@
-"""Transpositions that undo each other, removed in Relax before legalisation.
+"""Layout changes that change nothing, removed in Relax before legalisation: transpositions that undo
+each other, reshapes to the shape a tensor has, a concatenation of one tensor.
 
 A convolution rewritten as a GEMM (`conv`) hands back its output channels-first, (B, C, T), as ONNX
 has it; an export that normalises over channels (Wav2Vec2's feature extractor, Whisper's) transposes
@@ -35,6 +36,8 @@ class _CancelTransposes(relax.PyExprMutator):
         name = getattr(call.op, "name", "")
         if name == "relax.reshape" and _same_shape(call.args[0], call.args[1]):
             return call.args[0]
+        if name == "relax.concat" and isinstance(call.args[0], relax.Tuple) and len(call.args[0].fields) == 1:
+            return call.args[0].fields[0]  # GPT-2's cat((past,)): a copy of the cache
         if name != "relax.permute_dims":
             return call
         inner = self._producer(call.args[0])
