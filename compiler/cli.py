@@ -76,12 +76,12 @@ def add_target_flags(p: argparse.ArgumentParser) -> None:
 
 def target_of(args: argparse.Namespace, runs_here: bool = False):
     """The target the flags name (a foreign CPU's resolved by `target.resolve_target`). ``runs_here``:
-    the command times kernels, which a foreign CPU's cannot be here."""
+    the command measures kernels, which a foreign CPU's cannot be here."""
     if getattr(args, "mcpu", None) is None and args.target not in ("aarch64", "riscv64"):
         return args.target
     if runs_here:
-        raise TvmAttnError(f"--target {args.target}: {args.command} times kernels on this machine; for another "
-                           "CPU run it there (or tune through TVM's RPC: the README's \"Other CPUs\")")
+        raise TvmAttnError(f"--target {args.target}: {args.command} measures kernels, which tvmattn cannot yet do "
+                           "for another CPU (emulation times nothing): run it on that CPU with --target cpu")
     from tvmattn.compiler.target import resolve_target
 
     return resolve_target(args.target, args.arch, args.mcpu)
@@ -242,8 +242,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     points = [parse_sizes([item]) for item in args.at or []]
     print(f"spec:     {spec.describe()}")
     try:
-        report = tune(spec, target_of(args, runs_here=True), trials=args.trials, at=points, arch=args.arch, log_dir=args.log_dir,
-                      remote=remote, seed=args.seed)
+        report = tune(spec, target_of(args, runs_here=True), trials=args.trials, at=points, arch=args.arch,
+                      log_dir=args.log_dir, remote=remote, seed=args.seed)
     except KeyboardInterrupt:
         print(f"tvmattn: interrupted: every completed round is kept in "
               f"{log_path(spec, args.target, args.arch, args.log_dir)}; run the same command again to continue",
@@ -272,8 +272,8 @@ def _tune_model(args: argparse.Namespace) -> int:
     from tvmattn.compiler.tuning.model import tune_model
 
     try:
-        reports, path = tune_model(args.model, target_of(args, runs_here=True), trials=args.trials, at=parse_sizes(args.at),
-                                   shapes=parse_shapes(args.shape), log_dir=args.log_dir, seed=args.seed)
+        reports, path = tune_model(args.model, target_of(args, runs_here=True), trials=args.trials,
+                                   at=parse_sizes(args.at), shapes=parse_shapes(args.shape), log_dir=args.log_dir, seed=args.seed)
     except KeyboardInterrupt:
         print("tvmattn: interrupted: every measurement so far is kept; run the same command again to continue",
               file=sys.stderr)
