@@ -273,7 +273,8 @@ def _tune_model(args: argparse.Namespace) -> int:
 
     try:
         reports, path = tune_model(args.model, target_of(args, runs_here=True), trials=args.trials,
-                                   at=parse_sizes(args.at), shapes=parse_shapes(args.shape), log_dir=args.log_dir, seed=args.seed)
+                                   at=parse_sizes(args.at), shapes=parse_shapes(args.shape), log_dir=args.log_dir,
+                                   seed=args.seed)
     except KeyboardInterrupt:
         print("tvmattn: interrupted: every measurement so far is kept; run the same command again to continue",
               file=sys.stderr)
@@ -324,8 +325,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"{bench.cpu_cores()} threads; %peak of {peak:.0f} GFLOP/s ({measured_with}, {specs[0].dtype} "
           f"values); GFLOP/s counts the (query, key) pairs a query sees; tvmattn × = peer time / tvmattn time")
     results = []
+    target = target_of(args, runs_here=True)
     for spec in specs:
-        rows = bench.bench(spec, peers, args.budget, target_of(args, runs_here=True), args.log_dir, not args.default_schedule)
+        rows = bench.bench(spec, peers, args.budget, target, args.log_dir, not args.default_schedule)
         print(bench.table(rows, peak), flush=True)
         results += rows
     if args.json:
