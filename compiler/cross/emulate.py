@@ -45,7 +45,7 @@ def build_harness(executable: Executable, target: Target, directory: Path) -> Pa
     gcc = toolchain.cross_gcc(arch_of(target))
     kernel, harness = directory / "kernel.o", directory / "harness"
     executable.mod.write_to_file(str(kernel))
-    command = [gcc, "-O2", "-static", "-o", str(harness), str(HARNESS), str(kernel), "-lm",
+    command = [gcc, "-O2", "-static", "-pthread", "-o", str(harness), str(HARNESS), str(kernel), "-lm",
                *(f"-I{p}" for p in tvm_ffi.libinfo.include_paths())]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:

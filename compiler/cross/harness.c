@@ -5,7 +5,8 @@
  *   harness CODE:BITS:D0,D1,...:FILE ...      the kernel's arguments in order; the last one is written
  *
  * The kernel reaches its runtime only through the context symbols below (TVM's library loader sets
- * them in a shared library); here the parallel launch runs the tasks one after another. */
+ * them in a shared library); here the parallel launch runs each task on a thread. */
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,23 +24,52 @@ typedef struct {
 typedef int (*ParallelLambda)(int task_id, TVMParallelGroupEnv* penv, void* cdata);
 
 /* TVM's num_task 0: as many tasks as the pool has workers, each taking its share of the loop (three
- * here, run in turn: an odd count checks the uneven split a real pool makes) */
+ * here: an odd count checks the uneven split a real pool makes) */
 #define POOL_TASKS 3
 
+typedef struct {
+  ParallelLambda lambda;
+  TVMParallelGroupEnv* env;
+  void* cdata;
+  int task;
+  int rc;
+} Task;
+
+static void* run_task(void* arg) {
+  Task* t = (Task*)arg;
+  t->rc = t->lambda(t->task, t->env, t->cdata);
+  return NULL;
+}
+
+/* Each task on a thread of its own, as TVM's pool runs them: a kernel that widens or packs operands
+ * in one stage and reads them in the next waits at a barrier between the two, which tasks run one
+ * after another could not pass. */
 static int parallel_launch(ParallelLambda lambda, void* cdata, int num_task) {
   if (num_task <= 0) num_task = POOL_TASKS;
-  TVMParallelGroupEnv env = {NULL, num_task};
-  for (int task = 0; task < num_task; ++task) {
-    int rc = lambda(task, &env, cdata);
-    if (rc != 0) return rc;
+  pthread_barrier_t barrier;
+  pthread_barrier_init(&barrier, NULL, (unsigned)num_task);
+  TVMParallelGroupEnv env = {&barrier, num_task};
+  Task* tasks = calloc((size_t)num_task, sizeof(Task));
+  pthread_t* threads = calloc((size_t)num_task, sizeof(pthread_t));
+  int rc = 0;
+  for (int i = 0; i < num_task; ++i) {
+    tasks[i] = (Task){lambda, &env, cdata, i, 0};
+    if (pthread_create(&threads[i], NULL, run_task, &tasks[i]) != 0) return -1;
   }
-  return 0;
+  for (int i = 0; i < num_task; ++i) {
+    pthread_join(threads[i], NULL);
+    if (tasks[i].rc != 0) rc = tasks[i].rc;
+  }
+  pthread_barrier_destroy(&barrier);
+  free(tasks);
+  free(threads);
+  return rc;
 }
 
 static int parallel_barrier(int task_id, TVMParallelGroupEnv* penv) {
   (void)task_id;
-  (void)penv;
-  return 0;  /* the tasks run one after another: there is no one to wait for */
+  pthread_barrier_wait((pthread_barrier_t*)penv->sync_handle);
+  return 0;
 }
 
 static void* alloc_workspace(int device_type, int device_id, uint64_t nbytes, int code_hint, int bits_hint) {
