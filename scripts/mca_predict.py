@@ -32,13 +32,22 @@ MODELS = [("neoverse-v1", "neoverse-v1", ""), ("neoverse-v2", "neoverse-v2", "")
           ("neoverse-n1", "neoverse-n1", ""), ("spacemit-x60", "sifive-x280", "+v"),
           ("spacemit-x60", "sifive-p670", "+v")]
 SPEC = dict(batch=1, seq_len=256, num_heads=8, head_dim=64, projections=False)  # a prefill core
-FMA = re.compile(r"^(fmla|fmad|vfmacc\.v[fv]|vfmadd\.v[fv])\s")
-# a block of independent FMAs of each record's form: the model's peak
+# the multiply-accumulate instructions: name → (pattern, fp32 lanes' products each does: a bfdot lane's
+# two count two, its work), and a block of independent ones: the model's peak for it
+MACS = {"fmla.4s": (r"fmla\tv\d+\.4s", 4), "fmla.z": (r"(fmla|fmad)\tz\d+\.s", 8),
+        "vfmacc": (r"(vfmacc|vfmadd)\.v[fv]\t", 8), "bfdot": (r"bfdot\tv\d+\.4s", 8)}
 PEAK_BLOCK = {
-    "neon": [f"fmla v{i}.4s, v30.4s, v31.s[0]" for i in range(24)],
-    "sve256": ["ptrue p0.s, vl8"] + [f"fmla z{i}.s, p0/m, z30.s, z31.s" for i in range(24)],
-    "rvv256": ["vsetivli zero, 8, e32, m1, ta, ma"] + [f"vfmacc.vf v{i}, fa0, v30" for i in range(1, 25)],
+    "fmla.4s": [f"fmla\tv{i}.4s, v30.4s, v31.s[0]" for i in range(24)],
+    "fmla.z": ["ptrue\tp0.s, vl8"] + [f"fmla\tz{i}.s, p0/m, z30.s, z31.s" for i in range(24)],
+    "vfmacc": ["vsetivli\tzero, 8, e32, m1, ta, ma"] + [f"vfmacc.vf\tv{i}, fa0, v30" for i in range(1, 25)],
+    "bfdot": [f"bfdot\tv{i}.4s, v30.8h, v31.2h[0]" for i in range(24)],
 }
+
+
+def macs(body: list[str]) -> dict[str, int]:
+    """The fp32 lanes' products of ``body``'s multiply-accumulates, by kind."""
+    found = {kind: sum(lanes for i in body if re.match(pattern, i)) for kind, (pattern, lanes) in MACS.items()}
+    return {kind: n for kind, n in found.items() if n}
 _LABEL = re.compile(r"^([.\w$]+):")
 _FALLTHROUGH = re.compile(r"^\s*(//|#|;)\s*%bb\.\d+:")
 
@@ -91,14 +100,14 @@ def predict(mca: str, cpu: str, mcpu: str, mattr: str, dtype: str) -> dict:
     kernel = tvmattn.compile(AttentionSpec(**SPEC, dtype=dtype), arch, mcpu=cpu, tuned=False)
     isa = isa_of(kernel.target).name
     comment = "//" if arch == "aarch64" else "#"
-    loops = [body for body in inner_loops(kernel.source(), comment) if any(FMA.match(i) for i in body)]
-    peak_block = PEAK_BLOCK[isa]
-    peak = sum(1 for i in peak_block if FMA.match(i)) / cycles(mca, mcpu, mattr, arch, peak_block)
-    row = {"cpu": cpu, "model": mcpu, "isa": isa, "dtype": dtype, "peak": peak}
+    loops = [body for body in inner_loops(kernel.source(), comment) if macs(body)]
+    row = {"cpu": cpu, "model": mcpu, "isa": isa, "dtype": dtype}
     for name, body in (("qk", loops[0]), ("pv", loops[-1])):
-        fmas = sum(1 for i in body if FMA.match(i))
-        per_cycle = fmas / cycles(mca, mcpu, mattr, arch, body)
-        row[name] = (len(body), fmas, per_cycle, per_cycle / peak)
+        found = macs(body)
+        kind = max(found, key=found.get)  # the loop's main instruction: its peak is the loop's
+        peak = sum(macs(PEAK_BLOCK[kind]).values()) / cycles(mca, mcpu, mattr, arch, PEAK_BLOCK[kind])
+        per_cycle = sum(found.values()) / cycles(mca, mcpu, mattr, arch, body)
+        row[name] = (len(body), kind, per_cycle, per_cycle / peak)
     return row
 
 
@@ -109,20 +118,24 @@ def main() -> None:
     logging.disable(logging.WARNING)
     mca = mca_program()
     rows = [predict(mca, cpu, mcpu, mattr, dtype) for cpu, mcpu, mattr in MODELS for dtype in ("float32", "bfloat16")]
-    print(f"{mca}; {SPEC}; a loop's instructions / vector FMAs, FMAs per cycle, fraction of the model's FMA peak")
+    fp32 = {(r["cpu"], r["model"]): r for r in rows if r["dtype"] == "float32"}
+    print(f"{mca}; {SPEC}; per loop: its instructions, main instruction, fp32 products per cycle (a bfdot lane's "
+          "two count two), fraction of the model's peak for that instruction; bf16: × fp32's products per cycle")
     if args.markdown:
-        print("| CPU (llvm-mca model) | record | dtype | QKᵀ loop: instr / FMAs | QKᵀ % of peak "
-              "| P·V loop: instr / FMAs | P·V % of peak |")
-        print("|---|---|---|---|---|---|---|")
+        print("| CPU (llvm-mca model) | record | dtype | QKᵀ loop | QKᵀ % of peak | P·V loop | P·V % of peak "
+              "| × fp32 (QKᵀ, P·V) |")
+        print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         qk, pv = r["qk"], r["pv"]
+        base = fp32[(r["cpu"], r["model"])]
+        speedup = f"{qk[2] / base['qk'][2]:.2f}×, {pv[2] / base['pv'][2]:.2f}×" if r["dtype"] != "float32" else ""
         if args.markdown:
-            print(f"| {r['cpu']} ({r['model']}) | {r['isa']} | {r['dtype']} | {qk[0]} / {qk[1]} | {100 * qk[3]:.0f} % "
-                  f"| {pv[0]} / {pv[1]} | {100 * pv[3]:.0f} % |")
+            print(f"| {r['cpu']} ({r['model']}) | {r['isa']} | {r['dtype']} | {qk[0]} instr, {qk[1]} "
+                  f"| {100 * qk[3]:.0f} % | {pv[0]} instr, {pv[1]} | {100 * pv[3]:.0f} % | {speedup} |")
         else:
-            print(f"{r['cpu']:13s} {r['model']:12s} {r['isa']:7s} {r['dtype']:9s} peak {r['peak']:.2f} FMA/c  "
-                  f"QKᵀ {qk[0]:3d} instr {qk[1]:2d} FMAs {qk[2]:.2f}/c {100 * qk[3]:4.0f} %  "
-                  f"P·V {pv[0]:3d} instr {pv[1]:2d} FMAs {pv[2]:.2f}/c {100 * pv[3]:4.0f} %")
+            print(f"{r['cpu']:13s} {r['model']:12s} {r['isa']:9s} {r['dtype']:9s} "
+                  f"QKᵀ {qk[0]:3d} instr {qk[1]:7s} {qk[2]:5.2f}/c {100 * qk[3]:4.0f} %  "
+                  f"P·V {pv[0]:3d} instr {pv[1]:7s} {pv[2]:5.2f}/c {100 * pv[3]:4.0f} %  {speedup}")
 
 
 if __name__ == "__main__":
