@@ -11,9 +11,10 @@ fixed-width vectors onto SVE's registers when told the length is at least N bits
 SVE CPU of that length or longer (the vectors are predicated to N bits), which is the CPU it names.
 Only a length above NEON's 128 bits pays (Neoverse V1's 256): at 128 bits (Neoverse V2) SVE's
 registers are NEON's, and the NEON record is used. Neoverse V1 has two full 256-bit FMA pipes, so
-fp32 takes the larger register tiles (`Isa.full_width`): a tile of 16 accumulators shares each
-broadcast key (a load and a DUP: SVE has no FMA by element across 256 bits) among 4 FMAs, not 2
-(llvm-mca's V1 model: QKᵀ 66 % → 89 % of the FMA peak, P·V 66 % → 80 %; scripts/mca_predict.py).
+fp32 takes the larger register tiles (`Isa.full_width`), 8 vectors of queries a row: each broadcast
+key (a load and a DUP: SVE has no FMA by element across 256 bits) is shared by 8 FMAs, not 2 (llvm-mca's
+V1 model: QKᵀ 66 % → 89 % of the FMA peak at 64 queries, 80 % at 32; P·V 66 % → 80 %;
+scripts/mca_predict.py). NEON's tiles keep 4 vectors a row (16 queries: its bfdot spills at more).
 """
 
 from __future__ import annotations
@@ -36,4 +37,5 @@ def sve_bits(target: Target) -> int:
 
 NEON = Isa("neon", "generic", bits=128, registers=32, arch="aarch64", requires=("neon",))
 SVE256 = Isa("sve256", "generic", bits=256, registers=32, arch="aarch64", requires=("sve",), full_width=True,
+             query_vectors=8,
              applies=lambda target: sve_bits(target) >= 256)

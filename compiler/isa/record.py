@@ -63,6 +63,7 @@ class Isa:
     requires: tuple[str, ...] = ()  # LLVM features a target must have for this record
     full_width: bool = False  # a vector FMA retires in one pass (not two halves): fp32 takes larger tiles
     full_width_cpus: tuple[str, ...] = ()  # LLVM CPU names (mcpu) whose FMAs are full width
+    query_vectors: int = 4  # vectors of queries a row of a wide register tile spans, below AVX-512's 16 lanes
     dot: Dot | None = None  # the 16-bit dot product, if any
     tiles: Tiles | None = None  # tile registers, if any
     passes: tuple[tvm.transform.Pass, ...] = ()  # lowering passes its kernels need after scheduling

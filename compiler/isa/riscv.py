@@ -13,5 +13,9 @@ from __future__ import annotations
 from tvmattn.compiler.isa.record import Isa
 
 VECTOR_FEATURE = "zve64d"
-RVV256 = Isa("rvv256", "generic", bits=256, registers=32, arch="riscv64", requires=(VECTOR_FEATURE, "zvl256b"))
+# fp32 on the larger register tiles (32 queries × 4 vectors of d_v): llvm-mca's in-order SiFive vector
+# models (X280, P670; none for X60) put the 16-accumulator tiles at 65-70 % / 99 % of the FMA peak where
+# the 8-accumulator ones reach 59-66 %: more independent FMAs between the loads a key's broadcast waits on
+RVV256 = Isa("rvv256", "generic", bits=256, registers=32, arch="riscv64", requires=(VECTOR_FEATURE, "zvl256b"),
+             full_width=True)
 RVV128 = Isa("rvv128", "generic", bits=128, registers=32, arch="riscv64", requires=(VECTOR_FEATURE, "zvl128b"))

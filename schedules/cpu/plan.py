@@ -51,9 +51,8 @@ MIN_PANEL_ROWS = 128
 # Keys a query sees (about half of them where causal) from which an fp16 core's bf16 parts on the
 # tiles beat its widened fp32 FMAs: the parts' passes cost a task what three tile products save it.
 PARTS_MIN_KEYS = 128
-# fp32 lanes the query-tile defaults were measured at (AVX-512); narrower vectors keep as many vectors a
-# tile (llvm-mca, Neoverse V2's bf16 QKᵀ on bfdot: 64 queries spill 64 accumulators, 40 % of the peak;
-# 16 queries, 69 %), but where the FMAs are full width (SVE-256 on V1's two 256-bit pipes: 89 % at 64, 80 % at 32)
+# fp32 lanes the query-tile defaults were measured at (AVX-512: 64 queries, 4 vectors); narrower vectors
+# take the record's `Isa.query_vectors` a row instead
 FULL_LANES = 16
 PROJECTIONS = {"q_proj": "w_q", "k_proj": "w_k", "v_proj": "w_v", "out": "w_o"}  # the layer's GEMMs: block → W
 PATHS = ("tiles", "pairs", "widened", "fp32")  # a projection's: tiles, bf16 dot products, 16-bit on FMAs, fp32
@@ -300,8 +299,8 @@ def _defaults(spec: AttentionSpec, isa: Isa, cores: int, parts: bool) -> dict[st
     masked = spec.causal or spec.window is not None
     widened = spec.dtype == "float16" and not spec.projections and not parts
     tile = 64 if not masked else 16 if widened and not isa.full_width else 32
-    if lanes < FULL_LANES and not isa.full_width:  # narrower vectors: the same 4 a row (NEON's bfdot: 16 queries)
-        tile = tile * lanes // FULL_LANES
+    if lanes < FULL_LANES:  # narrower vectors: the record's count of them a row (NEON's bfdot: 16 queries)
+        tile = min(tile, isa.query_vectors * lanes)
     wide = isa.registers >= 32 and (spec.dtype != "float32" or isa.full_width)
     core = {"q_tile": tile, "pv_vecs": 4} if wide else {}
     if wide and spec.d_v <= 2 * lanes:  # a row of d_v in at most 2 vectors: 8 rows fill the tile
