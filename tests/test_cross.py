@@ -6,11 +6,13 @@ import os
 import re
 import shutil
 
+import numpy as np
 import pytest
 
 import tvmattn
 from tvmattn.compiler.cross import cpus
 from tvmattn.compiler.cross.toolchain import GCC, QEMU
+from tvmattn.compiler.onnx.export import export_onnx
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import isa_of, resolve_target
 from tvmattn.compiler.verify import check, sizes_to_check
@@ -152,3 +154,15 @@ def test_missing_tools_are_one_line_naming_the_package(tmp_path, monkeypatch):
     with pytest.raises(tvmattn.TvmAttnError, match=r"qemu-riscv64-static not found on PATH: .*"
                                                    r"apt-get install qemu-user-static"):
         check(kernel)
+
+
+@needs_tools
+def test_imported_model_is_a_library_for_that_cpu(tmp_path):
+    """A whole model for aarch64: an aarch64 ELF (TVM's runtime runs it there); a run here says so in one line."""
+    model, _ = export_onnx(AttentionSpec(batch=1, seq_len=16, num_heads=2, d_model=64), 23, 0)
+    imported = tvmattn.import_onnx(model, "aarch64", mcpu="neoverse-v2")
+    imported.export_library(str(tmp_path / "model.so"))
+    header = (tmp_path / "model.so").read_bytes()[:20]
+    assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # EM_AARCH64
+    with pytest.raises(tvmattn.TvmAttnError, match="compiled for aarch64-linux-gnu: export_library it"):
+        imported.run({"x": np.zeros((1, 16, 64), np.float32)})
