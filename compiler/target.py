@@ -88,9 +88,12 @@ def target_arch(target: Target) -> str:
     return {"arm64": "aarch64", "amd64": "x86_64"}.get(arch, arch)
 
 
+HOST_ARCH = {"arm64": "aarch64", "amd64": "x86_64"}.get(platform.machine(), platform.machine())
+
+
 def is_foreign(target: Target) -> bool:
     """Whether a CPU target's code cannot run on this machine (another architecture)."""
-    return is_cpu(target) and target_arch(target) != target_arch(Target({"kind": "llvm"}))
+    return is_cpu(target) and "mtriple" in target.attrs and target_arch(target) != HOST_ARCH
 
 
 _ISAS: dict[str, Isa] = {}  # target (as text) → its record
