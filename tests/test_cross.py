@@ -11,14 +11,15 @@ import pytest
 
 import tvmattn
 from tvmattn.compiler.cross import cpus
-from tvmattn.compiler.cross.toolchain import GCC, QEMU
+from tvmattn.compiler.cross.toolchain import GCC, LIBC, QEMU
 from tvmattn.compiler.onnx.export import export_onnx
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import isa_of, resolve_target
 from tvmattn.compiler.verify import check, sizes_to_check
 
 TOOLS = [tool for arch in cpus.ARCHES for tool in (GCC[arch][0], QEMU[arch][0])]
-MISSING = [tool for tool in TOOLS if shutil.which(tool) is None]
+MISSING = [tool for tool in TOOLS if shutil.which(tool) is None] + [
+    LIBC[arch] for arch in cpus.ARCHES if not os.path.exists(f"/usr/{arch}-linux-gnu/include/stdio.h")]
 needs_tools = pytest.mark.skipif(bool(MISSING), reason=f"{', '.join(MISSING)} not installed (.ci/run installs them)")
 
 # one CPU per vector instruction set: NEON, SVE at 256 bits, RVV at VLEN 256

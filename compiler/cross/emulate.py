@@ -48,6 +48,9 @@ def build_harness(executable: Executable, target: Target, directory: Path) -> Pa
     command = [gcc, "-O2", "-static", "-pthread", "-o", str(harness), str(HARNESS), str(kernel), "-lm",
                *(f"-I{p}" for p in tvm_ffi.libinfo.include_paths())]
     done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0 and ".h: No such file" in done.stderr:
+        raise TvmAttnError(f"{Path(gcc).name} has no C library headers to build the emulation harness with: "
+                           f"install them with `apt-get install {toolchain.LIBC[arch_of(target)]}` (Debian, Ubuntu)")
     if done.returncode != 0:
         raise TvmAttnError(f"{Path(gcc).name} could not link the kernel into the emulation harness: "
                            f"{(done.stderr.strip().splitlines() or ['no message'])[-1]}")

@@ -10,6 +10,8 @@ from tvmattn.compiler.errors import TvmAttnError
 # architecture → (program, Debian package)
 GCC = {"aarch64": ("aarch64-linux-gnu-gcc", "gcc-aarch64-linux-gnu"),
        "riscv64": ("riscv64-linux-gnu-gcc", "gcc-riscv64-linux-gnu")}
+# the C library the static harness links (Debian's cross gcc only recommends it)
+LIBC = {"aarch64": "libc6-dev-arm64-cross", "riscv64": "libc6-dev-riscv64-cross"}
 QEMU = {"aarch64": ("qemu-aarch64-static", "qemu-user-static"),
         "riscv64": ("qemu-riscv64-static", "qemu-user-static")}
 MCA = ("llvm-mca", "llvm")
