@@ -28,17 +28,18 @@ from tvmattn.schedules.ops import BEFORE_LEGALIZE, ScheduleFunctions
 from tvmattn.schedules.ops.precision import matmuls_in
 
 
-def compile_attention(spec: AttentionSpec, target: Any = "cpu", *, arch: str | None = None,
+def compile_attention(spec: AttentionSpec, target: Any = "cpu", *, arch: str | None = None, mcpu: str | None = None,
                       knobs: Mapping[str, int] | None = None, log_dirs: Sequence[str | Path] = (),
                       tuned: bool = True, thread_pool: str = "tvm") -> CompiledAttention:
-    """``tvmattn.compile``: build the attention of ``spec`` for ``target`` (``"cpu"``, ``"cuda"``, a dict or a Target).
+    """``tvmattn.compile``: build the attention of ``spec`` for ``target`` (``"cpu"``, ``"cuda"``, ``"aarch64"``
+    or ``"riscv64"`` with the CPU ``mcpu`` (`cross.cpus`), a dict or a Target).
 
     Without ``knobs`` the best tuning record for this workload is used (``log_dirs`` are searched
     before the user's and the shipped logs; ``tuned=False`` ignores them all). ``thread_pool``
     (CPU): ``"tvm"``, TVM's own, or ``"openmp"``, the process's OpenMP threads (torch's; the kernel
     then runs in this process only: `compiler.openmp`).
     """
-    tgt = resolve_target(target, arch)
+    tgt = resolve_target(target, arch, mcpu)
     if thread_pool not in THREAD_POOLS or (thread_pool == "openmp" and not is_cpu(tgt)):
         raise TvmAttnError(f"thread_pool={thread_pool!r}: use 'tvm', or 'openmp' for a CPU target")
     start = time.perf_counter()

@@ -67,8 +67,24 @@ def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
 
 
 def add_target_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="cpu", help="cpu (this machine's CPU) or cuda")
+    p.add_argument("--target", default="cpu", help="cpu (this machine's CPU), cuda, aarch64 or riscv64 "
+                   "(cross-compiled; run under qemu-user here)")
     p.add_argument("--arch", help="CUDA arch for --target cuda (default sm_90)")
+    p.add_argument("--mcpu", help="CPU for --target aarch64 (neoverse-n1, neoverse-v1, neoverse-v2, cortex-a76, "
+                   "apple-m2; default: generic NEON) or riscv64 (spacemit-x60: VLEN 256; default: VLEN 128)")
+
+
+def target_of(args: argparse.Namespace, runs_here: bool = False):
+    """The target the flags name (a foreign CPU's resolved by `target.resolve_target`). ``runs_here``:
+    the command measures kernels, which a foreign CPU's cannot be here."""
+    if getattr(args, "mcpu", None) is None and args.target not in ("aarch64", "riscv64"):
+        return args.target
+    if runs_here:
+        raise TvmAttnError(f"--target {args.target}: {args.command} measures kernels, which tvmattn cannot yet do "
+                           "for another CPU (emulation times nothing): run it on that CPU with --target cpu")
+    from tvmattn.compiler.target import resolve_target
+
+    return resolve_target(args.target, args.arch, args.mcpu)
 
 
 def _log_dir(text: str) -> str:
@@ -87,7 +103,8 @@ def add_log_flags(p: argparse.ArgumentParser) -> None:
 def build_from_args(args: argparse.Namespace, spec: AttentionSpec):
     from tvmattn.compiler.build import compile_attention
 
-    return compile_attention(spec, args.target, arch=args.arch, log_dirs=args.log_dir, tuned=not args.default_schedule)
+    return compile_attention(spec, target_of(args), arch=args.arch, log_dirs=args.log_dir,
+                             tuned=not args.default_schedule)
 
 
 def parse_sizes(items: list[str] | None) -> dict[str, int]:
@@ -175,7 +192,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     from tvmattn.compiler.onnx.importer import import_onnx, load
 
     model = load(args.model)  # read and checked once
-    imported = import_onnx(model, args.target, arch=args.arch, shapes=parse_shapes(args.shape), dtype=args.dtype,
+    imported = import_onnx(model, target_of(args), arch=args.arch, shapes=parse_shapes(args.shape), dtype=args.dtype,
                            cache_dtype=args.cache_dtype)
     print(imported.report)
     if args.output:
@@ -225,8 +242,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     points = [parse_sizes([item]) for item in args.at or []]
     print(f"spec:     {spec.describe()}")
     try:
-        report = tune(spec, args.target, trials=args.trials, at=points, arch=args.arch, log_dir=args.log_dir,
-                      remote=remote, seed=args.seed)
+        report = tune(spec, target_of(args, runs_here=True), trials=args.trials, at=points, arch=args.arch,
+                      log_dir=args.log_dir, remote=remote, seed=args.seed)
     except KeyboardInterrupt:
         print(f"tvmattn: interrupted: every completed round is kept in "
               f"{log_path(spec, args.target, args.arch, args.log_dir)}; run the same command again to continue",
@@ -255,8 +272,9 @@ def _tune_model(args: argparse.Namespace) -> int:
     from tvmattn.compiler.tuning.model import tune_model
 
     try:
-        reports, path = tune_model(args.model, args.target, trials=args.trials, at=parse_sizes(args.at),
-                                   shapes=parse_shapes(args.shape), log_dir=args.log_dir, seed=args.seed)
+        reports, path = tune_model(args.model, target_of(args, runs_here=True), trials=args.trials,
+                                   at=parse_sizes(args.at), shapes=parse_shapes(args.shape), log_dir=args.log_dir,
+                                   seed=args.seed)
     except KeyboardInterrupt:
         print("tvmattn: interrupted: every measurement so far is kept; run the same command again to continue",
               file=sys.stderr)
@@ -307,8 +325,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"{bench.cpu_cores()} threads; %peak of {peak:.0f} GFLOP/s ({measured_with}, {specs[0].dtype} "
           f"values); GFLOP/s counts the (query, key) pairs a query sees; tvmattn × = peer time / tvmattn time")
     results = []
+    target = target_of(args, runs_here=True)
     for spec in specs:
-        rows = bench.bench(spec, peers, args.budget, args.target, args.log_dir, not args.default_schedule)
+        rows = bench.bench(spec, peers, args.budget, target, args.log_dir, not args.default_schedule)
         print(bench.table(rows, peak), flush=True)
         results += rows
     if args.json:
@@ -324,7 +343,7 @@ def _bench_model(args: argparse.Namespace) -> int:
     from tvmattn.compiler.onnx.importer import import_onnx, load
 
     model = load(args.model)  # read and checked once
-    imported = import_onnx(model, args.target, arch=args.arch, shapes=parse_shapes(args.shape), dtype=args.dtype,
+    imported = import_onnx(model, target_of(args), arch=args.arch, shapes=parse_shapes(args.shape), dtype=args.dtype,
                            cache_dtype=args.cache_dtype)
     print(imported.report, flush=True)
     feed = model_feed(imported, random_feed(imported.inputs, parse_sizes(args.at), args.seed))

@@ -15,7 +15,9 @@ into a NumPy array (``out=`` reuses one). `run` is the copy-free path on TVM ten
 from __future__ import annotations
 
 import functools
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -26,8 +28,10 @@ from tvm.target import Target
 
 from tvmattn.compiler import arguments, concurrency
 from tvmattn.compiler.arguments import numpy_dtype
+from tvmattn.compiler.cross import emulate
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.spec import AttentionSpec
+from tvmattn.compiler.target import is_foreign
 
 # Tensor._create_view's own function: the method spends ~8 µs a call building its Shape in Python,
 # a small kernel's whole budget for four arguments
@@ -68,6 +72,10 @@ class CompiledAttention:
         args, sizes = self._arguments(arrays, extras)
         out_shape = tuple(sizes[d] if isinstance(d, str) else d for d in self._output_dims)
         result = self._output(out, out_shape)
+        if self._foreign:  # another CPU's code: run under qemu-user (`cross.emulate`)
+            emulate.warn_once(f"{self.spec.describe()} for {self.target.attrs.get('mcpu')}")
+            emulate.run(self._harness, self.target, list(args.values()), result)
+            return result
         if self._on_cuda:  # host arrays must be copied to the GPU and back
             dev = self.device
             dev_out = tvm.runtime.empty(out_shape, self.spec.dtype, dev)
@@ -81,6 +89,9 @@ class CompiledAttention:
         """Call the kernel on device tensors (TVM tensors, or any DLPack tensor such as a torch tensor,
         compact; CPU: aligned to an element, CUDA: to 64 bytes): the inputs in PrimFunc order, then the
         output."""
+        if self._foreign:
+            raise TvmAttnError(f"this kernel is for {self.target.attrs.get('mtriple')}: call it on NumPy arrays "
+                               "(kernel(q, k, v) runs it under qemu-user) or export_library it for that CPU")
         self._call(*tensors)
 
     @functools.cached_property
@@ -111,6 +122,16 @@ class CompiledAttention:
     def _on_cuda(self) -> bool:
         return self.target.kind.name == "cuda"
 
+    @functools.cached_property
+    def _foreign(self) -> bool:
+        return is_foreign(self.target)
+
+    @functools.cached_property
+    def _harness(self) -> Path:
+        """This kernel linked into the emulation harness (built on the first emulated call)."""
+        self._harness_dir = tempfile.TemporaryDirectory(prefix="tvmattn-harness-")  # removed with the kernel
+        return emulate.build_harness(self.executable, self.target, Path(self._harness_dir.name))
+
     def _output(self, out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
         dtype = numpy_dtype(self.spec.dtype)
         if out is None:
@@ -137,6 +158,10 @@ class CompiledAttention:
 
     # ---- artefacts ------------------------------------------------------------------------------
     def export_library(self, path: str) -> None:
+        """A shared library of the kernel (another CPU's: linked by its cross gcc, `cross.toolchain`)."""
+        if self._foreign:
+            emulate.export_library(self.executable, self.target, path)
+            return
         if self.thread_pool == "openmp":
             raise TvmAttnError("this kernel starts its parallel loops through a launcher compiled into this "
                                "process (thread_pool='openmp'): export one built with tvmattn.compile(spec)")

@@ -1,4 +1,5 @@
-"""Targets by name: ``cpu``/``llvm`` (this machine's CPU, its features detected) and ``cuda`` (an arch).
+"""Targets by name: ``cpu``/``llvm`` (this machine's CPU, its features detected), ``cuda`` (an arch), and
+``aarch64``/``riscv64`` (a named CPU of `cross.cpus`).
 
 TVM 0.27 builds targets from dicts; a dict or a ``tvm.target.Target`` passes straight through.
 """
@@ -7,13 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import platform
 from typing import Any
 
 from tvm.target import Target, codegen
 
+from tvmattn.compiler.cross import cpus
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.isa import RECORDS
-from tvmattn.compiler.isa.record import Isa, has_feature
+from tvmattn.compiler.isa.record import Isa, has_feature  # noqa: F401 (re-exported)
 from tvmattn.compiler.isa.x86_host import AMX_FEATURES, CPUINFO_FEATURES, host_mattr, mattr_for  # noqa: F401 (the host's)
 
 DEFAULT_CUDA_ARCH = "sm_90"
@@ -35,8 +38,15 @@ def host_target() -> Target:
     return Target(attrs | ({"mattr": list(mattr)} if mattr else {}))
 
 
-def resolve_target(target: Any = "cpu", arch: str | None = None) -> Target:
-    """``"cpu"``, ``"llvm"``, ``"cuda"`` (with ``arch``, default sm_90), a target dict or a Target."""
+def resolve_target(target: Any = "cpu", arch: str | None = None, mcpu: str | None = None) -> Target:
+    """``"cpu"``, ``"llvm"``, ``"cuda"`` (with ``arch``, default sm_90), ``"aarch64"`` or ``"riscv64"``
+    (with ``mcpu``, a CPU of `cross.cpus`), a target dict or a Target."""
+    name = str(target).strip().lower() if isinstance(target, str) else None
+    if mcpu is not None and name not in cpus.ARCHES:
+        raise TvmAttnError(f"--mcpu {mcpu} names a CPU of aarch64 or riscv64: use it with --target aarch64 "
+                           "or --target riscv64")
+    if name in cpus.ARCHES:
+        return cpus.cpu(name, mcpu).target()
     if isinstance(target, Target):
         return target
     if isinstance(target, dict):
@@ -54,7 +64,7 @@ def resolve_target(target: Any = "cpu", arch: str | None = None) -> Target:
         if not (arch.startswith("sm_") and arch[3:].rstrip("a").isdigit()):
             raise TvmAttnError(f"unknown CUDA arch {arch!r}: use sm_XY, e.g. sm_80, sm_89 or sm_90")
         return Target({"kind": "cuda", "arch": arch}, host=host_target())
-    raise TvmAttnError(f"unknown target {target!r}: use cpu (or llvm), cuda, or a TVM target dict")
+    raise TvmAttnError(f"unknown target {target!r}: use cpu (or llvm), cuda, aarch64, riscv64, or a TVM target dict")
 
 
 def target_key(target: Target) -> str:
@@ -71,6 +81,21 @@ def is_cpu(target: Target) -> bool:
     return target.kind.name == "llvm"
 
 
+def target_arch(target: Target) -> str:
+    """The LLVM architecture a CPU target builds for: its ``mtriple``'s, else this machine's."""
+    triple = str(target.attrs.get("mtriple", "")) or platform.machine()
+    arch = triple.split("-")[0]
+    return {"arm64": "aarch64", "amd64": "x86_64"}.get(arch, arch)
+
+
+HOST_ARCH = {"arm64": "aarch64", "amd64": "x86_64"}.get(platform.machine(), platform.machine())
+
+
+def is_foreign(target: Target) -> bool:
+    """Whether a CPU target's code cannot run on this machine (another architecture)."""
+    return is_cpu(target) and "mtriple" in target.attrs and target_arch(target) != HOST_ARCH
+
+
 _ISAS: dict[str, Isa] = {}  # target (as text) → its record
 
 
@@ -81,7 +106,8 @@ def isa_of(target: Target) -> Isa | None:
         return None
     key = str(target)
     if key not in _ISAS:
-        isa = next(r for r in RECORDS if all(has_feature(target, f) for f in r.requires))
+        arch = target_arch(target)
+        isa = next(r for r in RECORDS if r.fits(target, arch))
         if str(target.attrs.get("mcpu", "")) in isa.full_width_cpus:
             isa = dataclasses.replace(isa, full_width=True)
         _ISAS[key] = isa

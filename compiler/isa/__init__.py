@@ -1,18 +1,25 @@
 """The instruction sets the CPU kernels use, one record each (`record.Isa`), most capable first:
-`tvmattn.compiler.target.isa_of` gives a target the first whose features it has.
+`tvmattn.compiler.target.isa_of` gives a target the first of its architecture whose features it has.
 
     x86_amx    AMX            16-bit tile products (tdpbf16ps), beside AVX512-BF16 and AVX-512
     x86_bf16   AVX512-BF16    16-bit dot products (vdpbf16ps), beside AVX-512
     x86_avx    AVX-512, AVX2  fp32 FMAs on 16 or 8 lanes (AVX-512's exp2 in five instructions)
+    arm        SVE-256, NEON  aarch64: fp32 FMAs on 8 lanes (SVE at a fixed 256 bits) or 4 (NEON), 32 registers
+    arm_bf16   NEON-BF16      16-bit dot products (bfdot), beside NEON
+    riscv      RVV-256, -128  RISC-V's vector extension at a fixed VLEN: fp32 FMAs on 8 or 4 lanes
     record     generic        any other LLVM CPU: 128-bit vectors, fp32 FMAs
 
-`panels` and `lane_sums` are tensor intrinsics made of shuffles, which every LLVM CPU has: a block of
+`dots` makes a dot-product record's tensor intrinsics (any lane count); `panels` and `lane_sums` are
+tensor intrinsics made of shuffles, which every LLVM CPU has: a block of
 words transposed in registers (the query panel), a vector's lanes summed as a tree (decode).
 """
 
+from tvmattn.compiler.isa.arm import NEON, SVE256
+from tvmattn.compiler.isa.arm_bf16 import NEON_BF16
 from tvmattn.compiler.isa.record import GENERIC, Isa
+from tvmattn.compiler.isa.riscv import RVV128, RVV256
 from tvmattn.compiler.isa.x86_amx import AMX
 from tvmattn.compiler.isa.x86_avx import AVX2, AVX512
 from tvmattn.compiler.isa.x86_bf16 import AVX512_BF16
 
-RECORDS: tuple[Isa, ...] = (AMX, AVX512_BF16, AVX512, AVX2, GENERIC)
+RECORDS: tuple[Isa, ...] = (AMX, AVX512_BF16, AVX512, AVX2, SVE256, NEON_BF16, NEON, RVV256, RVV128, GENERIC)

@@ -4,8 +4,8 @@ A record says how wide a vector register is and how many there are (the register
 which 16-bit dot-product instruction and which tile registers exist (with the tensor intrinsics
 that emit them and the LLVM IR they link), which lowering passes its kernels need after scheduling,
 and how fp32 ``exp2`` is lowered on one of its vectors. `tvmattn.compiler.target.isa_of` chooses the
-record of a target once; an instruction set is one record (`x86_avx`, `x86_bf16`, `x86_amx`), and
-nothing outside the records names its instructions or features.
+record of a target once; an instruction set is one record (`x86_avx`, `x86_bf16`, `x86_amx`, `arm`,
+`riscv`), and nothing outside the records names its instructions or features.
 """
 
 from __future__ import annotations
@@ -59,13 +59,22 @@ class Isa:
     family: str  # the CPU rules that take it (`schedules.RULES["llvm"]`)
     bits: int  # of a vector register
     registers: int  # vector registers: the register tiles must fit them
+    arch: str = ""  # the LLVM architecture (mtriple's first part) it is for: x86_64, aarch64, riscv64; "": any
     requires: tuple[str, ...] = ()  # LLVM features a target must have for this record
     full_width: bool = False  # a vector FMA retires in one pass (not two halves): fp32 takes larger tiles
     full_width_cpus: tuple[str, ...] = ()  # LLVM CPU names (mcpu) whose FMAs are full width
+    query_vectors: int = 4  # vectors of queries a row of a wide register tile spans, below AVX-512's 16 lanes
     dot: Dot | None = None  # the 16-bit dot product, if any
     tiles: Tiles | None = None  # tile registers, if any
     passes: tuple[tvm.transform.Pass, ...] = ()  # lowering passes its kernels need after scheduling
     exp2: Callable[[PrimExpr, tuple[float, ...]], PrimExpr] | None = field(default=None, compare=False)
+    # what else a target must declare for this record, beyond features (SVE's register length: `arm.sve_bits`)
+    applies: Callable[[Target], bool] | None = field(default=None, compare=False)
+
+    def fits(self, target: Target, arch: str) -> bool:
+        """Whether ``target`` (of LLVM architecture ``arch``) can take this record."""
+        return (self.arch in ("", arch) and all(has_feature(target, f) for f in self.requires)
+                and (self.applies is None or self.applies(target)))
 
     @property
     def lanes(self) -> int:

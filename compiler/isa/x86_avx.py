@@ -16,6 +16,7 @@ from tvm.ir.expr import Expr as PrimExpr
 
 from tvmattn.compiler.isa.record import Isa
 
+ARCH = "x86_64"
 FULL_WIDTH_CPUS = ("znver5",)
 _REDUCE_FLOOR = 0b1001  # vreduceps imm8: no fraction bits kept, round down, precision exception suppressed
 _CURRENT_ROUNDING = 4  # the intrinsics' rounding argument: MXCSR's, no embedded rounding
@@ -36,6 +37,6 @@ def exp2_avx512(x: PrimExpr, polynomial: Callable[[PrimExpr], PrimExpr]) -> Prim
 
 
 # (AVX without AVX2 has the same 256-bit registers: its kernels are LLVM's to select)
-AVX2 = Isa("avx2", "x86", bits=256, registers=16, requires=("avx",))
-AVX512 = Isa("avx512", "x86", bits=512, registers=32, requires=("avx512f",), full_width_cpus=FULL_WIDTH_CPUS,
+AVX2 = Isa("avx2", "x86", bits=256, registers=16, arch=ARCH, requires=("avx",))
+AVX512 = Isa("avx512", "x86", bits=512, registers=32, arch=ARCH, requires=("avx512f",), full_width_cpus=FULL_WIDTH_CPUS,
              exp2=exp2_avx512)

@@ -28,6 +28,7 @@ from tvm.target import Target
 
 from tvmattn.compiler import concurrency
 from tvmattn.compiler.build import compile_model
+from tvmattn.compiler.cross import emulate
 from tvmattn.compiler.errors import TvmAttnError, first_line, tvm_reason
 from tvmattn.compiler.kernel import host_argument, host_tensor, numpy_dtype
 from tvmattn.compiler.logs import tvm_logs_to_logging
@@ -37,7 +38,7 @@ from tvmattn.compiler.onnx.kernels import Kernels, Replacement
 from tvmattn.compiler.onnx.profile import Profile, profile
 from tvmattn.compiler.onnx.shape_ops import as_onnx_value, state_broadcast, state_shape, tighten_shapes
 from tvmattn.compiler.spec import DTYPES
-from tvmattn.compiler.target import is_cpu, resolve_target
+from tvmattn.compiler.target import is_cpu, is_foreign, resolve_target
 from tvmattn.compiler.work import AttentionWork
 
 
@@ -154,6 +155,9 @@ class ImportedModel:
 
     def run(self, feed: Mapping[str, Any]) -> list[np.ndarray]:
         """The graph's outputs, in order, for the inputs in ``feed`` (name → array)."""
+        if is_foreign(self.target):  # (the C harness runs one kernel; a model needs TVM's VM)
+            raise TvmAttnError(f"this model is compiled for {self.target.attrs.get('mtriple')}: export_library it "
+                               "and run it with TVM's runtime on that CPU (emulation here runs single kernels)")
         args = self._arguments(feed)
         dev = self.device
         on_cpu = dev.dlpack_device_type() == tvm.cpu().dlpack_device_type()
@@ -173,6 +177,10 @@ class ImportedModel:
         return [o.numpy() for o in outs]
 
     def export_library(self, path: str) -> None:
+        """A shared library of the model (another CPU's: linked by its cross gcc, `cross.toolchain`)."""
+        if is_foreign(self.target):
+            emulate.export_library(self.executable, self.target, path)
+            return
         self.executable.export_library(path)
 
     def profile(self, feed: Mapping[str, Any], runs: int = 5) -> Profile:
@@ -223,11 +231,12 @@ class ImportedModel:
         return args
 
 
-def import_onnx(model: Any, target: Any = "cpu", *, arch: str | None = None,
+def import_onnx(model: Any, target: Any = "cpu", *, arch: str | None = None, mcpu: str | None = None,
                 shapes: Mapping[str, Sequence[int | str]] | None = None, dtype: str | None = None,
                 cache_dtype: str | None = None) -> ImportedModel:
     """Import an ONNX model (a path, bytes, a ModelProto, or one `graph.load` checked), compile it for
-    ``target``, attention on tvmattn.
+    ``target``, attention on tvmattn (``"aarch64"``/``"riscv64"`` with the CPU ``mcpu``: a library to
+    `export_library` for that CPU, which runs it on TVM's runtime there).
 
     ``shapes`` binds graph inputs' dimensions (input name → sizes or names, e.g. ``{"input_ids": (1, "n")}``):
     a size makes it static, a name keeps it symbolic. Dimensions the model leaves dynamic stay symbolic.
@@ -244,7 +253,7 @@ def import_onnx(model: Any, target: Any = "cpu", *, arch: str | None = None,
     cache_dtype = DTYPES[cache_dtype] if cache_dtype is not None else None
     try:
         with tvm_logs_to_logging():
-            return _import(model, target, arch, shapes or {}, precision, cache_dtype)
+            return _import(model, resolve_target(target, arch, mcpu), None, shapes or {}, precision, cache_dtype)
     except UnicodeDecodeError:  # protobuf decodes string fields when they are first read
         raise TvmAttnError("the ONNX model is corrupt: one of its names or string attributes is not valid "
                            "UTF-8; re-export it") from None

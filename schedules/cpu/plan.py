@@ -51,6 +51,9 @@ MIN_PANEL_ROWS = 128
 # Keys a query sees (about half of them where causal) from which an fp16 core's bf16 parts on the
 # tiles beat its widened fp32 FMAs: the parts' passes cost a task what three tile products save it.
 PARTS_MIN_KEYS = 128
+# fp32 lanes the query-tile defaults were measured at (AVX-512: 64 queries, 4 vectors); narrower vectors
+# take the record's `Isa.query_vectors` a row instead
+FULL_LANES = 16
 PROJECTIONS = {"q_proj": "w_q", "k_proj": "w_k", "v_proj": "w_v", "out": "w_o"}  # the layer's GEMMs: block → W
 PATHS = ("tiles", "pairs", "widened", "fp32")  # a projection's: tiles, bf16 dot products, 16-bit on FMAs, fp32
 
@@ -231,7 +234,7 @@ def _dot_tile(spec: AttentionSpec, isa: Isa, parts: bool, padding: int, q_tile: 
     if not isinstance(spec.n_q, int):
         return padding if padding > 1 else None
     n_q = whole(spec.n_q, padding)
-    tiles = (64, isa.tiles.block) if parts else (64, 32, isa.dot.lanes)
+    tiles = (64, isa.tiles.block) if parts else tuple(t for t in (64, 32, 16, 8, 4) if t >= isa.dot.lanes)
     return next((t for t in tiles if t <= max(q_tile, tiles[-1]) and n_q % t == 0), None)
 
 
@@ -296,6 +299,8 @@ def _defaults(spec: AttentionSpec, isa: Isa, cores: int, parts: bool) -> dict[st
     masked = spec.causal or spec.window is not None
     widened = spec.dtype == "float16" and not spec.projections and not parts
     tile = 64 if not masked else 16 if widened and not isa.full_width else 32
+    if lanes < FULL_LANES:  # narrower vectors: the record's count of them a row (NEON's bfdot: 16 queries)
+        tile = min(tile, isa.query_vectors * lanes)
     wide = isa.registers >= 32 and (spec.dtype != "float32" or isa.full_width)
     core = {"q_tile": tile, "pv_vecs": 4} if wide else {}
     if wide and spec.d_v <= 2 * lanes:  # a row of d_v in at most 2 vectors: 8 rows fill the tile

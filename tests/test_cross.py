@@ -1,0 +1,169 @@
+"""Kernels for aarch64 (NEON, SVE-256) and RISC-V (RVV): cross-compiled, run under qemu-user against
+the float64 oracle, their assembly on the target's vector FMAs, and one line for a missing tool."""
+
+import logging
+import os
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+import tvmattn
+from tvmattn.compiler.cross import cpus
+from tvmattn.compiler.cross.toolchain import GCC, LIBC, QEMU
+from tvmattn.compiler.onnx.export import export_onnx
+from tvmattn.compiler.spec import AttentionSpec
+from tvmattn.compiler.target import isa_of, resolve_target
+from tvmattn.compiler.verify import check, sizes_to_check
+
+TOOLS = [tool for arch in cpus.ARCHES for tool in (GCC[arch][0], QEMU[arch][0])]
+MISSING = [tool for tool in TOOLS if shutil.which(tool) is None] + [
+    LIBC[arch] for arch in cpus.ARCHES if not os.path.exists(f"/usr/{arch}-linux-gnu/include/stdio.h")]
+needs_tools = pytest.mark.skipif(bool(MISSING), reason=f"{', '.join(MISSING)} not installed (.ci/run installs them)")
+
+# one CPU per vector instruction set: NEON, SVE at 256 bits, RVV at VLEN 256
+CPUS = [("aarch64", "aarch64"), ("aarch64", "neoverse-v1"), ("riscv64", "spacemit-x60")]
+SMALL = dict(batch=1, seq_len=24, num_heads=4, head_dim=16, projections=False)
+AXES = {
+    "causal": dict(causal=True),
+    "window": dict(causal=True, window=8),
+    "key padding": dict(key_padding=True),
+    "additive mask": dict(attn_mask="additive"),
+    "gqa": dict(num_kv_heads=2),
+    "softcap": dict(softcap=30.0),
+    "decode": dict(seq_len=1, kv_seq_len=40),
+    "symbolic": dict(seq_len="n", causal=True),
+    "layer": dict(projections=True, d_model=64, head_dim=None, causal=True),
+    "bf16": dict(dtype="bfloat16", head_dim=32),
+}
+WIDE = {  # the slow sweep's: every axis above and these, on every named CPU
+    **AXES, "plain": {}, "bshd": dict(layout="BSHD"), "fp16": dict(dtype="float16", head_dim=32),
+    "alibi": dict(alibi="signed", causal=True), "sinks": dict(sinks=True), "decode symbolic": dict(
+        seq_len=1, kv_seq_len="m"), "bf16 layer": dict(dtype="bfloat16", projections=True, d_model=64, head_dim=None),
+    "fp16 gqa decode": dict(dtype="float16", seq_len=1, kv_seq_len=33, num_kv_heads=1, head_dim=32),
+}
+
+
+def assert_emulated_matches_oracle(arch: str, mcpu: str, **fields) -> None:
+    """The kernel of ``SMALL`` with ``fields`` for ``mcpu``, run under qemu at its symbolic lengths (13,
+    29), against the float64 oracle within the dtype's tolerance."""
+    spec = AttentionSpec(**{**SMALL, **fields})
+    kernel = tvmattn.compile(spec, arch, mcpu=mcpu, tuned=False)
+    for sizes in sizes_to_check(spec, {"n": 13, "m": 29} if spec.symbolic_dims else None):
+        result = check(kernel, sizes)
+        assert result.ok, f"{result.line()} on {mcpu} for {spec.describe()} [{kernel.schedule}]"
+
+
+@needs_tools
+@pytest.mark.parametrize("arch,mcpu", CPUS, ids=[m for _, m in CPUS])
+@pytest.mark.parametrize("axis", list(AXES))
+def test_emulated_kernel_matches_oracle(arch, mcpu, axis):
+    assert_emulated_matches_oracle(arch, mcpu, **AXES[axis])
+
+
+BF16 = dict(dtype="bfloat16", head_dim=32)
+BFDOT_AXES = {"causal": dict(causal=True), "symbolic": dict(seq_len="n"), "gqa ragged": dict(
+    num_kv_heads=1, seq_len=21, kv_seq_len=19), "layer": dict(projections=True, d_model=64, head_dim=None)}
+
+
+@needs_tools
+@pytest.mark.parametrize("axis", list(BFDOT_AXES))
+def test_emulated_bfdot_kernel_matches_oracle(axis):
+    """bf16 on NEON's bfdot (Neoverse V2): QKᵀ, P·V and a layer's projections on the dot products."""
+    assert_emulated_matches_oracle("aarch64", "neoverse-v2", **{**BF16, **BFDOT_AXES[axis]})
+
+
+@pytest.mark.slow
+@needs_tools
+@pytest.mark.parametrize("mcpu", list(cpus.CPUS))
+@pytest.mark.parametrize("axis", list(WIDE))
+def test_emulated_sweep(mcpu, axis):
+    assert_emulated_matches_oracle(cpus.CPUS[mcpu].arch, mcpu, **WIDE[axis])
+
+
+# the vector FMA each instruction set's kernels must use, and the scalar one that must not carry a loop
+NEON_FMA, ARM_SCALAR_FMA = r"\tfmla\tv\d+\.4s", r"\tfmadd\ts\d+"
+VECTOR_FMA = {"neon": NEON_FMA, "neon-bf16": NEON_FMA, "sve256": r"\tfmla\tz\d+\.s|\tfmad\tz\d+\.s",
+              "rvv256": r"\tvfmacc\.v[fv]|\tvfmadd\.v[fv]"}
+SCALAR_FMA = {"neon": ARM_SCALAR_FMA, "neon-bf16": ARM_SCALAR_FMA, "sve256": ARM_SCALAR_FMA, "rvv256": r"\tfmadd\.s\t"}
+
+
+@pytest.mark.parametrize("arch,mcpu", CPUS, ids=[m for _, m in CPUS])
+def test_assembly_is_on_vector_fmas(arch, mcpu):
+    """QKᵀ and P·V on the target's vector FMAs (SVE's on z-registers: the fixed 256-bit length reached
+    LLVM), none on scalar ones."""
+    spec = AttentionSpec(**{**SMALL, "head_dim": 32, "causal": True})
+    kernel = tvmattn.compile(spec, arch, mcpu=mcpu, tuned=False)
+    isa = isa_of(kernel.target).name
+    asm = kernel.source()
+    assert len(re.findall(VECTOR_FMA[isa], asm)) >= 16, f"{isa}: too few vector FMAs in\n{asm[:2000]}"
+    assert not re.findall(SCALAR_FMA[isa], asm), f"{isa}: a scalar FMA"
+
+
+def test_bf16_runs_on_bfdot_where_the_cpu_has_it():
+    spec = AttentionSpec(**{**SMALL, **BF16, "seq_len": 32})
+    kernel = tvmattn.compile(spec, "aarch64", mcpu="neoverse-v2", tuned=False)
+    assert "QKᵀ and P·V on bf16 dot products (bfdot)" in kernel.schedule
+    assert len(re.findall(r"\tbfdot\tv\d+\.4s", kernel.source())) >= 16
+    assert "bfdot" not in tvmattn.compile(spec, "aarch64", mcpu="cortex-a76", tuned=False).source()  # no FEAT_BF16
+
+
+def test_cpu_names_choose_records():
+    assert [isa_of(resolve_target(a, mcpu=m)).name for a, m in
+            [("aarch64", None), ("aarch64", "neoverse-v1"), ("aarch64", "neoverse-v2"), ("aarch64", "apple-m2"),
+             ("riscv64", None), ("riscv64", "spacemit-x60")]] == ["neon", "sve256", "neon-bf16", "neon-bf16", "rvv128",
+                                                                  "rvv256"]
+    assert cpus.CPUS["neoverse-v1"].qemu_cpu() == "max,sve256=on"
+    assert "vlen=256" in cpus.CPUS["spacemit-x60"].qemu_cpu()
+
+
+def test_unknown_cpu_is_one_line_listing_the_known():
+    with pytest.raises(tvmattn.TvmAttnError, match=r"unknown aarch64 CPU 'm9': use one of aarch64, .*neoverse-v1"):
+        tvmattn.compile(AttentionSpec(**SMALL), "aarch64", mcpu="m9")
+    with pytest.raises(tvmattn.TvmAttnError, match="--mcpu neoverse-v1 names a CPU of aarch64 or riscv64"):
+        tvmattn.compile(AttentionSpec(**SMALL), "cpu", mcpu="neoverse-v1")
+
+
+@needs_tools
+def test_emulated_call_says_so_once(caplog):
+    kernel = tvmattn.compile(AttentionSpec(**{**SMALL, "num_heads": 3}), "riscv64", tuned=False)
+    with caplog.at_level(logging.WARNING, logger="tvmattn.cross"):
+        check(kernel)
+        check(kernel, seed=1)
+    assert sum("qemu-user emulation" in r.message for r in caplog.records) == 1
+
+
+@needs_tools
+def test_export_library_is_the_targets_elf(tmp_path):
+    kernel = tvmattn.compile(AttentionSpec(**SMALL), "aarch64", mcpu="neoverse-v1", tuned=False)
+    kernel.export_library(str(tmp_path / "attention.so"))
+    header = (tmp_path / "attention.so").read_bytes()[:20]
+    assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # EM_AARCH64
+
+
+def test_missing_tools_are_one_line_naming_the_package(tmp_path, monkeypatch):
+    kernel = tvmattn.compile(AttentionSpec(**SMALL), "riscv64", tuned=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(tvmattn.TvmAttnError, match=r"riscv64-linux-gnu-gcc not found on PATH: .*"
+                                                   r"apt-get install gcc-riscv64-linux-gnu"):
+        kernel.export_library(str(tmp_path / "attention.so"))
+    gcc = shutil.which(GCC["riscv64"][0], path=os.defpath + ":/usr/bin")
+    if gcc is None:
+        pytest.skip("no riscv64 cross gcc to link the harness with")
+    os.symlink(gcc, tmp_path / GCC["riscv64"][0])
+    with pytest.raises(tvmattn.TvmAttnError, match=r"qemu-riscv64-static not found on PATH: .*"
+                                                   r"apt-get install qemu-user-static"):
+        check(kernel)
+
+
+@needs_tools
+def test_imported_model_is_a_library_for_that_cpu(tmp_path):
+    """A whole model for aarch64: an aarch64 ELF (TVM's runtime runs it there); a run here says so in one line."""
+    model, _ = export_onnx(AttentionSpec(batch=1, seq_len=16, num_heads=2, d_model=64), 23, 0)
+    imported = tvmattn.import_onnx(model, "aarch64", mcpu="neoverse-v2")
+    imported.export_library(str(tmp_path / "model.so"))
+    header = (tmp_path / "model.so").read_bytes()[:20]
+    assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # EM_AARCH64
+    with pytest.raises(tvmattn.TvmAttnError, match="compiled for aarch64-linux-gnu: export_library it"):
+        imported.run({"x": np.zeros((1, 16, 64), np.float32)})
