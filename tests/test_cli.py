@@ -62,6 +62,12 @@ def test_compile_cpu_writes_the_library(capsys, tmp_path):
     assert "default schedule" in out
 
 
+def test_verify_a_layer_given_head_dim_not_d_model(capsys):
+    """d_model left to num_heads · head_dim (the plan's GEMM tiles once read d_model itself: None)."""
+    code, out, _ = run(capsys, "verify", "--seq", "16", "--heads", "2", "--head-dim", "16")
+    assert code == 0 and "PASS" in out, out
+
+
 @pytest.mark.parametrize("argv, words", [
     (["verify", "--d-model", "100", "--heads", "8"], "not divisible by num_heads"),
     (["verify", "--preset", "gpt3"], "unknown preset 'gpt3'"),

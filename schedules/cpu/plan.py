@@ -309,11 +309,11 @@ def _defaults(spec: AttentionSpec, isa: Isa, cores: int, parts: bool) -> dict[st
         core["pv_vecs"] = _one_pass_vecs(spec, lanes) if spec.dtype != "float32" else 4
     if not spec.projections:
         return core
-    d_in = max(spec.d_model, spec.h * spec.d_v)  # W_O's rows are the merged heads
+    d_in = max(spec.d, spec.h * spec.d_v)  # W_O's rows are the merged heads
     gemms = gemm_defaults(d_in, lanes, tvm.DataType(spec.dtype).bits, gemm_widths(spec))
     rows = spec.batch * spec.n_q if isinstance(spec.batch, int) and isinstance(spec.n_q, int) else None
     if rows is not None and rows < MIN_PAIR_ROWS:  # GEMVs: each W element read once, no panel to keep in L2
-        tiles = min(spec.d_model, spec.h_kv * spec.d_k) // (gemms["gemm_vecs"] * lanes)  # per W's columns
+        tiles = min(spec.d, spec.h_kv * spec.d_k) // (gemms["gemm_vecs"] * lanes)  # per W's columns
         tasks = 3 * cores
         gemms["gemm_block_cols"] = next((c for c in (8, 4, 2) if c <= gemms["gemm_block_cols"]
                                          and tiles // c >= tasks), 1)
@@ -322,7 +322,7 @@ def _defaults(spec: AttentionSpec, isa: Isa, cores: int, parts: bool) -> dict[st
 
 def gemm_widths(spec: AttentionSpec) -> tuple[int, int, int, int]:
     """The output widths of a layer's projections: W_Q, W_K, W_V, W_O."""
-    return spec.h * spec.d_k, spec.h_kv * spec.d_k, spec.h_kv * spec.d_v, spec.d_model
+    return spec.h * spec.d_k, spec.h_kv * spec.d_k, spec.h_kv * spec.d_v, spec.d
 
 
 def _one_pass_vecs(spec: AttentionSpec, lanes: int) -> int:
