@@ -56,6 +56,23 @@ def test_a_row_with_every_key_masked_gives_zeros():
     assert np.all(out[:, :, 2] == 0) and np.all(np.isfinite(out))
 
 
+@pytest.mark.parametrize("dims", ["st", "hst"])
+def test_non_finite_biases_as_the_oracle_has_them(dims):
+    """A NaN bias shows its key (the row turns NaN, as in ONNX Runtime), -inf hides it, +inf is a
+    logit of +inf: on the vectorised mask tile too (its test is on -inf's bits: see `variant`)."""
+    spec = tvmattn.AttentionSpec(**{**BASE, "seq_len": 37, "kv_seq_len": 37, "attn_mask": "additive",
+                                    "attn_mask_dims": dims})
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((2, 4, 37, 8), (2, 2, 37, 8), (2, 2, 37, 8)))
+    bias = rng.standard_normal((1, 4 if "h" in dims else 1, 37, 37)).astype(np.float32)
+    bias[0, 0, 3, 5], bias[0, -1, 4], bias[0, -1, 6, ::2], bias[0, 0, 7, 9] = np.nan, -np.inf, -np.inf, np.inf
+    got = tvmattn.compile(spec)(q, k, v, attn_mask=bias)
+    want = tvmattn.reference(spec, q, k, v, attn_mask=bias)
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got[:, 0, 3]).all()
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(attn_mask="maybe"), "unknown attn_mask"),
     (dict(attn_mask="bool", attn_mask_dims="bx"), "attn_mask_dims"),
