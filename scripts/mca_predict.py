@@ -35,12 +35,14 @@ SPEC = dict(batch=1, seq_len=256, num_heads=8, head_dim=64, projections=False)  
 # the multiply-accumulate instructions: name → (pattern, fp32 lanes' products each does: a bfdot lane's
 # two count two, its work), and a block of independent ones: the model's peak for it
 MACS = {"fmla.4s": (r"fmla\tv\d+\.4s", 4), "fmla.z": (r"(fmla|fmad)\tz\d+\.s", 8),
-        "vfmacc": (r"(vfmacc|vfmadd)\.v[fv]\t", 8), "bfdot": (r"bfdot\tv\d+\.4s", 8)}
+        "vfmacc": (r"(vfmacc|vfmadd)\.v[fv]\t", 8), "bfdot": (r"bfdot\tv\d+\.4s", 8),
+        "bfdot.z": (r"bfdot\tz\d+\.s", 16)}
 PEAK_BLOCK = {
     "fmla.4s": [f"fmla\tv{i}.4s, v30.4s, v31.s[0]" for i in range(24)],
     "fmla.z": ["ptrue\tp0.s, vl8"] + [f"fmla\tz{i}.s, p0/m, z30.s, z31.s" for i in range(24)],
     "vfmacc": ["vsetivli\tzero, 8, e32, m1, ta, ma"] + [f"vfmacc.vf\tv{i}, fa0, v30" for i in range(1, 25)],
     "bfdot": [f"bfdot\tv{i}.4s, v30.8h, v31.2h[0]" for i in range(24)],
+    "bfdot.z": [f"bfdot\tz{i}.s, z30.h, z31.h" for i in range(24)],
 }
 
 

@@ -68,10 +68,12 @@ BFDOT_AXES = {"causal": dict(causal=True), "symbolic": dict(seq_len="n"), "gqa r
 
 
 @needs_tools
+@pytest.mark.parametrize("mcpu", ["neoverse-v2", "neoverse-v1"])
 @pytest.mark.parametrize("axis", list(BFDOT_AXES))
-def test_emulated_bfdot_kernel_matches_oracle(axis):
-    """bf16 on NEON's bfdot (Neoverse V2): QKᵀ, P·V and a layer's projections on the dot products."""
-    assert_emulated_matches_oracle("aarch64", "neoverse-v2", **{**BF16, **BFDOT_AXES[axis]})
+def test_emulated_bfdot_kernel_matches_oracle(axis, mcpu):
+    """bf16 on bfdot, NEON's (Neoverse V2) and SVE-256's (V1): QKᵀ, P·V and a layer's projections on the
+    dot products."""
+    assert_emulated_matches_oracle("aarch64", mcpu, **{**BF16, **BFDOT_AXES[axis]})
 
 
 @pytest.mark.slow
@@ -84,9 +86,11 @@ def test_emulated_sweep(mcpu, axis):
 
 # the vector FMA each instruction set's kernels must use, and the scalar one that must not carry a loop
 NEON_FMA, ARM_SCALAR_FMA = r"\tfmla\tv\d+\.4s", r"\tfmadd\ts\d+"
-VECTOR_FMA = {"neon": NEON_FMA, "neon-bf16": NEON_FMA, "sve256": r"\tfmla\tz\d+\.s|\tfmad\tz\d+\.s",
+SVE_FMA = r"\tfmla\tz\d+\.s|\tfmad\tz\d+\.s"
+VECTOR_FMA = {"neon": NEON_FMA, "neon-bf16": NEON_FMA, "sve256": SVE_FMA, "sve256-bf16": SVE_FMA,
               "rvv256": r"\tvfmacc\.v[fv]|\tvfmadd\.v[fv]"}
-SCALAR_FMA = {"neon": ARM_SCALAR_FMA, "neon-bf16": ARM_SCALAR_FMA, "sve256": ARM_SCALAR_FMA, "rvv256": r"\tfmadd\.s\t"}
+SCALAR_FMA = {**dict.fromkeys(("neon", "neon-bf16", "sve256", "sve256-bf16"), ARM_SCALAR_FMA),
+              "rvv256": r"\tfmadd\.s\t"}
 
 
 @pytest.mark.parametrize("arch,mcpu", CPUS, ids=[m for _, m in CPUS])
@@ -101,19 +105,21 @@ def test_assembly_is_on_vector_fmas(arch, mcpu):
     assert not re.findall(SCALAR_FMA[isa], asm), f"{isa}: a scalar FMA"
 
 
-def test_bf16_runs_on_bfdot_where_the_cpu_has_it():
+@pytest.mark.parametrize("mcpu,bfdot", [("neoverse-v2", r"\tbfdot\tv\d+\.4s"), ("neoverse-v1", r"\tbfdot\tz\d+\.s")])
+def test_bf16_runs_on_bfdot_where_the_cpu_has_it(mcpu, bfdot):
+    """NEON's bfdot on 128-bit CPUs, SVE's on z-registers at 256 bits (Neoverse V1), not widened to fp32 FMAs."""
     spec = AttentionSpec(**{**SMALL, **BF16, "seq_len": 32})
-    kernel = tvmattn.compile(spec, "aarch64", mcpu="neoverse-v2", tuned=False)
+    kernel = tvmattn.compile(spec, "aarch64", mcpu=mcpu, tuned=False)
     assert "QKᵀ and P·V on bf16 dot products (bfdot)" in kernel.schedule
-    assert len(re.findall(r"\tbfdot\tv\d+\.4s", kernel.source())) >= 16
+    assert len(re.findall(bfdot, kernel.source())) >= 16
     assert "bfdot" not in tvmattn.compile(spec, "aarch64", mcpu="cortex-a76", tuned=False).source()  # no FEAT_BF16
 
 
 def test_cpu_names_choose_records():
     assert [isa_of(resolve_target(a, mcpu=m)).name for a, m in
             [("aarch64", None), ("aarch64", "neoverse-v1"), ("aarch64", "neoverse-v2"), ("aarch64", "apple-m2"),
-             ("riscv64", None), ("riscv64", "spacemit-x60")]] == ["neon", "sve256", "neon-bf16", "neon-bf16", "rvv128",
-                                                                  "rvv256"]
+             ("riscv64", None), ("riscv64", "spacemit-x60")]] == ["neon", "sve256-bf16", "neon-bf16", "neon-bf16",
+                                                                  "rvv128", "rvv256"]
     assert cpus.CPUS["neoverse-v1"].qemu_cpu() == "max,sve256=on"
     assert "vlen=256" in cpus.CPUS["spacemit-x60"].qemu_cpu()
 

@@ -7,13 +7,21 @@ what ``vdpbf16ps`` is to AVX512-BF16, on 128 bits: two bf16 products per fp32 la
 twice an fp32 FMA's work. The broadcast pair is taken by element, as NEON's FMA takes a query's score.
 P's pairs are rounded by LLVM's ``fptrunc`` to bfloat (``bfcvtn``) and interleaved by one shuffle.
 (``bfmmla``, a 2×4 by 4×2 block product, would need the panels in 2×4 blocks instead of pairs.)
+
+SVE's ``bfdot z.s, z.h, z.h`` (Neoverse V1) is the same product on SVE-256's 8 lanes: the record's
+vectors are fixed-width (`arm`), so its function moves them into scalable registers and back
+(``llvm.vector.insert``/``extract``, no instructions where the length is known to be 256 bits) around
+LLVM's SVE intrinsic. A 4-lane NEON bfdot in SVE-256's 8-lane tiles would not tensorize (the dot
+must cover the tile's vector), and NEON's tiles on V1 would halve the fp32 tiles' width for bf16.
+The broadcast pair is a whole register (SVE's indexed form picks within each 128-bit segment, a
+broadcast needs no index).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from tvmattn.compiler.isa.arm import NEON
+from tvmattn.compiler.isa.arm import NEON, SVE256
 from tvmattn.compiler.isa.dots import dot_record
 
 LANES = 4  # fp32 lanes of a NEON register
@@ -41,3 +49,41 @@ define <4 x i32> @{PAIRS_FUNCTION}(<4 x float> %lo, <4 x float> %hi) alwaysinlin
 
 BFDOT = dot_record("bfdot", LANES, DOT_4x2, DOT_FUNCTION, PAIRS_FUNCTION, DOT_LLVM)
 NEON_BF16 = dataclasses.replace(NEON, name="neon-bf16", requires=(*NEON.requires, "bf16"), dot=BFDOT)
+
+SVE_LANES = 8  # fp32 lanes of SVE-256
+SVE_DOT_8x2 = "tvmattn_sve_bfdot_8x2_bf16"
+SVE_DOT_FUNCTION = "tvmattn_sve_bfdot"
+SVE_PAIRS_FUNCTION = "tvmattn_sve_bfcvt_pairs"
+SVE_DOT_LLVM = f"""
+define <8 x float> @{SVE_DOT_FUNCTION}(<8 x float> %acc, <8 x i32> %a, <8 x i32> %b) alwaysinline {{
+  %sacc = call <vscale x 4 x float> @llvm.vector.insert.nxv4f32.v8f32(
+      <vscale x 4 x float> poison, <8 x float> %acc, i64 0)
+  %ia = call <vscale x 4 x i32> @llvm.vector.insert.nxv4i32.v8i32(<vscale x 4 x i32> poison, <8 x i32> %a, i64 0)
+  %ib = call <vscale x 4 x i32> @llvm.vector.insert.nxv4i32.v8i32(<vscale x 4 x i32> poison, <8 x i32> %b, i64 0)
+  %sx = bitcast <vscale x 4 x i32> %ia to <vscale x 8 x bfloat>
+  %sy = bitcast <vscale x 4 x i32> %ib to <vscale x 8 x bfloat>
+  %r = call <vscale x 4 x float> @llvm.aarch64.sve.bfdot(
+      <vscale x 4 x float> %sacc, <vscale x 8 x bfloat> %sx, <vscale x 8 x bfloat> %sy)
+  %f = call <8 x float> @llvm.vector.extract.v8f32.nxv4f32(<vscale x 4 x float> %r, i64 0)
+  ret <8 x float> %f
+}}
+declare <vscale x 4 x float> @llvm.vector.insert.nxv4f32.v8f32(<vscale x 4 x float>, <8 x float>, i64)
+declare <vscale x 4 x i32> @llvm.vector.insert.nxv4i32.v8i32(<vscale x 4 x i32>, <8 x i32>, i64)
+declare <8 x float> @llvm.vector.extract.v8f32.nxv4f32(<vscale x 4 x float>, i64)
+declare <vscale x 4 x float> @llvm.aarch64.sve.bfdot(<vscale x 4 x float>, <vscale x 8 x bfloat>, <vscale x 8 x bfloat>)
+
+define <8 x i32> @{SVE_PAIRS_FUNCTION}(<8 x float> %lo, <8 x float> %hi) alwaysinline {{
+  %a = fptrunc <8 x float> %lo to <8 x bfloat>
+  %b = fptrunc <8 x float> %hi to <8 x bfloat>
+  %ia = bitcast <8 x bfloat> %a to <8 x i16>
+  %ib = bitcast <8 x bfloat> %b to <8 x i16>
+  %za = zext <8 x i16> %ia to <8 x i32>
+  %zb = zext <8 x i16> %ib to <8 x i32>
+  %sb = shl <8 x i32> %zb, splat (i32 16)
+  %w = or <8 x i32> %za, %sb
+  ret <8 x i32> %w
+}}
+"""
+
+SVE_BFDOT = dot_record("bfdot", SVE_LANES, SVE_DOT_8x2, SVE_DOT_FUNCTION, SVE_PAIRS_FUNCTION, SVE_DOT_LLVM)
+SVE256_BF16 = dataclasses.replace(SVE256, name="sve256-bf16", requires=(*SVE256.requires, "bf16"), dot=SVE_BFDOT)
