@@ -173,3 +173,57 @@ def check_pages(spec: PagedSpec, block_table: np.ndarray, cache_seqlens: np.ndar
                            f"and sequence {b} (length {int(lens[b])}) reaches it: point it at a page of k_cache "
                            f"and v_cache, or shorten cache_seqlens[{b}]")
 
+
+
+# ---- the compiled kernel ---------------------------------------------------------------------------
+def compile_paged(spec: PagedSpec, target: Any, thread_pool: str = "tvm") -> "CompiledPaged":
+    """``tvmattn.compile`` of a `PagedSpec`: the CPU paged decode kernel (`schedules.cpu.paged_decode`)."""
+    import time
+
+    import tvm
+
+    from tvmattn.compiler import passes
+    from tvmattn.compiler.build import tvm_compile
+    from tvmattn.compiler.errors import tvm_reason
+    from tvmattn.compiler.target import is_cpu
+    from tvmattn.schedules.cpu.paged_decode import paged_decode, plan_of
+
+    if not is_cpu(target):
+        raise TvmAttnError(f"a paged KV cache has a CPU kernel only: compile {spec.describe()} for 'cpu'")
+    start = time.perf_counter()
+    plan = plan_of(spec, target)
+    mod = passes.polynomial_math()(tvm.IRModule({"main": paged_decode(plan)}))  # (softcap's tanh: a polynomial)
+    try:
+        executable = tvm_compile(mod, target, thread_pool)
+    except Exception as err:  # our bug, but the user gets a sentence first
+        raise TvmAttnError(f"TVM could not build the paged kernel ({spec.describe()}): {tvm_reason(err)}") from err
+    return CompiledPaged(spec, target, executable, plan.describe(), time.perf_counter() - start, mod, thread_pool)
+
+
+def _compiled_attention():
+    from tvmattn.compiler.kernel import CompiledAttention
+
+    return CompiledAttention
+
+
+class CompiledPaged(_compiled_attention()):
+    """A paged kernel: ``kernel(q, k_cache, v_cache, block_table, cache_seqlens, sinks=…, alibi_slopes=…)``
+    → (B, n, h, d), NumPy in and out as `CompiledAttention`; every call checks the block table against
+    the lengths (`check_pages`). `run` (device tensors, no checks) reads no page outside the cache
+    either: the kernel clamps each page index into it."""
+
+    def _arguments(self, arrays: tuple, extras: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+        args, sizes = super()._arguments(arrays, extras)
+        check_pages(self.spec, args["block_table"], args["cache_seqlens"], sizes["num_pages"])
+        return with_unused(self.spec, args), sizes
+
+
+_ZEROS: dict[int, np.ndarray] = {}
+
+
+def with_unused(spec: PagedSpec, args: dict[str, Any], zeros: Any = None) -> dict[str, Any]:
+    """``args`` as the PrimFunc takes them: it always has sinks and alibi_slopes (h,) float32, zeros
+    (``zeros``, else a NumPy array kept per h) where the spec has not."""
+    fill = zeros if zeros is not None else _ZEROS.setdefault(spec.h, np.zeros(spec.h, np.float32))
+    names = ("q", "k_cache", "v_cache", "block_table", "cache_seqlens", "sinks", "alibi_slopes")
+    return {name: args[name] if name in args else fill for name in names}
