@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 from tvm.target import Target
@@ -32,6 +33,7 @@ from tvmattn.compiler.te_attention import LOG2E
 from tvmattn.compiler.variant import ACC
 from tvmattn.schedules.primitives import lanes_for
 
+CACHE_LINE = 64  # bytes
 BLOCK = 16  # keys per online-softmax step: one vector of their logits
 LOWEST = -3.0e38  # a running maximum before any key: finite, so exp2(m − m_new) is 1 or 0, never NaN
 
@@ -44,6 +46,9 @@ class PagedPlan:
     lanes: int  # fp32 lanes of the vectors along d
     chunks: int  # key chunks per sequence: the cores (each thread takes whole chunks of every sequence)
     rows: int  # query rows sharing each K/V read: q_len · group
+    heads_per_task: int  # KV heads a task reads together: NHD's all (a key's row of every head is one
+    # contiguous run: per head, rows a page apart would each cost a TLB miss), HND's one
+    prefetch: bool = True  # the next block's K and V rows prefetched
 
     def describe(self) -> str:
         return (f"paged decode: {self.chunks} key chunks per sequence × {self.rows} query rows per K/V read, "
@@ -54,7 +59,7 @@ def plan_of(spec: PagedSpec, target: Target) -> PagedPlan:
     isa = isa_of(target)
     cores = int(target.attrs.get("num-cores", 1))
     return PagedPlan(spec, lanes_for(spec.head_dim, isa.lanes if isa else 8), max(cores, 1),
-                     spec.q_len * spec.group)
+                     spec.q_len * spec.group, spec.h_kv if spec.kv_layout == "NHD" else 1)
 
 
 def paged_decode(plan: PagedPlan) -> tirx.PrimFunc:
@@ -63,19 +68,24 @@ def paged_decode(plan: PagedPlan) -> tirx.PrimFunc:
     spec, a = plan.spec, plan.spec.attention
     H, HKV, G, D, P, N = spec.h, spec.h_kv, spec.group, spec.head_dim, spec.page_size, spec.q_len
     R, LANES, C, dt = plan.rows, plan.lanes, plan.chunks, spec.dtype
+    KT = plan.heads_per_task
+    TASKS = HKV // KT
     LOG2P, VECS = P.bit_length() - 1, D // LANES
+    STEP = CACHE_LINE // tvm.DataType(dt).bits * 8  # elements of a cache line
+    LINES = -(-D // STEP) if plan.prefetch else 0
     nhd = spec.kv_layout == "NHD"
 
     def cache_at(cache, page, row, kvh, e):
         return cache[page, row, kvh, e] if nhd else cache[page, kvh, row, e]
 
     def span(length, c):
-        """The first key of chunk ``c``'s share of the keys its queries see (c = C: the end)."""
+        """The first key of chunk ``c``'s share of the keys its queries see (c = C: the end), on a
+        multiple of `BLOCK` keys: with pages of at least `BLOCK` keys a block then lies in one page."""
         lo, hi = variant.key_range(a, tirx.const(0, "int32"), tirx.const(N - 1, "int32"), length,
                                    tirx.const(N, "int32"))
         lo = tirx.const(0, "int32") if lo is None else tirx.max(lo, 0)
         count = tirx.max(hi - lo, 0)
-        return lo + count * c // C
+        return tirx.Select(c == C, lo + count, lo + count * c // C // BLOCK * BLOCK)
 
     def logit(slopes, score, r, t, length, kvh, live):
         """The base-2 logit of row r (query r // G, head kvh·G + r % G) and key t; −inf where hidden."""
@@ -85,9 +95,9 @@ def paged_decode(plan: PagedPlan) -> tirx.PrimFunc:
         seen = variant.visible(a, s, t, length, tirx.const(N, "int32"), variant.tir_all)
         return tirx.Select(live if seen is None else tirx.all(live, seen), x, -tirx.infinity(ACC))
 
-    def tree(buf, r, width, op):
-        """op over buf[r, 0:width] (a power of two) in log2(width) vector steps."""
-        x = buf.vload([r, 0], f"float32x{width}")
+    def tree(buf, at, width, op):
+        """op over buf[*at, 0:width] (a power of two) in log2(width) vector steps."""
+        x = buf.vload([*at, 0], f"float32x{width}")
         while width > 1:
             width //= 2
             x = op(shuffle([x], list(range(width))), shuffle([x], list(range(width, 2 * width))))
@@ -116,66 +126,76 @@ def paged_decode(plan: PagedPlan) -> tirx.PrimFunc:
         part_m = T.alloc_buffer((C, batch, N * H), "float32")
         part_l = T.alloc_buffer((C, batch, N * H), "float32")
         part_o = T.alloc_buffer((C, batch, N * H, D), "float32")
-        for task in T.parallel(C * batch * HKV):
-            c = task // (batch * HKV)
-            b = task // HKV % batch
-            kvh = task % HKV
+        for task in T.parallel(C * batch * TASKS):
+            c = task // (batch * TASKS)
+            b = task // TASKS % batch
+            first = task % TASKS * KT  # the task's first KV head
             length = T.max(T.min(LENS[b], width * P), 0)  # (checked by the caller; clamped all the same)
             t_begin = span(length, c)
             t_end = span(length, c + 1)
-            qs = T.alloc_buffer((R, D), "float32", scope="local")
-            m = T.alloc_buffer((R,), "float32", scope="local")
-            ls = T.alloc_buffer((R,), "float32", scope="local")
-            acc = T.alloc_buffer((R, D), "float32", scope="local")
-            x = T.alloc_buffer((R, BLOCK), "float32", scope="local")
+            qs = T.alloc_buffer((KT, R, D), "float32", scope="local")
+            m = T.alloc_buffer((KT, R), "float32", scope="local")
+            ls = T.alloc_buffer((KT, R), "float32", scope="local")
+            acc = T.alloc_buffer((KT, R, D), "float32", scope="local")
+            x = T.alloc_buffer((KT, R, BLOCK), "float32", scope="local")
             part = T.alloc_buffer((R, LANES), "float32", scope="local")
             pg = T.alloc_buffer((BLOCK,), "int32", scope="local")
             row = T.alloc_buffer((BLOCK,), "int32", scope="local")
-            for r in range(R):
-                m[r] = T.float32(LOWEST)
-                ls[r] = T.float32(0)
+            for kv, r in T.grid(KT, R):
+                m[kv, r] = T.float32(LOWEST)
+                ls[kv, r] = T.float32(0)
                 for e in T.vectorized(D):
-                    qs[r, e] = T.Cast("float32", Q[b, r // G, kvh * G + r % G, e])
-                    acc[r, e] = T.float32(0)
+                    qs[kv, r, e] = T.Cast("float32", Q[b, r // G, (first + kv) * G + r % G, e])
+                    acc[kv, r, e] = T.float32(0)
             for blk in range((t_end - t_begin + BLOCK - 1) // BLOCK):
                 t0 = t_begin + blk * BLOCK
                 live = T.min(BLOCK, t_end - t0)
                 for tt in range(live):
                     pg[tt] = T.max(T.min(TABLE[b, T.shift_right(t0 + tt, LOG2P)], pages - 1), 0)
                     row[tt] = T.bitwise_and(t0 + tt, P - 1)
-                for tt in range(live):
+                # The next block's K and V rows requested now, computed on next: its pages lie anywhere
+                # in the pool, and the hardware's prefetchers stop at every 4 KiB page.
+                for tt in range(T.max(T.min(BLOCK, t_end - t0 - BLOCK), 0)):
+                    ahead = t0 + BLOCK + tt
+                    page = T.max(T.min(TABLE[b, T.shift_right(ahead, LOG2P)], pages - 1), 0)
+                    for kv, line in T.grid(KT, LINES):
+                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(cache_at(
+                            K, page, T.bitwise_and(ahead, P - 1), first + kv, line * STEP)), 0, 3, 1))
+                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(cache_at(
+                            V, page, T.bitwise_and(ahead, P - 1), first + kv, line * STEP)), 0, 3, 1))
+                for tt, kv in T.grid(live, KT):
                     for r in T.unroll(R):
                         for lane in T.vectorized(LANES):
                             part[r, lane] = T.float32(0)
                     for e0 in range(VECS):
                         for r in T.unroll(R):
                             for lane in T.vectorized(LANES):
-                                part[r, lane] = part[r, lane] + qs[r, e0 * LANES + lane] * T.Cast(
-                                    "float32", cache_at(K, pg[tt], row[tt], kvh, e0 * LANES + lane))
+                                part[r, lane] = part[r, lane] + qs[kv, r, e0 * LANES + lane] * T.Cast(
+                                    "float32", cache_at(K, pg[tt], row[tt], first + kv, e0 * LANES + lane))
                     for r in T.unroll(R):
-                        x[r, tt] = tree(part, r, LANES, add)
-                for r in range(R):
+                        x[kv, r, tt] = tree(part, [r], LANES, add)
+                for kv, r in T.grid(KT, R):
                     for tt in T.vectorized(BLOCK):
-                        x[r, tt] = logit(SLOPES, x[r, tt], r, t0 + tt, length, kvh, tt < live)
-                    m_new = T.max(m[r], tree(x, r, BLOCK, biggest))
-                    correction = T.exp2(m[r] - m_new)
+                        x[kv, r, tt] = logit(SLOPES, x[kv, r, tt], r, t0 + tt, length, first + kv, tt < live)
+                    m_new = T.max(m[kv, r], tree(x, [kv, r], BLOCK, biggest))
+                    correction = T.exp2(m[kv, r] - m_new)
                     for tt in T.vectorized(BLOCK):
-                        x[r, tt] = T.Select(tt < live, T.exp2(x[r, tt] - m_new), T.float32(0))
-                    ls[r] = ls[r] * correction + tree(x, r, BLOCK, add)
-                    m[r] = m_new
+                        x[kv, r, tt] = T.Select(tt < live, T.exp2(x[kv, r, tt] - m_new), T.float32(0))
+                    ls[kv, r] = ls[kv, r] * correction + tree(x, [kv, r], BLOCK, add)
+                    m[kv, r] = m_new
                     for e in T.vectorized(D):
-                        acc[r, e] = acc[r, e] * correction
-                for e0 in range(VECS):
+                        acc[kv, r, e] = acc[kv, r, e] * correction
+                for kv, e0 in T.grid(KT, VECS):
                     for tt in range(live):
                         for r in T.unroll(R):
                             for lane in T.vectorized(LANES):
-                                acc[r, e0 * LANES + lane] = acc[r, e0 * LANES + lane] + x[r, tt] * T.Cast(
-                                    "float32", cache_at(V, pg[tt], row[tt], kvh, e0 * LANES + lane))
-            for r in range(R):
-                part_m[c, b, r // G * H + kvh * G + r % G] = m[r]
-                part_l[c, b, r // G * H + kvh * G + r % G] = ls[r]
+                                acc[kv, r, e0 * LANES + lane] = acc[kv, r, e0 * LANES + lane] + x[kv, r, tt] * T.Cast(
+                                    "float32", cache_at(V, pg[tt], row[tt], first + kv, e0 * LANES + lane))
+            for kv, r in T.grid(KT, R):
+                part_m[c, b, r // G * H + (first + kv) * G + r % G] = m[kv, r]
+                part_l[c, b, r // G * H + (first + kv) * G + r % G] = ls[kv, r]
                 for e in T.vectorized(D):
-                    part_o[c, b, r // G * H + kvh * G + r % G, e] = acc[r, e]
+                    part_o[c, b, r // G * H + (first + kv) * G + r % G, e] = acc[kv, r, e]
         for job in T.parallel(batch * N * H):
             b = job // (N * H)
             sh = job % (N * H)
