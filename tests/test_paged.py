@@ -242,3 +242,12 @@ def test_flash_attn_with_kvcache_bad_table_writes_nothing():
         flash_attn_with_kvcache(q, k_cache, v_cache, k, k, cache_seqlens=torch.tensor([19, 8], dtype=torch.int32),
                                 block_table=table)
     assert torch.equal(k_cache, before)
+
+
+def test_readme_paged_example_runs():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    code = re.search(r"## Paged KV cache\n\n.*?```python\n(.*?)```", text, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
