@@ -127,10 +127,21 @@ def alibi_bias(spec: AttentionSpec, slopes: np.ndarray, batch: int, n: int, n_kv
 
 
 def paged_reference(spec: "PagedSpec", q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-                    block_table: np.ndarray, cache_seqlens: np.ndarray, sinks: np.ndarray | None = None,
-                    alibi_slopes: np.ndarray | None = None) -> np.ndarray:
+                    block_table: np.ndarray, cache_seqlens: np.ndarray, cu_seqlens_q: np.ndarray | None = None,
+                    sinks: np.ndarray | None = None, alibi_slopes: np.ndarray | None = None) -> np.ndarray:
     """Attention over a paged cache (`paged.PagedSpec`) in float64, (B, n, h, d): each sequence's
-    pages gathered into a dense cache padded to the longest, then `core` with its length as kv_lens."""
+    pages gathered into a dense cache padded to the longest, then `core` with its length as kv_lens.
+    Ragged queries (``q_len=None``): (total_q, h, d), each sequence on its own, its queries
+    q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]."""
+    if spec.ragged:
+        out = np.zeros(np.shape(q))
+        for b in range(len(cache_seqlens)):
+            lo, hi = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+            if hi > lo:
+                out[lo:hi] = paged_reference(spec.replace(q_len=hi - lo), np.asarray(q)[None, lo:hi], k_cache,
+                                             v_cache, block_table[b:b + 1], cache_seqlens[b:b + 1], None, sinks,
+                                             alibi_slopes)[0]
+        return out
     lens = np.asarray(cache_seqlens, np.int64).reshape(-1)
     batch, longest = len(lens), max(int(lens.max(initial=0)), 1)
     dense = [np.zeros((batch, spec.h_kv, longest, spec.head_dim)) for _ in range(2)]

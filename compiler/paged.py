@@ -48,7 +48,7 @@ class PagedSpec:
     head_dim: int = 128
     page_size: int = 16  # a power of two from 1 to 256
     kv_layout: str = "NHD"
-    q_len: int = 1  # queries per sequence (a decode step: 1)
+    q_len: int | None = 1  # queries per sequence (a decode step: 1); None: ragged, packed (`cu_seqlens_q`)
     dtype: str = "float32"
     causal: bool = False
     window: int | None = None
@@ -70,7 +70,8 @@ class PagedSpec:
     def attention(self) -> AttentionSpec:
         """The same attention over the gathered (dense, padded) cache: what the variant hooks and the
         oracle read. Keys past a sequence's length are padding (``kv_lens``)."""
-        return AttentionSpec(batch="b", seq_len=self.q_len, kv_seq_len="m", num_heads=self.num_heads,
+        return AttentionSpec(batch="b", seq_len="n" if self.q_len is None else self.q_len, kv_seq_len="m",
+                             num_heads=self.num_heads,
                              num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, causal=self.causal,
                              causal_align="bottom_right", window=self.window, key_padding=True, layout="BSHD",
                              dtype=self.dtype, projections=False, scale=self.scale, softcap=self.softcap,
@@ -99,8 +100,16 @@ class PagedSpec:
     def input_dtype(self, name: str) -> str:
         return next(a for a in TABLE if a.name == name).dtype(self)
 
+    @property
+    def ragged(self) -> bool:
+        """Queries packed as (total_q, h, d), sequence b's from cu_seqlens_q[b] (a ragged prefill)."""
+        return self.q_len is None
+
     def output_shape(self) -> tuple:
-        return ("b", self.q_len, self.h, self.head_dim)
+        return self.query_shape()
+
+    def query_shape(self) -> tuple:
+        return ("total_q", self.h, self.head_dim) if self.ragged else ("b", self.q_len, self.h, self.head_dim)
 
     def validate(self) -> "PagedSpec":
         """Raise TvmAttnError naming the first impossible field and how to fix it."""
@@ -111,8 +120,10 @@ class PagedSpec:
         if self.kv_layout not in KV_LAYOUTS:
             raise TvmAttnError(f"unknown kv_layout {self.kv_layout!r}: use NHD (pages, page_size, h_kv, d) or "
                                f"HND (pages, h_kv, page_size, d)")
-        if isinstance(self.q_len, bool) or not isinstance(self.q_len, int) or self.q_len <= 0:
-            raise TvmAttnError(f"q_len={self.q_len!r} must be a positive integer (a decode step: 1)")
+        if self.q_len is not None and (isinstance(self.q_len, bool) or not isinstance(self.q_len, int)
+                                       or self.q_len <= 0):
+            raise TvmAttnError(f"q_len={self.q_len!r} must be a positive integer (a decode step: 1), or None "
+                               f"(ragged queries, packed, with cu_seqlens_q)")
         self.attention.validate()  # heads, head_dim, dtype, variants: the dense spec's own checks
         return self
 
@@ -137,20 +148,36 @@ def _pages(spec: PagedSpec, rng: np.random.Generator, shape: tuple, sizes) -> np
     return rng.integers(0, sizes["num_pages"], size=shape).astype(np.int32)
 
 
+def _offsets(spec: PagedSpec, rng: np.random.Generator, shape: tuple, sizes) -> np.ndarray:
+    cuts = np.sort(rng.integers(0, sizes["total_q"] + 1, size=shape[0] - 2))
+    return np.concatenate([[0], cuts, [sizes["total_q"]]]).astype(np.int32)
+
+
 _INT32 = lambda s: "int32"  # noqa: E731
 _FP32 = lambda s: "float32"  # noqa: E731
 TABLE: tuple[Argument, ...] = (
-    Argument("q", lambda s: True, lambda s: ("b", s.q_len, s.h, s.head_dim), _cache_draw, keyword=False, data=True),
+    Argument("q", lambda s: True, lambda s: s.query_shape(), _cache_draw, keyword=False, data=True),
     Argument("k_cache", lambda s: True, lambda s: s.cache_shape(), _cache_draw, keyword=False, data=True),
     Argument("v_cache", lambda s: True, lambda s: s.cache_shape(), _cache_draw, keyword=False, data=True),
     Argument("block_table", lambda s: True, lambda s: ("b", "max_pages"), _pages, _INT32, keyword=False,
              what="each sequence's pages, in order"),
     Argument("cache_seqlens", lambda s: True, lambda s: ("b",), _lengths, _INT32, keyword=False,
              what="each sequence's key count"),
+    Argument("cu_seqlens_q", lambda s: s.ragged, lambda s: ("b1",), _offsets, _INT32, keyword=False,
+             what="where each sequence's queries start in q, and the end (B + 1)", asked_by="q_len=None"),
     arguments.BY_NAME["sinks"],  # (the dense rows: they read the spec's h, sinks and alibi)
     arguments.BY_NAME["alibi_slopes"],
 )
 PagedSpec.ARGUMENTS = TABLE
+
+
+def check_queries(cu_seqlens_q: np.ndarray, batch: int, total_q: int) -> None:
+    """A TvmAttnError unless cu_seqlens_q is (B + 1,) offsets from 0 to total_q, never decreasing."""
+    cu = np.asarray(cu_seqlens_q).reshape(-1)
+    if cu.shape != (batch + 1,) or cu[0] != 0 or cu[-1] != total_q or (np.diff(cu) < 0).any():
+        raise TvmAttnError(f"cu_seqlens_q={cu.tolist()[:8]}{'…' if cu.size > 8 else ''} must be {batch + 1} "
+                           f"offsets into q from 0 to its {total_q} rows, never decreasing (sequence b's "
+                           f"queries are q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]])")
 
 
 def check_pages(spec: PagedSpec, block_table: np.ndarray, cache_seqlens: np.ndarray, num_pages: int) -> None:
@@ -186,13 +213,13 @@ def compile_paged(spec: PagedSpec, target: Any, thread_pool: str = "tvm") -> "Co
     from tvmattn.compiler.build import tvm_compile
     from tvmattn.compiler.errors import tvm_reason
     from tvmattn.compiler.target import is_cpu
-    from tvmattn.schedules.cpu.paged_decode import paged_decode, plan_of
+    from tvmattn.schedules.cpu.paged_decode import paged_kernel, plan_of
 
     if not is_cpu(target):
         raise TvmAttnError(f"a paged KV cache has a CPU kernel only: compile {spec.describe()} for 'cpu'")
     start = time.perf_counter()
     plan = plan_of(spec, target)
-    mod = passes.polynomial_math()(tvm.IRModule({"main": paged_decode(plan)}))  # (softcap's tanh: a polynomial)
+    mod = passes.polynomial_math()(tvm.IRModule({"main": paged_kernel(plan)}))  # (softcap's tanh: a polynomial)
     try:
         executable = tvm_compile(mod, target, thread_pool)
     except Exception as err:  # our bug, but the user gets a sentence first
@@ -215,6 +242,8 @@ class CompiledPaged(_compiled_attention()):
     def _arguments(self, arrays: tuple, extras: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, int]]:
         args, sizes = super()._arguments(arrays, extras)
         check_pages(self.spec, args["block_table"], args["cache_seqlens"], sizes["num_pages"])
+        if self.spec.ragged:
+            check_queries(args["cu_seqlens_q"], sizes["b"], sizes["total_q"])
         return with_unused(self.spec, args), sizes
 
 
@@ -225,5 +254,6 @@ def with_unused(spec: PagedSpec, args: dict[str, Any], zeros: Any = None) -> dic
     """``args`` as the PrimFunc takes them: it always has sinks and alibi_slopes (h,) float32, zeros
     (``zeros``, else a NumPy array kept per h) where the spec has not."""
     fill = zeros if zeros is not None else _ZEROS.setdefault(spec.h, np.zeros(spec.h, np.float32))
-    names = ("q", "k_cache", "v_cache", "block_table", "cache_seqlens", "sinks", "alibi_slopes")
+    names = ("q", "k_cache", "v_cache", "block_table", "cache_seqlens") + (("cu_seqlens_q",) if spec.ragged else ()) \
+        + ("sinks", "alibi_slopes")
     return {name: args[name] if name in args else fill for name in names}

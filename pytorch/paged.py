@@ -1,5 +1,6 @@
 """`flash_attn_with_kvcache`: FlashAttention's decode function (``flash_attn.flash_attn_with_kvcache``)
-on tvmattn's paged decode kernel (`paged.PagedSpec`), CPU tensors read in place.
+on tvmattn's paged decode kernel (`paged.PagedSpec`), and `flash_attn_varlen_func` (ragged batches, no
+padding) on its ragged prefill kernel; CPU tensors read in place.
 
 The cache is paged (``block_table`` given: k_cache (num_blocks, page_size, H_k, D)) or contiguous
 (k_cache (B, S_cache, H_k, D), read as pages of its rows: a view, no copy).
@@ -12,7 +13,7 @@ import math
 import torch
 
 from tvmattn.compiler.errors import TvmAttnError
-from tvmattn.compiler.paged import MAX_PAGE, PagedSpec, check_pages, with_unused
+from tvmattn.compiler.paged import MAX_PAGE, PagedSpec, check_pages, check_queries, with_unused
 from tvmattn.torch.cache import KERNELS
 from tvmattn.torch.flash import _window
 from tvmattn.torch.plan import DTYPES
@@ -76,6 +77,62 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                   "cache_seqlens": total[r], **({} if s is None else {"alibi_slopes": s})},
                            _zeros(heads))
         kernel.run(*args.values(), out[r])
+    return out
+
+
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                           softmax_scale: float | None = None, causal: bool = False,
+                           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                           return_attn_probs: bool = False, block_table: torch.Tensor | None = None,
+                           kv_layout: str = "NHD") -> torch.Tensor:
+    """FlashAttention 2's ``flash_attn_varlen_func`` on tvmattn's ragged prefill kernel (CPU, forward only).
+
+    q (total_q, H, D) holds sequence b's queries at rows cu_seqlens_q[b] … cu_seqlens_q[b + 1] − 1;
+    k, v (total_k, H_k, D) its keys at cu_seqlens_k[b] …, or, with ``block_table`` (B, max_blocks)
+    int32, a paged cache (num_blocks, page_size, H_k, D) holding cu_seqlens_k[b + 1] − cu_seqlens_k[b]
+    keys of sequence b. No padding: each sequence attends to its own keys, ``causal`` and windows
+    aligned bottom-right; ``softcap``, ``alibi_slopes`` (H,) float32 and ``softmax_scale`` as in
+    `flash_attn_func`. → (total_q, H, D). ``max_seqlen_k`` sizes the block table of packed keys.
+    """
+    if dropout_p != 0.0 or return_attn_probs:
+        raise TvmAttnError("dropout_p > 0 and return_attn_probs=True: tvmattn's kernels are for inference and "
+                           "return the attention output only")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v)):
+        raise TvmAttnError("tvmattn attention has no backward: run it under torch.no_grad() or torch.inference_mode()")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 2:
+            raise TvmAttnError(f"{name} must be int32 (B + 1,) offsets, got {getattr(cu, 'shape', type(cu))}")
+    if alibi_slopes is not None and alibi_slopes.dim() != 1:
+        raise TvmAttnError("alibi_slopes must be (H,) float32 here: one slope per head for every sequence")
+    if q.dim() != 3 or k.dim() != (3 if block_table is None else 4):
+        raise TvmAttnError(f"q {tuple(q.shape)} must be (total_q, H, D) and k {tuple(k.shape)} (total_k, H_k, D), "
+                           f"or with block_table a paged cache (num_blocks, page_size, H_k, D)")
+    batch = cu_seqlens_q.shape[0] - 1
+    lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).contiguous()
+    _check(q[None], k if k.dim() == 4 else k[None], v if v.dim() == 4 else v[None], None, None, None, kv_layout)
+    if block_table is not None and (not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32
+                                    or block_table.dim() != 2 or block_table.shape[0] != batch):
+        raise TvmAttnError(f"block_table must be int32 (B={batch}, max_blocks), got "
+                           f"{getattr(block_table, 'shape', type(block_table))}")
+    if block_table is None:  # packed keys: a pool of one-key pages, sequence b's from cu_seqlens_k[b] on
+        if kv_layout != "NHD":
+            raise TvmAttnError("kv_layout='HND' is for a paged cache: pass block_table")
+        width = max(int(max_seqlen_k), 1)
+        block_table = (cu_seqlens_k[:-1, None] + torch.arange(width, dtype=torch.int32)[None, :]).contiguous()
+        k, v = k.unsqueeze(1), v.unsqueeze(1)
+    k_pages, v_pages, table = _pages(k, v, block_table, batch, kv_layout)
+    spec = _spec(q[None], k_pages, kv_layout, causal, window_size, softcap, alibi_slopes, softmax_scale).replace(
+        q_len=None)
+    check_pages(spec, table.numpy(), lens.numpy(), k_pages.shape[0])
+    check_queries(cu_seqlens_q.numpy(), batch, q.shape[0])
+    out = q.new_empty(q.shape)
+    args = with_unused(spec, {"q": q.contiguous(), "k_cache": k_pages, "v_cache": v_pages, "block_table": table,
+                              "cache_seqlens": lens, "cu_seqlens_q": cu_seqlens_q.contiguous(),
+                              **({} if alibi_slopes is None else {"alibi_slopes": alibi_slopes.detach().to(
+                                  torch.float32).contiguous()})}, _zeros(q.shape[1]))
+    KERNELS.get(spec).run(*args.values(), out)
     return out
 
 

@@ -251,3 +251,91 @@ def test_readme_paged_example_runs():
     text = (Path(__file__).parent.parent / "README.md").read_text()
     code = re.search(r"## Paged KV cache\n\n.*?```python\n(.*?)```", text, re.S).group(1)
     exec(compile(code, "README.md", "exec"), {})
+
+
+# ---- ragged queries: the prefill kernel -----------------------------------------------------------------
+def check_ragged(spec: PagedSpec, lens: list[int], queries: list[int], seed: int = 0) -> None:
+    """Sequence b's last ``queries[b]`` keys are its queries (packed, cu_seqlens_q), against the oracle."""
+    args = draw(spec.replace(q_len=1), lens, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    cu = np.concatenate([[0], np.cumsum(queries)]).astype(np.int32)
+    q = rng.standard_normal((int(cu[-1]), spec.h, spec.head_dim)).astype(numpy_dtype(spec.dtype))
+    positional = [q, args["k_cache"], args["v_cache"], args["block_table"], args["cache_seqlens"], cu]
+    extras = {n: args[n] for n in ("sinks", "alibi_slopes") if n in args}
+    out = compiled(spec)(*positional, **extras)
+    ref = tvmattn.paged_reference(spec, *positional, **extras)
+    max_abs, max_rel = errors(out, ref)
+    assert np.isfinite(max_abs) and max_rel <= TOLERANCE[spec.dtype], (spec, lens, queries, max_abs, max_rel)
+
+
+RAGGED = dict(num_heads=8, num_kv_heads=2, head_dim=32, q_len=None)
+
+
+@pytest.mark.parametrize("spec, lens, queries", [
+    (PagedSpec(**RAGGED, page_size=16, causal=True), [70, 0, 9, 33], [70, 0, 1, 5]),    # prefill, empty, decode
+    (PagedSpec(**RAGGED, page_size=1, kv_layout="HND"), [20, 7], [3, 7]),                # not causal: all keys
+    (PagedSpec(**RAGGED, page_size=8, causal=True, window=6, softcap=5.0, alibi="symmetric", sinks=True),
+     [40, 13], [17, 13]),
+    (PagedSpec(**RAGGED, page_size=32, causal=True, dtype="bfloat16"), [90, 31], [50, 6]),
+])
+def test_ragged_prefill_matches_oracle(spec, lens, queries):
+    check_ragged(spec, lens, queries)
+
+
+SHAPES = st.lists(st.tuples(st.integers(0, 60), st.integers(0, 60)), min_size=1, max_size=4)
+
+
+@settings(max_examples=4)
+@given(page=st.sampled_from([1, 4, 16, 64]), layout=st.sampled_from(["NHD", "HND"]), causal=st.booleans(),
+       shape=SHAPES, seed=st.integers(0, 9))
+def test_ragged_prefill_any_lengths(page, layout, causal, shape, seed):
+    lens, queries = [max(a, b, 1) for a, b in shape], [min(a, b) for a, b in shape]
+    queries[0] = max(queries[0], 1)  # (q has at least one row)
+    check_ragged(PagedSpec(**RAGGED, page_size=page, kv_layout=layout, causal=causal), lens, queries, seed)
+
+
+@pytest.mark.slow
+@settings(max_examples=40)
+@given(page=st.sampled_from([1, 2, 16, 128]), layout=st.sampled_from(["NHD", "HND"]), shape=SHAPES,
+       heads=st.sampled_from([(4, 4), (8, 2), (6, 1)]), dtype=st.sampled_from(["float32", "bfloat16"]),
+       variant=st.sampled_from([{}, {"causal": True}, {"causal": True, "window": 9}, {"softcap": 5.0},
+                                {"alibi": "symmetric", "causal": True}, {"sinks": True}]), seed=st.integers(0, 99))
+def test_ragged_prefill_sweep(page, layout, shape, heads, dtype, variant, seed):
+    lens, queries = [max(a, b, 1) for a, b in shape], [min(a, b) for a, b in shape]
+    queries[0] = max(queries[0], 1)
+    spec = PagedSpec(num_heads=heads[0], num_kv_heads=heads[1], head_dim=32, page_size=page, kv_layout=layout,
+                     q_len=None, dtype=dtype, **variant)
+    check_ragged(spec, lens, queries, seed)
+
+
+def test_bad_cu_seqlens_q_is_one_clear_error():
+    spec = PagedSpec(**RAGGED, page_size=16)
+    args = draw(spec.replace(q_len=1), [20, 10])
+    q = np.zeros((5, 8, 32), np.float32)
+    with pytest.raises(TvmAttnError, match="cu_seqlens_q=.* must be 3 offsets into q from 0 to its 5 rows"):
+        compiled(spec)(q, args["k_cache"], args["v_cache"], args["block_table"], args["cache_seqlens"],
+                       np.array([0, 4, 3], np.int32))
+
+
+def test_flash_attn_varlen_func_packed_and_paged():
+    from tvmattn.torch import flash_attn_varlen_func
+
+    gen = torch.Generator().manual_seed(3)
+    lens_q, lens_k = [9, 0, 30, 1], [20, 4, 30, 17]
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32)
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), 4, 32, generator=gen)
+    k, v = (torch.randn(int(cu_k[-1]), 2, 32, generator=gen) for _ in range(2))
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+    for b in (0, 2, 3):  # each sequence on its own (sequence 1 has no query): SDPA, bottom-right causal
+        qs, ks, vs = q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]
+        table = torch.arange(lens_k[b], dtype=torch.int32)[None]
+        ref = sdpa_reference(qs[None], ks[:, None], vs[:, None], table, [lens_k[b]], causal=True)[0]
+        assert (out[cu_q[b]:cu_q[b + 1]].double() - ref).abs().max() <= 1e-4 * max(ref.abs().max(), 1)
+    # the same keys in a shuffled paged cache
+    k_cache, v_cache, table = paged_cache(lens_k, 8, seed=4)
+    paged = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k), block_table=table)
+    for b in (0, 2, 3):
+        qs = q[cu_q[b]:cu_q[b + 1]]
+        ref = sdpa_reference(qs[None], k_cache, v_cache, table[b:b + 1], [lens_k[b]])[0]
+        assert (paged[cu_q[b]:cu_q[b + 1]].double() - ref).abs().max() <= 1e-4 * max(ref.abs().max(), 1)
