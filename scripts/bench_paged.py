@@ -10,7 +10,10 @@ The workload is the issue's: B=4, lengths 2048/37/513/1000, 32 query / 8 KV head
 Each kernel's result is checked against the paged oracle before timing. Run it alone
 (``flock /tmp/bench.lock``) with ``TVM_NUM_THREADS`` set.
 
-    python scripts/bench_paged.py [--rounds 7] [--dtypes float32 bfloat16] [--layouts HND NHD] [--no-tvm]
+    python scripts/bench_paged.py [--rounds 7] [--dtypes float32 bfloat16] [--layouts HND NHD] [--no-tvm] [--prefill]
+
+``--prefill`` adds the ragged prefill (causal, the same lengths) against tvmattn's dense kernel on the
+batch padded to the longest, in useful GFLOP/s (not checked against the oracle here: tests do that).
 """
 
 from __future__ import annotations
@@ -103,6 +106,41 @@ def tvm_peer(spec: tvmattn.PagedSpec, lengths):
     return lambda: fn(*tensors, 0, 1.0, 1e4, scale)
 
 
+def prefill(dtype: str, rounds: int) -> None:
+    """Ragged prefill (`PagedSpec(q_len=None)`, causal, the same lengths, queries = keys) against tvmattn's
+    dense kernel on the batch padded to the longest (bottom-right causal, key padding: it skips the
+    padding's key tiles), in useful GFLOP/s (4·d per visible (query, key) pair and head)."""
+    spec = tvmattn.PagedSpec(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, page_size=PAGE, q_len=None,
+                             causal=True, dtype=dtype)
+    args = paged_inputs(spec.replace(q_len=1), LENGTHS)
+    cu = np.concatenate([[0], np.cumsum(LENGTHS)]).astype(np.int32)
+    q = np.random.default_rng(2).standard_normal((int(cu[-1]), HEADS, HEAD_DIM)).astype(numpy_dtype(dtype))
+    ragged = tvmattn.compile(spec)
+    tensors = [host_tensor(a) for a in with_unused(spec, {**args, "q": q, "cu_seqlens_q": cu}).values()]
+    tensors.append(host_tensor(np.empty_like(q)))
+    longest = max(LENGTHS)
+    dense_spec = tvmattn.AttentionSpec(batch=len(LENGTHS), seq_len=longest, kv_seq_len=longest, num_heads=HEADS,
+                                       num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, causal=True,
+                                       causal_align="bottom_right", key_padding=True, layout="BSHD", dtype=dtype,
+                                       projections=False)
+    dense = tvmattn.compile(dense_spec)
+    rng = np.random.default_rng(3)
+    padded = [rng.standard_normal(shape).astype(numpy_dtype(dtype)) for shape in list(
+        dense_spec.input_shapes().values())[:3]] + [np.array(LENGTHS, np.int32)]
+    dense_tensors = [host_tensor(a) for a in padded] + [host_tensor(np.empty_like(padded[0]))]
+    peers = {"ragged prefill": lambda: ragged.run(*tensors), "padded dense": lambda: dense.run(*dense_tensors)}
+    times = {name: [] for name in peers}
+    for _ in range(rounds):
+        for name, call in peers.items():
+            times[name].append(timed(call, 0.5))
+    flops = sum(n * (n + 1) / 2 for n in LENGTHS) * HEADS * 4 * HEAD_DIM
+    rate = {name: flops / statistics.median(t) for name, t in times.items()}
+    print(f"\nprefill {dtype}, causal, lengths {'/'.join(map(str, LENGTHS))}, {rounds} rounds:")
+    for name, r in rate.items():
+        print(f"  {name:24s} {flops / r * 1e3:8.1f} ms  {r / 1e9:6.1f} useful GFLOP/s")
+    print(f"  ragged / padded dense (useful GFLOP/s): {rate['ragged prefill'] / rate['padded dense']:.2f}x")
+
+
 def check(out, ref, dtype, what) -> None:
     max_abs, max_rel = errors(out, ref)
     if not max_rel <= TOLERANCE[dtype]:
@@ -125,6 +163,7 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--layouts", nargs="+", default=["HND", "NHD"])
     parser.add_argument("--no-tvm", action="store_true", help="leave out TVM's own (serial) kernel")
+    parser.add_argument("--prefill", action="store_true", help="also ragged prefill against the padded dense kernel")
     opts = parser.parse_args()
     total = sum(LENGTHS)
     uniform = (total // len(LENGTHS),) * len(LENGTHS)
@@ -159,6 +198,8 @@ def main() -> None:
                   f"  ragged / uniform: {mine / rate[f'paged {layout} uniform']:.2f}x"
                   + (f";  vs TVM TIRPagedKVCache: {mine / rate['TVM TIRPagedKVCache']:.1f}x"
                      if "TVM TIRPagedKVCache" in median else ""))
+    if opts.prefill:
+        prefill(opts.dtypes[0], max(3, opts.rounds // 2))
 
 
 if __name__ == "__main__":
