@@ -8,6 +8,7 @@ The cache is paged (``block_table`` given: k_cache (num_blocks, page_size, H_k, 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -214,12 +215,20 @@ def _spec(q, k_pages, kv_layout, causal, window_size, softcap, alibi_slopes, sof
     if alibi_slopes is not None and (not isinstance(alibi_slopes, torch.Tensor)
                                      or alibi_slopes.shape not in ((heads,), (batch, heads))):
         raise TvmAttnError(f"alibi_slopes must be float32 of shape ({heads},) or ({batch}, {heads})")
+    return _spec_of(heads, kv_heads, head_dim, page, kv_layout, q_len, DTYPES[q.dtype], bool(causal),
+                    tuple(int(w) for w in window_size), float(softcap), alibi_slopes is not None,
+                    None if softmax_scale is None else float(softmax_scale))
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_of(heads: int, kv_heads: int, head_dim: int, page: int, kv_layout: str, q_len: int, dtype: str, causal: bool,
+             window_size: tuple[int, int], softcap: float, alibi: bool, scale: float | None) -> PagedSpec:
+    """The spec of a call, made once per kind of call (building and validating one costs more than a
+    small decode step's kernel)."""
     causal, window = _window(causal, window_size)
     return PagedSpec(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, page_size=page, kv_layout=kv_layout,
-                     q_len=q_len, dtype=DTYPES[q.dtype], causal=causal, window=window,
-                     softcap=float(softcap) if softcap else None,
-                     alibi="symmetric" if alibi_slopes is not None else None,
-                     scale=None if softmax_scale is None else float(softmax_scale))
+                     q_len=q_len, dtype=dtype, causal=causal, window=window, softcap=softcap or None,
+                     alibi="symmetric" if alibi else None, scale=scale)
 
 
 def _append(spec: PagedSpec, k_pages, v_pages, table, lens, k, v) -> None:
