@@ -339,3 +339,21 @@ def test_flash_attn_varlen_func_packed_and_paged():
         qs = q[cu_q[b]:cu_q[b + 1]]
         ref = sdpa_reference(qs[None], k_cache, v_cache, table[b:b + 1], [lens_k[b]])[0]
         assert (paged[cu_q[b]:cu_q[b + 1]].double() - ref).abs().max() <= 1e-4 * max(ref.abs().max(), 1)
+
+
+def test_unchecked_run_reads_no_page_outside_the_pool():
+    """`run` skips the checks; the kernel clamps every page index into the pool all the same."""
+    from tvmattn.compiler.kernel import host_tensor
+    from tvmattn.compiler.paged import with_unused
+
+    spec = PagedSpec(**GQA, page_size=16)
+    args = draw(spec, [40, 20])
+    args["block_table"][:, :] = np.array([[10**8, -(10**8), 7, 7], [2**31 - 1, 0, 1, 2]], np.int32)[:, :4]
+    out = np.full(args["q"].shape, np.nan, np.float32)
+    compiled(spec).run(*(host_tensor(a) for a in with_unused(spec, args).values()), host_tensor(out))
+    assert np.isfinite(out).all()
+
+
+def test_paged_kernel_is_cpu_only():
+    with pytest.raises(TvmAttnError, match="has a CPU kernel only"):
+        tvmattn.compile(PagedSpec(**GQA), "cuda")
