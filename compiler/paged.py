@@ -24,15 +24,19 @@ oracle's paged reference read.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
+import tvm
 
-from tvmattn.compiler import arguments
+from tvmattn.compiler import arguments, passes
 from tvmattn.compiler.arguments import Argument, numpy_dtype
-from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.errors import TvmAttnError, tvm_reason
+from tvmattn.compiler.kernel import CompiledAttention
 from tvmattn.compiler.spec import DTYPES, AttentionSpec
+from tvmattn.compiler.target import is_cpu
 
 KV_LAYOUTS = ("NHD", "HND")
 MAX_PAGE = 256
@@ -131,8 +135,9 @@ class PagedSpec:
         return dataclasses.replace(self, **changes)
 
     def describe(self) -> str:
-        return (f"paged {self.kv_layout} page={self.page_size} n={self.q_len} "
-                + self.attention.describe().replace("B=b n=" + str(self.q_len) + " n_kv=m ", ""))
+        dense = self.attention.describe()
+        queries = "ragged queries" if self.ragged else f"n={self.q_len}"
+        return f"paged {self.kv_layout} page={self.page_size} {queries} " + dense[dense.index(" d=") + 1:]
 
 
 # ---- the kernel's arguments (`arguments.Argument` rows, as the dense spec's table) -----------------
@@ -201,18 +206,11 @@ def check_pages(spec: PagedSpec, block_table: np.ndarray, cache_seqlens: np.ndar
                            f"and v_cache, or shorten cache_seqlens[{b}]")
 
 
-
 # ---- the compiled kernel ---------------------------------------------------------------------------
 def compile_paged(spec: PagedSpec, target: Any, thread_pool: str = "tvm") -> "CompiledPaged":
     """``tvmattn.compile`` of a `PagedSpec`: the CPU paged decode kernel (`schedules.cpu.paged_decode`)."""
-    import time
-
-    import tvm
-
-    from tvmattn.compiler import passes
+    # (build.py and the kernel's module import this one)
     from tvmattn.compiler.build import tvm_compile
-    from tvmattn.compiler.errors import tvm_reason
-    from tvmattn.compiler.target import is_cpu
     from tvmattn.schedules.cpu.paged_decode import paged_kernel, plan_of
 
     if not is_cpu(target):
@@ -227,13 +225,7 @@ def compile_paged(spec: PagedSpec, target: Any, thread_pool: str = "tvm") -> "Co
     return CompiledPaged(spec, target, executable, plan.describe(), time.perf_counter() - start, mod, thread_pool)
 
 
-def _compiled_attention():
-    from tvmattn.compiler.kernel import CompiledAttention
-
-    return CompiledAttention
-
-
-class CompiledPaged(_compiled_attention()):
+class CompiledPaged(CompiledAttention):
     """A paged kernel: ``kernel(q, k_cache, v_cache, block_table, cache_seqlens, sinks=…, alibi_slopes=…)``
     → (B, n, h, d), NumPy in and out as `CompiledAttention`; every call checks the block table against
     the lengths (`check_pages`). `run` (device tensors, no checks) reads no page outside the cache
