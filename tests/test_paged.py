@@ -231,6 +231,18 @@ def test_flash_attn_with_kvcache_contiguous_cache():
     assert (out.double() - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
+def test_flash_attn_with_kvcache_int_lengths():
+    from tvmattn.torch import flash_attn_with_kvcache
+
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache = (torch.randn(2, 32, 1, 16, generator=gen) for _ in range(2))  # MQA, (B, S_cache, 1, D)
+    q = torch.randn(2, 2, 4, 16, generator=gen)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=20, causal=True)  # 20 keys, the last 2 queries
+    table = torch.arange(2, dtype=torch.int32).view(2, 1)  # (the cache as one 32-row page per sequence)
+    ref = sdpa_reference(q, k_cache, v_cache, table, [20, 20], causal=True)
+    assert (out.double() - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
 def test_flash_attn_with_kvcache_bad_table_writes_nothing():
     from tvmattn.torch import flash_attn_with_kvcache
 
