@@ -31,8 +31,9 @@ from tvmattn.compiler.build import compile_attention as compile  # noqa: E402,A0
 from tvmattn.compiler.errors import TvmAttnError  # noqa: E402
 from tvmattn.compiler.kernel import CompiledAttention  # noqa: E402
 from tvmattn.compiler.onnx.importer import ImportedModel, import_onnx  # noqa: E402
-from tvmattn.compiler.oracle import reference  # noqa: E402
+from tvmattn.compiler.oracle import paged_reference, reference  # noqa: E402
+from tvmattn.compiler.paged import CompiledPaged, PagedSpec  # noqa: E402
 from tvmattn.compiler.spec import AttentionSpec  # noqa: E402
 
-__all__ = ["AttentionSpec", "CompiledAttention", "ImportedModel", "TvmAttnError", "compile", "import_onnx",
-           "reference"]
+__all__ = ["AttentionSpec", "CompiledAttention", "CompiledPaged", "ImportedModel", "PagedSpec", "TvmAttnError",
+           "compile", "import_onnx", "paged_reference", "reference"]

@@ -145,9 +145,15 @@ TABLE: tuple[Argument, ...] = (
 BY_NAME = {a.name: a for a in TABLE}
 
 
+def table_of(spec: "AttentionSpec") -> tuple[Argument, ...]:
+    """The table of ``spec``'s kind of kernel: a spec class may bring its own (``ARGUMENTS``: the paged
+    cache's, `paged.TABLE`), rows of the same kind read the same way."""
+    return getattr(type(spec), "ARGUMENTS", TABLE)
+
+
 def taken(spec: "AttentionSpec") -> list[Argument]:
     """The arguments of ``spec``'s kernel, in call order."""
-    return [a for a in TABLE if a.takes(spec)]
+    return [a for a in table_of(spec) if a.takes(spec)]
 
 
 def extras(spec: "AttentionSpec") -> list[Argument]:
@@ -170,10 +176,11 @@ def arrange(spec: "AttentionSpec", positional: tuple, named: Mapping[str, Any]) 
     if len(positional) != len(order):
         raise TvmAttnError(f"the kernel takes {len(order)} arrays ({', '.join(order)}), got {len(positional)}")
     given = dict(zip(order, positional))
+    table = {a.name: a for a in table_of(spec)}
     for name, value in named.items():
-        row = BY_NAME.get(name)
+        row = table.get(name)
         if row is None or not row.keyword:
-            known = ", ".join(a.name for a in TABLE if a.keyword)
+            known = ", ".join(a.name for a in table.values() if a.keyword)
             raise TvmAttnError(f"unknown keyword argument {name!r}: the kernels' keywords are {known}")
         if value is not None:
             if not row.takes(spec):

@@ -20,6 +20,7 @@ from tvmattn.compiler.flash import FlashTiles, flash_attention
 from tvmattn.compiler.kernel import CompiledAttention
 from tvmattn.compiler.layer import layer_around
 from tvmattn.compiler.logs import tvm_logs_to_logging
+from tvmattn.compiler.paged import PagedSpec, compile_paged
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import host_target, is_cpu, resolve_target
 from tvmattn.compiler.te_attention import attention_te
@@ -28,11 +29,13 @@ from tvmattn.schedules.ops import BEFORE_LEGALIZE, ScheduleFunctions
 from tvmattn.schedules.ops.precision import matmuls_in
 
 
-def compile_attention(spec: AttentionSpec, target: Any = "cpu", *, arch: str | None = None, mcpu: str | None = None,
-                      knobs: Mapping[str, int] | None = None, log_dirs: Sequence[str | Path] = (),
-                      tuned: bool = True, thread_pool: str = "tvm") -> CompiledAttention:
+def compile_attention(spec: AttentionSpec | PagedSpec, target: Any = "cpu", *, arch: str | None = None,
+                      mcpu: str | None = None, knobs: Mapping[str, int] | None = None,
+                      log_dirs: Sequence[str | Path] = (), tuned: bool = True,
+                      thread_pool: str = "tvm") -> CompiledAttention:
     """``tvmattn.compile``: build the attention of ``spec`` for ``target`` (``"cpu"``, ``"cuda"``, ``"aarch64"``
-    or ``"riscv64"`` with the CPU ``mcpu`` (`cross.cpus`), a dict or a Target).
+    or ``"riscv64"`` with the CPU ``mcpu`` (`cross.cpus`), a dict or a Target). A `paged.PagedSpec`
+    (attention over a paged KV cache) builds its CPU kernel (`paged.CompiledPaged`).
 
     Without ``knobs`` the best tuning record for this workload is used (``log_dirs`` are searched
     before the user's and the shipped logs; ``tuned=False`` ignores them all). ``thread_pool``
@@ -42,6 +45,9 @@ def compile_attention(spec: AttentionSpec, target: Any = "cpu", *, arch: str | N
     tgt = resolve_target(target, arch, mcpu)
     if thread_pool not in THREAD_POOLS or (thread_pool == "openmp" and not is_cpu(tgt)):
         raise TvmAttnError(f"thread_pool={thread_pool!r}: use 'tvm', or 'openmp' for a CPU target")
+    if isinstance(spec, PagedSpec):  # its own kernel, written as TIR (no tuning: no knobs)
+        with tvm_logs_to_logging():
+            return compile_paged(spec, tgt, thread_pool)
     start = time.perf_counter()
     with tvm_logs_to_logging():
         mod, how = schedule_attention(spec, tgt, knobs, log_dirs=log_dirs, tuned=tuned)

@@ -5,10 +5,15 @@ Written from the seeds, independently of the tensor expression: plain array oper
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.spec import AttentionSpec
+
+if TYPE_CHECKING:
+    from tvmattn.compiler.paged import PagedSpec
 
 
 def reference(spec: AttentionSpec, *arrays: np.ndarray, x_kv: np.ndarray | None = None,
@@ -119,6 +124,42 @@ def alibi_bias(spec: AttentionSpec, slopes: np.ndarray, batch: int, n: int, n_kv
     else:
         distance = j - pos if spec.alibi == "signed" else -np.abs(j - pos)
     return np.asarray(slopes, np.float64).reshape(1, -1, 1, 1) * distance[:, None].astype(np.float64)
+
+
+def paged_reference(spec: "PagedSpec", q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                    block_table: np.ndarray, cache_seqlens: np.ndarray, cu_seqlens_q: np.ndarray | None = None,
+                    sinks: np.ndarray | None = None, alibi_slopes: np.ndarray | None = None) -> np.ndarray:
+    """Attention over a paged cache (`paged.PagedSpec`) in float64, (B, n, h, d): each sequence's
+    pages gathered into a dense cache padded to the longest, then `core` with its length as kv_lens.
+    Ragged queries (``q_len=None``): (total_q, h, d), each sequence on its own, its queries
+    q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]."""
+    if spec.ragged:
+        out = np.zeros(np.shape(q))
+        for b in range(len(cache_seqlens)):
+            lo, hi = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+            if hi > lo:
+                out[lo:hi] = paged_reference(spec.replace(q_len=hi - lo), np.asarray(q)[None, lo:hi], k_cache,
+                                             v_cache, block_table[b:b + 1], cache_seqlens[b:b + 1], None, sinks,
+                                             alibi_slopes)[0]
+        return out
+    lens = np.asarray(cache_seqlens, np.int64).reshape(-1)
+    batch, longest = len(lens), max(int(lens.max(initial=0)), 1)
+    dense = [np.zeros((batch, spec.h_kv, longest, spec.head_dim)) for _ in range(2)]
+    for b, length in enumerate(lens):
+        for cache, out in zip((k_cache, v_cache), dense):
+            out[b, :, :length] = _gathered(spec, np.asarray(cache, np.float64), block_table[b], int(length))
+    q = np.asarray(q, np.float64).transpose(0, 2, 1, 3)  # (B, h, n, d)
+    o = core(spec.attention, q, *dense, lens, None, sinks, alibi_slopes)
+    return o.transpose(0, 2, 1, 3)
+
+
+def _gathered(spec: "PagedSpec", cache: np.ndarray, pages: np.ndarray, length: int) -> np.ndarray:
+    """(h_kv, length, d): key t is row t % P of page pages[t // P], as a Python loop over keys."""
+    out = np.zeros((spec.h_kv, length, spec.head_dim))
+    for t in range(length):
+        page, row = int(pages[t // spec.page_size]), t % spec.page_size
+        out[:, t] = cache[page, row] if spec.kv_layout == "NHD" else cache[page, :, row]
+    return out
 
 
 def _split_heads(y: np.ndarray, heads: int) -> np.ndarray:

@@ -18,6 +18,7 @@ import torch
 import tvmattn
 from tvmattn.compiler import openmp
 from tvmattn.compiler.kernel import CompiledAttention
+from tvmattn.compiler.paged import PagedSpec
 from tvmattn.compiler.spec import AttentionSpec
 
 
@@ -58,19 +59,22 @@ class KernelCache:
     """Compiles on the first call of a key (tuning records are used when present), then only looks up."""
 
     def __init__(self) -> None:
-        self._kernels: dict[KernelKey, CompiledAttention] = {}
+        self._kernels: dict[KernelKey | PagedSpec, CompiledAttention] = {}
         # what a call's argument signature (shapes, strides, dtypes, devices, flags) was planned as:
         # checking the arguments and finding the kernel cost more than the rest of a call
         self.plans: dict[tuple, Any] = {}
         self._lock = threading.Lock()  # two threads missing on one key compile it once
 
-    def get(self, key: KernelKey) -> CompiledAttention:
+    def get(self, key: KernelKey | PagedSpec) -> CompiledAttention:
+        """The kernel of ``key``: a `KernelKey`, or a `PagedSpec` (a CPU kernel over a paged cache)."""
         kernel = self._kernels.get(key)
         if kernel is None:
             with self._lock:
                 kernel = self._kernels.get(key)
                 if kernel is None:
-                    if key.device.startswith("cuda"):
+                    if isinstance(key, PagedSpec):
+                        kernel = tvmattn.compile(key, "cpu", thread_pool=cpu_thread_pool())
+                    elif key.device.startswith("cuda"):
                         kernel = tvmattn.compile(key.spec(), "cuda")
                     else:
                         kernel = tvmattn.compile(key.spec(), "cpu", thread_pool=cpu_thread_pool())

@@ -1,0 +1,206 @@
+"""Paged decode (`tvmattn.PagedSpec`) against its peers, one process, interleaved rounds, ratios of one run:
+
+    contiguous   tvmattn's dense decode kernel at the same total KV (B=4 × 900 keys, static shapes),
+                 in the layout a page has (HND ~ BHSD, NHD ~ BSHD)
+    uniform      the paged kernel on 4 sequences of 900 keys: the ragged batch's balance
+    tvm          TVM's own paged-cache CPU decode kernel (TIRPagedKVCache's ``_attention_decode_cpu``),
+                 on the same pages (its (pages, 2, h_kv, P, d) pool) and the same page table
+
+The workload is the issue's: B=4, lengths 2048/37/513/1000, 32 query / 8 KV heads, d=128, page 16.
+Each kernel's result is checked against the paged oracle before timing. Run it alone
+(``flock /tmp/bench.lock``) with ``TVM_NUM_THREADS`` set.
+
+    python scripts/bench_paged.py [--rounds 7] [--dtypes float32 bfloat16] [--layouts HND NHD] [--no-tvm] [--prefill]
+
+``--prefill`` adds the ragged prefill (causal, the same lengths) against tvmattn's dense kernel on the
+batch padded to the longest, in useful GFLOP/s (not checked against the oracle here: tests do that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import tvm
+
+import tvmattn
+from tvmattn.compiler.arguments import numpy_dtype
+from tvmattn.compiler.kernel import host_tensor
+from tvmattn.compiler.paged import with_unused
+from tvmattn.compiler.verify import TOLERANCE, errors
+
+LENGTHS = (2048, 37, 513, 1000)
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+
+
+def paged_inputs(spec: tvmattn.PagedSpec, lengths, seed: int = 0) -> dict[str, np.ndarray]:
+    """The sequences' pages shuffled through one pool (as a server's cache is after a while)."""
+    rng = np.random.default_rng(seed)
+    width = max(-(-n // PAGE) for n in lengths)
+    pages = sum(-(-n // PAGE) for n in lengths)
+    order = rng.permutation(pages).astype(np.int32)
+    table = np.zeros((len(lengths), width), np.int32)
+    start = 0
+    for b, n in enumerate(lengths):
+        used = -(-n // PAGE)
+        table[b, :used] = order[start:start + used]
+        start += used
+    dt = numpy_dtype(spec.dtype)
+    return {"q": rng.standard_normal((len(lengths), 1, HEADS, HEAD_DIM)).astype(dt),
+            "k_cache": rng.standard_normal(spec.cache_shape(pages)).astype(dt),
+            "v_cache": rng.standard_normal(spec.cache_shape(pages)).astype(dt),
+            "block_table": table, "cache_seqlens": np.array(lengths, np.int32)}
+
+
+def paged_peer(spec, lengths):
+    kernel = tvmattn.compile(spec)
+    args = paged_inputs(spec, lengths)
+    out = np.empty(args["q"].shape, args["q"].dtype)
+    positional = [args[n] for n in ("q", "k_cache", "v_cache", "block_table", "cache_seqlens")]
+    check(kernel(*positional), tvmattn.paged_reference(spec, *positional), spec.dtype, f"paged {spec.kv_layout}")
+    tensors = [host_tensor(a) for a in with_unused(spec, args).values()] + [host_tensor(out)]
+    return lambda: kernel.run(*tensors)
+
+
+def contiguous_peer(dtype: str, layout: str, length: int):
+    spec = tvmattn.AttentionSpec(batch=len(LENGTHS), seq_len=1, kv_seq_len=length, num_heads=HEADS,
+                                 num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, layout=layout, dtype=dtype,
+                                 projections=False)
+    kernel = tvmattn.compile(spec)
+    rng = np.random.default_rng(1)
+    arrays = [rng.standard_normal(s).astype(numpy_dtype(dtype)) for s in spec.input_shapes().values()]
+    out = np.empty(spec.output_shape(), numpy_dtype(dtype))
+    check(kernel(*arrays), tvmattn.reference(spec, *arrays), dtype, f"contiguous {layout}")
+    tensors = [host_tensor(a) for a in arrays] + [host_tensor(out)]
+    return lambda: kernel.run(*tensors)
+
+
+def tvm_peer(spec: tvmattn.PagedSpec, lengths):
+    """TIRPagedKVCache's CPU decode kernel on the same pages: a (pages, 2, h_kv, P, d) pool, the page
+    table as CSR (indptr, values), each sequence's last page's length."""
+    from tvm.relax.frontend.nn.llm.kv_cache import _attention_decode_cpu
+
+    func = _attention_decode_cpu(KV_HEADS, HEADS, HEAD_DIM, spec.dtype, False, {}, PAGE)
+    name = str(func.attrs["global_symbol"])
+    fn = tvm.compile(tvm.IRModule({name: func}), target=tvmattn.compiler.target.host_target())[name]
+    args = paged_inputs(spec.replace(kv_layout="HND"), lengths)
+    pool = np.ascontiguousarray(np.stack([args["k_cache"], args["v_cache"]], axis=1))
+    used = [-(-n // PAGE) for n in lengths]
+    indptr = np.concatenate([[0], np.cumsum(used)]).astype(np.int32)
+    values = np.concatenate([args["block_table"][b, :u] for b, u in enumerate(used)]).astype(np.int32)
+    last = np.array([n - (u - 1) * PAGE if u else 0 for n, u in zip(lengths, used)], np.int32)
+    q = np.ascontiguousarray(args["q"][:, 0])
+    out = np.empty_like(q)
+    lse = np.empty((len(lengths), HEADS), np.float32)
+    zeros = np.zeros(len(lengths), np.int32)
+    # (TVM's own kernels assume 64-byte aligned arguments: copies, not NumPy's memory)
+    tensors = [tvm.runtime.tensor(a) for a in (q, pool, indptr, values, last, zeros, zeros, out, lse)]
+    scale = 1.0 / np.sqrt(HEAD_DIM)
+    fn(*tensors, 0, 1.0, 1e4, scale)
+    out = tensors[7].numpy()
+    ref = tvmattn.paged_reference(spec.replace(kv_layout="HND"), *(args[n] for n in (
+        "q", "k_cache", "v_cache", "block_table", "cache_seqlens")))
+    check(out[:, None], ref, spec.dtype, "TVM TIRPagedKVCache")
+    return lambda: fn(*tensors, 0, 1.0, 1e4, scale)
+
+
+def prefill(dtype: str, rounds: int) -> None:
+    """Ragged prefill (`PagedSpec(q_len=None)`, causal, the same lengths, queries = keys) against tvmattn's
+    dense kernel on the batch padded to the longest (bottom-right causal, key padding: it skips the
+    padding's key tiles), in useful GFLOP/s (4·d per visible (query, key) pair and head)."""
+    spec = tvmattn.PagedSpec(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, page_size=PAGE, q_len=None,
+                             causal=True, dtype=dtype)
+    args = paged_inputs(spec.replace(q_len=1), LENGTHS)
+    cu = np.concatenate([[0], np.cumsum(LENGTHS)]).astype(np.int32)
+    q = np.random.default_rng(2).standard_normal((int(cu[-1]), HEADS, HEAD_DIM)).astype(numpy_dtype(dtype))
+    ragged = tvmattn.compile(spec)
+    tensors = [host_tensor(a) for a in with_unused(spec, {**args, "q": q, "cu_seqlens_q": cu}).values()]
+    tensors.append(host_tensor(np.empty_like(q)))
+    longest = max(LENGTHS)
+    dense_spec = tvmattn.AttentionSpec(batch=len(LENGTHS), seq_len=longest, kv_seq_len=longest, num_heads=HEADS,
+                                       num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, causal=True,
+                                       causal_align="bottom_right", key_padding=True, layout="BSHD", dtype=dtype,
+                                       projections=False)
+    dense = tvmattn.compile(dense_spec)
+    rng = np.random.default_rng(3)
+    padded = [rng.standard_normal(shape).astype(numpy_dtype(dtype)) for shape in list(
+        dense_spec.input_shapes().values())[:3]] + [np.array(LENGTHS, np.int32)]
+    dense_tensors = [host_tensor(a) for a in padded] + [host_tensor(np.empty_like(padded[0]))]
+    peers = {"ragged prefill": lambda: ragged.run(*tensors), "padded dense": lambda: dense.run(*dense_tensors)}
+    times = {name: [] for name in peers}
+    for _ in range(rounds):
+        for name, call in peers.items():
+            times[name].append(timed(call, 0.5))
+    flops = sum(n * (n + 1) / 2 for n in LENGTHS) * HEADS * 4 * HEAD_DIM
+    rate = {name: flops / statistics.median(t) for name, t in times.items()}
+    print(f"\nprefill {dtype}, causal, lengths {'/'.join(map(str, LENGTHS))}, {rounds} rounds:")
+    for name, r in rate.items():
+        print(f"  {name:24s} {flops / r * 1e3:8.1f} ms  {r / 1e9:6.1f} useful GFLOP/s")
+    print(f"  ragged / padded dense (useful GFLOP/s): {rate['ragged prefill'] / rate['padded dense']:.2f}x")
+
+
+def check(out, ref, dtype, what) -> None:
+    max_abs, max_rel = errors(out, ref)
+    if not max_rel <= TOLERANCE[dtype]:
+        raise SystemExit(f"{what} {dtype}: max rel error {max_rel:.3g} over {TOLERANCE[dtype]}")
+
+
+def timed(call, budget: float = 0.15) -> float:
+    """Seconds per call: as many calls as fit ``budget``, at least 3."""
+    call()
+    start, n = time.perf_counter(), 0
+    while n < 3 or time.perf_counter() - start < budget:
+        call()
+        n += 1
+    return (time.perf_counter() - start) / n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--layouts", nargs="+", default=["HND", "NHD"])
+    parser.add_argument("--no-tvm", action="store_true", help="leave out TVM's own (serial) kernel")
+    parser.add_argument("--prefill", action="store_true", help="also ragged prefill against the padded dense kernel")
+    opts = parser.parse_args()
+    total = sum(LENGTHS)
+    uniform = (total // len(LENGTHS),) * len(LENGTHS)
+    for dtype in opts.dtypes:
+        per_key = KV_HEADS * HEAD_DIM * 2 * numpy_dtype(dtype).itemsize  # K and V bytes of one key
+        kv_bytes = total * per_key
+        peers, keys = {}, {}
+        for layout in opts.layouts:
+            spec = tvmattn.PagedSpec(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, page_size=PAGE,
+                                     kv_layout=layout, dtype=dtype)
+            peers[f"paged {layout}"] = paged_peer(spec, LENGTHS)
+            peers[f"paged {layout} uniform"] = paged_peer(spec, uniform)
+            dense = {"HND": "BHSD", "NHD": "BSHD"}[layout]
+            peers[f"contiguous {dense}"] = contiguous_peer(dtype, dense, uniform[0])
+            keys[f"paged {layout} uniform"] = keys[f"contiguous {dense}"] = sum(uniform)
+        if not opts.no_tvm:
+            peers["TVM TIRPagedKVCache"] = tvm_peer(spec, LENGTHS)
+        times = {name: [] for name in peers}
+        for _ in range(opts.rounds):  # interleaved: each round times every peer once
+            for name, call in peers.items():
+                times[name].append(timed(call, 0.05 if name.startswith("TVM") else 0.15))
+        median = {name: statistics.median(t) for name, t in times.items()}
+        rate = {name: keys.get(name, total) * per_key / seconds for name, seconds in median.items()}  # KV bytes/s
+        print(f"\n{dtype}: B=4 lengths {'/'.join(map(str, LENGTHS))} (uniform {uniform[0]}), {HEADS}/{KV_HEADS} heads, "
+              f"d={HEAD_DIM}, page {PAGE}, KV {kv_bytes / 1e6:.1f} MB, {opts.rounds} rounds")
+        for name, seconds in median.items():
+            print(f"  {name:24s} {seconds * 1e3:8.3f} ms  {rate[name] / 1e9:6.1f} GB/s")
+        for layout in opts.layouts:
+            dense = {"HND": "BHSD", "NHD": "BSHD"}[layout]
+            mine = rate[f"paged {layout}"]
+            print(f"  paged {layout} / contiguous {dense} (KV GB/s): {mine / rate[f'contiguous {dense}']:.2f}x;"
+                  f"  ragged / uniform: {mine / rate[f'paged {layout} uniform']:.2f}x"
+                  + (f";  vs TVM TIRPagedKVCache: {mine / rate['TVM TIRPagedKVCache']:.1f}x"
+                     if "TVM TIRPagedKVCache" in median else ""))
+    if opts.prefill:
+        prefill(opts.dtypes[0], max(3, opts.rounds // 2))
+
+
+if __name__ == "__main__":
+    main()
