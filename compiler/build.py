@@ -20,11 +20,13 @@ from tvmattn.compiler.flash import FlashTiles, flash_attention
 from tvmattn.compiler.kernel import CompiledAttention
 from tvmattn.compiler.layer import layer_around
 from tvmattn.compiler.logs import tvm_logs_to_logging
-from tvmattn.compiler.paged import PagedSpec, compile_paged
+from tvmattn.compiler.paged import CompiledPaged, PagedSpec
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import host_target, is_cpu, resolve_target
 from tvmattn.compiler.te_attention import attention_te
 from tvmattn.compiler.tuning.lookup import tuned_knobs, tuned_schedule
+from tvmattn.schedules.cpu.paged_decode import paged_kernel
+from tvmattn.schedules.cpu.paged_decode import plan_of as paged_plan_of
 from tvmattn.schedules.ops import BEFORE_LEGALIZE, ScheduleFunctions
 from tvmattn.schedules.ops.precision import matmuls_in
 
@@ -204,3 +206,17 @@ def build_serial(spec: AttentionSpec, tiles: FlashTiles) -> CompiledAttention:
     executable = tvm_compile(tvm.IRModule({"main": func}), target)
     return CompiledAttention(spec, target, executable, f"flash template, serial ({tiles})",
                              time.perf_counter() - start)
+
+
+def compile_paged(spec: PagedSpec, target: Any, thread_pool: str = "tvm") -> "CompiledPaged":
+    """``tvmattn.compile`` of a `PagedSpec`: the CPU paged decode kernel (`schedules.cpu.paged_decode`)."""
+    if not is_cpu(target):
+        raise TvmAttnError(f"a paged KV cache has a CPU kernel only: compile {spec.describe()} for 'cpu'")
+    start = time.perf_counter()
+    plan = paged_plan_of(spec, target)
+    mod = passes.polynomial_math()(tvm.IRModule({"main": paged_kernel(plan)}))  # (softcap's tanh: a polynomial)
+    try:
+        executable = tvm_compile(mod, target, thread_pool)
+    except Exception as err:  # our bug, but the user gets a sentence first
+        raise TvmAttnError(f"TVM could not build the paged kernel ({spec.describe()}): {tvm_reason(err)}") from err
+    return CompiledPaged(spec, target, executable, plan.describe(), time.perf_counter() - start, mod, thread_pool)

@@ -24,19 +24,16 @@ oracle's paged reference read.
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
-import tvm
 
-from tvmattn.compiler import arguments, passes
+from tvmattn.compiler import arguments
 from tvmattn.compiler.arguments import Argument, numpy_dtype
-from tvmattn.compiler.errors import TvmAttnError, tvm_reason
+from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.kernel import CompiledAttention
 from tvmattn.compiler.spec import DTYPES, AttentionSpec
-from tvmattn.compiler.target import is_cpu
 
 KV_LAYOUTS = ("NHD", "HND")
 MAX_PAGE = 256
@@ -207,24 +204,6 @@ def check_pages(spec: PagedSpec, block_table: np.ndarray, cache_seqlens: np.ndar
 
 
 # ---- the compiled kernel ---------------------------------------------------------------------------
-def compile_paged(spec: PagedSpec, target: Any, thread_pool: str = "tvm") -> "CompiledPaged":
-    """``tvmattn.compile`` of a `PagedSpec`: the CPU paged decode kernel (`schedules.cpu.paged_decode`)."""
-    # (build.py and the kernel's module import this one)
-    from tvmattn.compiler.build import tvm_compile
-    from tvmattn.schedules.cpu.paged_decode import paged_kernel, plan_of
-
-    if not is_cpu(target):
-        raise TvmAttnError(f"a paged KV cache has a CPU kernel only: compile {spec.describe()} for 'cpu'")
-    start = time.perf_counter()
-    plan = plan_of(spec, target)
-    mod = passes.polynomial_math()(tvm.IRModule({"main": paged_kernel(plan)}))  # (softcap's tanh: a polynomial)
-    try:
-        executable = tvm_compile(mod, target, thread_pool)
-    except Exception as err:  # our bug, but the user gets a sentence first
-        raise TvmAttnError(f"TVM could not build the paged kernel ({spec.describe()}): {tvm_reason(err)}") from err
-    return CompiledPaged(spec, target, executable, plan.describe(), time.perf_counter() - start, mod, thread_pool)
-
-
 class CompiledPaged(CompiledAttention):
     """A paged kernel: ``kernel(q, k_cache, v_cache, block_table, cache_seqlens, sinks=…, alibi_slopes=…)``
     → (B, n, h, d), NumPy in and out as `CompiledAttention`; every call checks the block table against
