@@ -68,9 +68,7 @@ def rewrite(mod: tvm.IRModule, kernels: Kernels, provenance: dict,
         mod = _Rewriter(mod, AttentionPattern(root), kernels, provenance,
                         reasons if reasons is not None else {}).run()
         mod = relax.transform.DeadCodeElimination(["main"])(mod)
-    # a kernel's K and V are re-emitted from the graph's expressions: a decode step's cache concat then
-    # ran twice, once for the kernel and once for the `present` output (the whole cache copied again)
-    return relax.transform.DeadCodeElimination(["main"])(relax.transform.EliminateCommonSubexpr()(mod))
+    return mod
 
 
 NOT_ATTENTION = ("no softmax(Q·Kᵀ …)·V chain around it: not an attention (a classifier's softmax), or a form "

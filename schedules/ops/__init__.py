@@ -37,7 +37,7 @@ from tvmattn.schedules.ops.conv import conv_as_gemm
 from tvmattn.schedules.ops.fallback import Fallback, Scan
 from tvmattn.schedules.ops.gemv import Gemv
 from tvmattn.schedules.ops.injective import Injective
-from tvmattn.schedules.ops.layout import cancel_transposes
+from tvmattn.schedules.ops.layout import cancel_transposes, same_concats
 from tvmattn.schedules.ops.matmul import CONSTANT_PARAMS, Matmul, pack
 from tvmattn.schedules.ops.matmul_bf16 import MatmulPairs
 from tvmattn.schedules.ops.powers import small_powers
@@ -58,8 +58,9 @@ RULES: tuple[tuple[str, dlight.ScheduleRule], ...] = (
 
 
 # Relax rewrites before legalisation into what the rules schedule: convolutions as GEMMs, x**2 as x·x,
-# transpositions that undo each other (the convolutions' channels-first output transposed straight back)
-BEFORE_LEGALIZE = (conv_as_gemm, small_powers, cancel_transposes)
+# transpositions that undo each other (the convolutions' channels-first output transposed straight back),
+# each concatenation once
+BEFORE_LEGALIZE = (conv_as_gemm, small_powers, cancel_transposes, same_concats)
 
 
 def is_scheduled(func: tirx.PrimFunc) -> bool:

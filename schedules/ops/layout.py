@@ -1,5 +1,6 @@
 """Layout changes that change nothing, removed in Relax before legalisation: transpositions that undo
-each other, reshapes to the shape a tensor has, a concatenation of one tensor.
+each other, reshapes to the shape a tensor has, a concatenation of one tensor or of what another
+concatenation already joined.
 
 A convolution rewritten as a GEMM (`conv`) hands back its output channels-first, (B, C, T), as ONNX
 has it; an export that normalises over channels (Wav2Vec2's feature extractor, Whisper's) transposes
@@ -12,6 +13,7 @@ the identity; a reshape to its input's own shape is its input.
 from __future__ import annotations
 
 import tvm
+import tvm_ffi
 from tvm import relax
 
 from tvmattn.schedules.ops.rewrite import rewrite_functions
@@ -20,6 +22,37 @@ from tvmattn.schedules.ops.rewrite import rewrite_functions
 @tvm.transform.module_pass(opt_level=0, name="tvmattn.CancelTransposes")
 def cancel_transposes(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     return _CancelTransposes(mod).run()
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvmattn.SameConcats")
+def same_concats(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """Each concatenation of the same tensors computed once: the attention rewrite re-emits a kernel's
+    K and V from the graph's expressions, and a decode step's cache concat ran twice, for the kernel
+    and for the `present` output (the whole cache copied again). Concatenations only: Relax's
+    common-subexpression pass also merged the cheap elementwise twins fusion recomputes inside each
+    consumer, and materialised them (DeBERTa 1×512: 5 % slower)."""
+    return relax.transform.DeadCodeElimination()(_SameConcats(mod).run())
+
+
+@relax.expr_functor.mutator
+class _SameConcats(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule) -> None:
+        super().__init__(mod)
+        self.mod_ = mod
+        self.seen: list[tuple[relax.Call, relax.Var]] = []
+
+    def run(self) -> tvm.IRModule:
+        return rewrite_functions(self, self.mod_)
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        value = self.visit_expr(binding.value)
+        if isinstance(value, relax.Call) and getattr(value.op, "name", "") == "relax.concat":
+            twin = next((var for call, var in self.seen if tvm_ffi.structural_equal(call, value)), None)
+            if twin is not None:
+                self.set_var_remap(binding.var, twin)
+                return
+            self.seen.append((value, binding.var))
+        self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
 
 
 @relax.expr_functor.mutator
