@@ -33,14 +33,14 @@ from tvmattn.compiler import arguments
 from tvmattn.compiler.arguments import Argument, numpy_dtype
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.kernel import CompiledAttention
-from tvmattn.compiler.spec import DTYPES, AttentionSpec
+from tvmattn.compiler.spec import DTYPES, AttentionSpec, Heads
 
 KV_LAYOUTS = ("NHD", "HND")
 MAX_PAGE = 256
 
 
 @dataclass(frozen=True)
-class PagedSpec:
+class PagedSpec(Heads):
     """One attention over a paged KV cache (see the module docstring). The batch, the pool's page
     count and the block table's width are symbolic: one kernel serves every batch and cache."""
 
@@ -77,18 +77,6 @@ class PagedSpec:
                              causal_align="bottom_right", window=self.window, key_padding=True, layout="BSHD",
                              dtype=self.dtype, projections=False, scale=self.scale, softcap=self.softcap,
                              sinks=self.sinks, alibi=self.alibi)
-
-    @property
-    def h(self) -> int:
-        return self.num_heads
-
-    @property
-    def h_kv(self) -> int:
-        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
-
-    @property
-    def group(self) -> int:
-        return self.h // self.h_kv
 
     def cache_shape(self, pages: Any = "num_pages") -> tuple:
         if self.kv_layout == "NHD":

@@ -33,8 +33,26 @@ OUTPUTS = ("attn", "scaled_scores", "logits", "weights")
 ALIBI_KINDS = ("signed", "symmetric")
 
 
+class Heads:
+    """The head counts of a spec with ``num_heads`` and ``num_kv_heads`` fields (`AttentionSpec`,
+    `paged.PagedSpec`)."""
+
+    @property
+    def h(self) -> int:
+        return self.num_heads
+
+    @property
+    def h_kv(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head."""
+        return self.h // self.h_kv
+
+
 @dataclass(frozen=True)
-class AttentionSpec:
+class AttentionSpec(Heads):
     """One multi-head attention, as a value.
 
     Sizes may be symbolic: a name (``seq_len="n"``) makes one compiled kernel serve every length;
@@ -109,19 +127,6 @@ class AttentionSpec:
     @property
     def n_kv(self) -> Dim:
         return self.seq_len if self.kv_seq_len is None else self.kv_seq_len
-
-    @property
-    def h(self) -> int:
-        return self.num_heads
-
-    @property
-    def h_kv(self) -> int:
-        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
-
-    @property
-    def group(self) -> int:
-        """Query heads per key/value head."""
-        return self.h // self.h_kv
 
     @property
     def d_k(self) -> int:
