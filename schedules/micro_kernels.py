@@ -41,8 +41,9 @@ def gemm_defaults(d_in: int, lanes: int, bits: int, widths: tuple[int, ...] = ()
     rows) within `PANEL_BYTES` (wide models: fewer columns, or W streams from memory)."""
     vecs = 4 if lanes >= 16 else 3 if widths and all(w % (3 * lanes) == 0 for w in widths) else 2
     knobs = {}
-    if widths and max(-(-w // lanes) for w in widths) < vecs:  # narrow (a grouped conv's 16 channels)
-        vecs = max(-(-w // lanes) for w in widths)
+    needed = max((-(-w // lanes) for w in widths), default=vecs)  # vectors the widest output has
+    if needed < vecs:  # narrow (a grouped conv's 16 channels)
+        vecs = needed
         knobs["gemm_rows"] = 8  # the accumulators the width cannot give, from rows
     tile_bytes = d_in * vecs * lanes * bits // 8
     cols = next((c for c in (8, 4, 2) if c * tile_bytes <= PANEL_BYTES), 1)
