@@ -12,9 +12,11 @@ KEEP_16BIT = "tvmattn.keep_16bit"  # block: its bf16 output keeps 16 bits (a cop
 EXP2_COEFFICIENTS = "tvmattn.exp2_coefficients"  # function: `polynomial_math`'s p, for `vector_exp2`
 AMX_TILES = "tvmattn.amx_tiles"  # loop: each iteration configures the AMX tiles (`x86_amx.tile_configuration`)
 CONSTANT_PARAMS = "tvmattn.constant_params"  # function: the parameters every call passes a constant
+STACK_TILES = "tvmattn.stack_tiles"  # function: local buffers (by name) to allocate on the stack (`stack_tiles`)
 SPEC = "tvmattn.spec"  # function: a tuning workload's AttentionSpec (JSON), for the build workers
 
 # ---- TVM's keys, as tvmattn sets them ------------------------------------------------------------------
 OP_PATTERN = "op_pattern"  # function: relax's OpPatternKind, which FuseOps reads
 OPAQUE = 8  # kOpaque: FuseOps fuses nothing into or out of it (a scheduled kernel, a run-time check)
+DISABLE_LOWER_BUILTIN = "disable_lower_builtin"  # allocation: an LLVM alloca, not TVM's workspace
 IS_SCHEDULED = "tirx.is_scheduled"  # function: scheduled already (dlight and tvmattn's rules leave it)

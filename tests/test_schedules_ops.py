@@ -24,6 +24,7 @@ from tvm.s_tir import Schedule
 
 import tvmattn
 from tvmattn.compiler import build
+from tvmattn.compiler.kernel import host_tensor
 from tvmattn.compiler.cuda import tools as cuda_tools
 from tvmattn.compiler.onnx.importer import relax_module
 from tvmattn.compiler.passes import polynomial_math
@@ -167,6 +168,28 @@ def test_matmul_bias_gelu_epilogue(symbolic, constant):
     x = a.astype(np.float64) @ b + bb
     want = 0.5 * x * (1 + np.tanh(c * (x + 0.044715 * x ** 3)))
     assert check([A, B, bias, g], want, a, b, bb, constants=(1,) if constant else ())[0] == "matmul"
+
+
+@pytest.mark.parametrize("M", [1, 37, 130])
+def test_symbolic_row_tail_writes_only_its_rows(M):
+    """(m, 10) · (10, 64) + R (m, 64), m symbolic: rows past m of the last register tile store row m - 1
+    again (`clamp_row_tails`), never past the output (a view on a larger array whose other rows are
+    NaN) and with the residual of their own row; the tile is an alloca (`stack_tiles`), not a workspace."""
+    K, N = 10, 64
+    A, B, C = gemm(rows(M, True), K, N)
+    R = te.placeholder(C.shape, name="R")
+    Y = te.compute(C.shape, lambda i, j: C[i, j] + R[i, j], name="add")
+    func = te.create_prim_func([A, B, R, Y]).with_attr(CONSTANT_PARAMS, [1])
+    sch = dict(RULES)["matmul"].apply(func, CPU, False)
+    mod = tvm.transform.Sequential([*dict(RULES)["matmul"].passes, polynomial_math()])(sch.mod)
+    assert "disable_lower_builtin" in build.lower(mod, CPU).script()
+    rng = np.random.default_rng(3)
+    a, b, r = randn(rng, M, K), randn(rng, K, N), randn(rng, M, N)
+    big = np.full((M + 8, N), np.nan, np.float32)
+    args = [tvm.runtime.tensor(x) for x in (a, pack(b, [int(d) for d in mod["main"].params[1].ty.shape]), r)]
+    tvm.compile(mod, CPU, tir_pipeline=build.CPU_PIPELINE)["main"](*args, host_tensor(big[:M]))
+    np.testing.assert_allclose(big[:M], a.astype(np.float64) @ b + r, rtol=1e-5, atol=1e-5)
+    assert np.isnan(big[M:]).all()
 
 
 def test_matmul_rule_rejects_what_is_not_a_gemm():

@@ -16,6 +16,8 @@ element_aligned_arguments
                        Declare the arguments aligned to their elements, not to TVM's 64 bytes: NumPy
                        arrays (16-byte aligned) and views at any element offset then cross without a
                        copy; the code generator emits unaligned vector moves, as fast on aligned data.
+stack_tiles            The register tiles a pass names (`clamp_row_tails`) on the stack, not in TVM's
+                       workspace: LLVM then keeps them in registers.
 one_parallel_launch    Start a statement list's consecutive parallel loops in one launch of TVM's thread
                        pool, a barrier between them (each launch wakes the pool's sleeping workers).
 polynomial_math        Replace fp32 ``exp``, ``sigmoid``, ``tanh``, ``erf`` and small integer powers by
@@ -27,14 +29,14 @@ keep_operands_16bit    Keep a kernel's own bf16 buffers 16 bits wide (TVM's lega
                        where an instruction reads them as bits or the schedule asks for it.
 
 By module: `key_tiles` (skip_masked_key_tiles, tighten_guarded_loops), `tails` (pad_query_tiles,
-clamp_row_tails, peel_key_tails), `launch` (element_aligned_arguments, one_parallel_launch),
+clamp_row_tails, peel_key_tails), `launch` (element_aligned_arguments, one_parallel_launch, stack_tiles),
 `polynomials` (polynomial_math, vector_exp2), `storage16` (exact_widenings, keep_operands_16bit), and
 `ir`, the helpers they share. A schedule rule declares which of them its kernels need (`passes`).
 """
 
 from tvmattn.compiler.passes.ir import conjuncts, element_dtype, substitute, uses, visit_blocks
 from tvmattn.compiler.passes.key_tiles import GUARD_NAME, KEY_BLOCKS, skip_masked_key_tiles, tighten_guarded_loops
-from tvmattn.compiler.passes.launch import element_aligned_arguments, one_parallel_launch
+from tvmattn.compiler.passes.launch import element_aligned_arguments, one_parallel_launch, stack_tiles
 from tvmattn.compiler.passes.polynomials import (
     EXP2_COEFFICIENTS,
     EXP2_P,
@@ -50,5 +52,6 @@ __all__ = [
     "EXP2_COEFFICIENTS", "EXP2_P", "EXP2_P_BF16", "GUARD_NAME", "KEEP_16BIT", "KEY_BLOCKS", "PADDED_AXES",
     "SMALL_POWER", "clamp_row_tails", "conjuncts", "element_aligned_arguments", "element_dtype", "exact_widenings",
     "keep_operands_16bit", "one_parallel_launch", "pad_query_tiles", "peel_key_tails", "polynomial_math",
-    "skip_masked_key_tiles", "substitute", "tighten_guarded_loops", "uses", "vector_exp2", "visit_blocks",
+    "skip_masked_key_tiles", "stack_tiles", "substitute", "tighten_guarded_loops", "uses", "vector_exp2",
+    "visit_blocks",
 ]

@@ -1,5 +1,6 @@
 """How a CPU kernel is called: its arguments at any element offset (`element_aligned_arguments`), its
-parallel loops in one launch of TVM's thread pool (`one_parallel_launch`)."""
+parallel loops in one launch of TVM's thread pool (`one_parallel_launch`), its register tiles on the
+stack where asked (`stack_tiles`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import tvm_ffi
 from tvm import tirx
 from tvm.tirx import For, ForKind, PrimFunc
 
+from tvmattn.compiler.annotations import DISABLE_LOWER_BUILTIN, STACK_TILES
 from tvmattn.compiler.passes.ir import uses
 
 
@@ -92,5 +94,34 @@ def element_aligned_arguments() -> tvm.transform.Pass:
         body = tvm_ffi.structural_map(func.body, [(tirx.Var, lambda v: next(
             (new for old, new in relaxed.items() if old.same_as(v)), v))])
         return PrimFunc([relaxed.get(p, p) for p in func.params], body, func.ret_type, func.attrs)
+
+    return transform
+
+
+STACK_BYTES = 4096  # the largest tile `stack_tiles` puts on a thread's stack
+
+
+def stack_tiles() -> tvm.transform.Pass:
+    """The local buffers a function's ``STACK_TILES`` names (register tiles, `clamp_row_tails`), up to
+    `STACK_BYTES`, allocated on the stack: TVM makes every other local allocation of a CPU kernel a
+    workspace (heap) one, whose stores LLVM must keep, while an alloca it can keep in registers. Run
+    after TVM's pipeline (its allocations are final), before the host's lowering of builtins."""
+
+    @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.StackTiles")
+    def transform(func: PrimFunc, _mod, _ctx) -> PrimFunc:
+        names = [str(n) for n in (func.attrs.get(STACK_TILES, []) if func.attrs else [])]
+        if not names:
+            return func
+
+        def on_alloc(node: tirx.AllocBuffer):
+            buffer = node.buffer
+            size = buffer.shape[0] if len(buffer.shape) == 1 else None
+            dtype = tvm.DataType(str(buffer.dtype))
+            if buffer.name not in names or buffer.scope() != "local" or not isinstance(size, tirx.IntImm) \
+                    or int(size) * dtype.bits * dtype.lanes // 8 > STACK_BYTES:
+                return node
+            return tirx.AllocBuffer(buffer, {**node.annotations, DISABLE_LOWER_BUILTIN: _ONE})
+
+        return func.with_body(tvm_ffi.structural_map(func.body, [(tirx.AllocBuffer, on_alloc)]))
 
     return transform

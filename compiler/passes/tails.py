@@ -12,7 +12,7 @@ from tvm.sym import Analyzer, IntervalSet
 from tvm.sym.pattern import detect_linear_equation
 from tvm.tirx import For, ForKind, PrimFunc
 
-from tvmattn.compiler.annotations import PADDED_AXES
+from tvmattn.compiler.annotations import PADDED_AXES, STACK_TILES
 from tvmattn.compiler.passes.ir import conjuncts, substitute, uses, visit_blocks
 from tvmattn.compiler.passes.key_tiles import GUARD_NAME
 
@@ -79,9 +79,17 @@ def clamp_row_tails() -> tvm.transform.Pass:
     unrolled, vectorised micro-kernel that is a branch per FMA. A block writing only local buffers may
     compute the tail's missing rows (nothing outside the tile sees them), so its test becomes one on
     the tile's first row (the unrolled and vector loops at 0) and its reads of other buffers take row
-    min(row, M - 1): in bounds, and never stored. The store of the tile keeps the test. An iterator
-    the block's ``PADDED_AXES`` annotation names (columns of a weight zero-padded to whole tiles) keeps
-    only the tile's test, unclamped: the tile's padding columns are in the weight.
+    min(row, M - 1): in bounds, and equal to row M - 1's. An iterator the block's ``PADDED_AXES``
+    annotation names (columns of a weight zero-padded to whole tiles) keeps only the tile's test,
+    unclamped: the tile's padding columns are in the weight.
+
+    Where M is symbolic, the tile's store (a block reading such a tile, writing a parameter) is treated
+    the same way: its rows past M write row M - 1 again, with row M - 1's value (its inputs were
+    clamped alike), so it needs no test per row. Per-row tests there made LLVM keep the accumulators in
+    memory (the tile's workspace) and copy them out row by row: Wav2Vec2's first convolution (K = 10)
+    at 92 GFLOP/s symbolic, 138 static. Such a tile is named in the function's ``STACK_TILES`` for
+    `stack_tiles`: in TVM's workspace LLVM still stores it before each tile's store. A static row count
+    keeps the test: it has at most one tail tile.
     """
 
     @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.ClampRowTails")
@@ -94,19 +102,20 @@ def clamp_row_tails() -> tvm.transform.Pass:
                                              if lp.kind in (ForKind.UNROLLED, ForKind.VECTORIZED)}
 
         visit_blocks(func.body, on_block)
+        tiles = []  # the local buffers the register tiles accumulate in
+        stacked: list[str] = []  # those whose store was clamped
 
         def on_realize(node: SBlockRealize):
             block = node.block
-            if isinstance(node.predicate, tirx.IntImm) or not block.writes or \
-                    any(w.source.scope() != "local" for w in block.writes):
+            if isinstance(node.predicate, tirx.IntImm) or not block.writes:
                 return node
+            if any(w.source.scope() != "local" for w in block.writes):
+                return _clamped_store(node)
             terms = conjuncts(node.predicate)
             kept, clamp = [], {}
             padded = [int(i) for i in block.annotations.get(PADDED_AXES, [])]
             for cond in terms:
-                at = next((i for i, v in enumerate(node.iter_values) if isinstance(cond, tirx.LT)
-                           and block.iter_vars[i].iter_type == tirx.IterVar.DataPar
-                           and analyzer.can_prove_equal(cond.a, v)), None)
+                at = _row_test(cond, node)
                 if at is None:
                     kept.append(cond)
                     continue
@@ -117,22 +126,61 @@ def clamp_row_tails() -> tvm.transform.Pass:
 
             if not clamp and all(k.same_as(c) for k, c in zip(kept, terms)):
                 return node
+            tiles.extend(w.source for w in block.writes)
+            return _with(node, kept, clamp)
+
+        def _row_test(cond, node: SBlockRealize) -> int | None:
+            """The iterator ``cond`` bounds (``v < M``, v a spatial iterator's value), else None."""
+            return next((i for i, v in enumerate(node.iter_values) if isinstance(cond, tirx.LT)
+                         and node.block.iter_vars[i].iter_type == tirx.IterVar.DataPar
+                         and analyzer.can_prove_equal(cond.a, v)), None)
+
+        def _clamped_store(node: SBlockRealize):
+            """The store of a clamped tile: rows past a symbolic M write row M - 1 (see above)."""
+            block = node.block
+            if not any(r.source.same_as(t) for r in block.reads for t in tiles) or len(block.writes) != 1 or \
+                    not isinstance(block.body, tirx.BufferStore):
+                return node
+            terms = conjuncts(node.predicate)
+            rows = [(at, cond) for cond in terms if (at := _row_test(cond, node)) is not None
+                    and not isinstance(cond.b, tirx.IntImm)]
+            if len(rows) != 1:
+                return node
+            at, row_cond = rows[0]
+            var = block.iter_vars[at].var
+            # the loops of the tile the row runs over, at 0: the tests become the tile's first row's
+            row_loops = {v: z for v, z in in_tile.get(block.name_hint, {}).items() if uses(node.iter_values[at], v)}
+            kept = [analyzer.simplify(substitute(c, row_loops)) for c in terms]
+            stacked.extend(r.source.name for r in block.reads if r.source.scope() == "local")
+            return _with(node, kept, {var: tirx.min(var, row_cond.b - 1)}, store=True)
+
+        def _with(node: SBlockRealize, kept: list, clamp: dict, store: bool = False) -> SBlockRealize:
+            """``node`` under the predicate ``kept``, its non-local accesses (and, for a ``store``, its
+            write) at the ``clamp``ed indices."""
+            block = node.block
 
             def on_load(load):
                 if load.source.scope() == "local":
                     return load
                 return tirx.BufferLoad(load.source, [substitute(i, clamp) for i in load.indices])
 
+            def clamped(regions):
+                return [r if r.source.scope() == "local" else tirx.BufferRegion(
+                    r.source, [tvm.ir.Range.from_min_extent(substitute(x.min, clamp), x.extent) for x in r.region])
+                    for r in regions]
+
             body = tvm_ffi.structural_map(block.body, [(TensorLoad, on_load)])
-            reads = [r if r.source.scope() == "local" else tirx.BufferRegion(
-                r.source, [tvm.ir.Range.from_min_extent(substitute(x.min, clamp), x.extent) for x in r.region])
-                for r in block.reads]
-            new = SBlock(block.iter_vars, reads, block.writes, block.name_hint, body, block.init,
+            writes = block.writes
+            if store:
+                body = tirx.BufferStore(body.buffer, body.value, [substitute(i, clamp) for i in body.indices])
+                writes = clamped(writes)
+            new = SBlock(block.iter_vars, clamped(block.reads), writes, block.name_hint, body, block.init,
                          block.alloc_buffers, block.match_buffers, block.annotations)
             predicate = tirx.all(*kept) if kept else tirx.const(True, "bool")
             return SBlockRealize(node.iter_values, predicate, new, node.span)
 
-        return func.with_body(tvm_ffi.structural_map(func.body, [(SBlockRealize, on_realize)]))
+        func = func.with_body(tvm_ffi.structural_map(func.body, [(SBlockRealize, on_realize)]))
+        return func.with_attr(STACK_TILES, sorted(set(stacked))) if stacked else func
 
     return transform
 

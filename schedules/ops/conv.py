@@ -4,8 +4,10 @@ A transformer's convolutions are its front end (ViT / CLIP / SigLIP patch embedd
 kernel; Whisper's and Wav2Vec2's 1-D convolutions over audio frames). TVM legalises a convolution
 to one reduction block that no rule tiles (it ran on the fallback rule at 2 GFLOP/s). Rewritten as
 
-    cols = im2col(x)        (B, OH, OW, C/g, KH, KW) → (B, OH·OW, g, C/g·KH·KW): a copy, the
-                            `injective` rule's (vectorised along KW, contiguous in x's rows)
+    cols = im2col(x)        (B, OH, OW, C, KH, KW) → (B, OH·OW, C·KH·KW), with groups (B, g, OH, OW,
+                            C/g, KH, KW) → (B, g, OH·OW, C/g·KH·KW): a copy, the `injective` rule's
+                            (vectorised along KW, contiguous in x's rows); 1-D: channels last,
+                            (B, OL, K, C) from x (B, L, C) (`_im2col_nwc`)
     y    = cols · W'        W' (C/g·KH·KW, N) or (g, C/g·KH·KW, N/g), folded from the constant weight
                             at compile time: the `matmul` rule's GEMM, its weight packed
     out  = y back to NCHW   (a transposition that Relax fuses into the consumer: a ViT flattens and
@@ -70,14 +72,21 @@ class _ConvAsGemm(relax.PyExprMutator):
         batch = shape[0]
         positions = out_sizes[0] if dims == 1 else out_sizes[0] * out_sizes[1]
         k = c_group * int(np.prod(kernel))
-        cols = self.builder_.emit_te(_im2col, x, kernel, strides, padding[:dims], dilation, out_sizes,
-                                     primfunc_name_hint="im2col")
+        if dims == 1:  # channels last, the taps outside the channels: (…, K, C/g) rows
+            x = self.builder_.emit(relax.op.permute_dims(x, [0, 2, 1]))
+            cols = self.builder_.emit_te(_im2col_nwc, x, kernel[0], strides[0], padding[0], dilation[0],
+                                         out_sizes[0], groups, primfunc_name_hint="im2col")
+            w = w.transpose(0, 2, 1)  # (N, K, C/g): the reduction in the rows' order
+        else:
+            if any(padding):  # padded once: the copy then reads whole vectors of x, not lane by lane clamped
+                x = self.builder_.emit_te(_padded, x, padding, primfunc_name_hint="pad")
+            cols = self.builder_.emit_te(_im2col, x, kernel, strides, [0] * dims, dilation, out_sizes, groups,
+                                         primfunc_name_hint="im2col")
         if groups == 1:
             flat = self.builder_.emit(relax.op.reshape(cols, [batch, positions, k]))
             panel = w.reshape(n_out, k).T  # (C·KH·KW, N): the GEMM's (reduction, columns)
         else:  # a batch GEMM over the groups
-            flat = self.builder_.emit(relax.op.permute_dims(
-                relax.op.reshape(cols, [batch, positions, groups, k]), [0, 2, 1, 3]))
+            flat = self.builder_.emit(relax.op.reshape(cols, [batch, groups, positions, k]))
             panel = w.reshape(groups, n_out // groups, k).transpose(0, 2, 1)
         y = self.builder_.emit(relax.op.matmul(flat, relax.const(np.ascontiguousarray(panel))))
         if groups == 1:  # (B, P, N) → (B, N, P)
@@ -102,13 +111,53 @@ def _supported(call: relax.Call, layouts: tuple[str, str]) -> bool:
             and isinstance(list(ty.shape)[1], tirx.IntImm))
 
 
-def _im2col(x: te.Tensor, kernel, strides, padding, dilation, out_sizes) -> te.Tensor:
+def _im2col(x: te.Tensor, kernel, strides, padding, dilation, out_sizes, groups: int = 1) -> te.Tensor:
     """(B, OH, OW, C, KH, KW) (1-D: (B, OL, C, K)): each output position's receptive field, zero
-    where it reaches into the padding."""
+    where it reaches into the padding. With groups, (B, g, OH, OW, C/g, KH, KW): each group's rows
+    contiguous, as its GEMM reads them (a transposition after the copy cost Wav2Vec2's positional
+    convolution, 128 taps, a second pass over 128 times its input)."""
     dims = len(kernel)
-    return te.compute((x.shape[0], *out_sizes, x.shape[1], *kernel),
-                      lambda b, *i: _tap(x, b, i[dims], i[:dims], i[dims + 1:], strides, padding, dilation),
+    if groups == 1:
+        return te.compute((x.shape[0], *out_sizes, x.shape[1], *kernel),
+                          lambda b, *i: _tap(x, b, i[dims], i[:dims], i[dims + 1:], strides, padding, dilation),
+                          name="im2col")
+    per_group = int(x.shape[1]) // groups
+    return te.compute((x.shape[0], groups, *out_sizes, per_group, *kernel),
+                      lambda b, g, *i: _tap(x, b, g * per_group + i[dims], i[:dims], i[dims + 1:], strides,
+                                            padding, dilation),
                       name="im2col")
+
+
+def _im2col_nwc(x: te.Tensor, kernel: int, stride: int, padding: int, dilation: int, out_size,
+                groups: int) -> te.Tensor:
+    """A 1-D convolution's rows from channels-last x (B, L, C): (B, OL, K, C), with groups (B, g, OL, K,
+    C/g); zero in the padding. Vectors along the channels, contiguous in x: a convolution's input is
+    mostly the previous GEMM's output, (B, L, C) in memory, which TVM fuses in (the model's transpose to
+    NCW and this one cancel, a GELU between them included). In NCW order, (…, C, K), the copy had K = 3
+    taps innermost, too few for a vector, and ran scalar."""
+    per_group = int(x.shape[2]) // groups
+
+    def row(b, g, p, tap, c):
+        q = p * stride + tap * dilation - padding
+        if not padding:
+            return x[b, q, g * per_group + c]
+        inside = tirx.all(0 <= q, q < x.shape[1])  # the same for every channel: one test per vector
+        return tirx.Select(inside, x[b, tirx.max(0, tirx.min(q, x.shape[1] - 1)), g * per_group + c],
+                           tirx.const(0, x.dtype))
+
+    if groups == 1:
+        return te.compute((x.shape[0], out_size, kernel, x.shape[2]), lambda b, p, tap, c: row(b, 0, p, tap, c),
+                          name="im2col")
+    return te.compute((x.shape[0], groups, out_size, kernel, per_group), row, name="im2col")
+
+
+def _padded(x: te.Tensor, padding) -> te.Tensor:
+    """x with ``padding`` (before each spatial dimension, then after each) zeros around its spatial axes."""
+    dims = len(padding) // 2
+    shape = [x.shape[2 + i] + padding[i] + padding[dims + i] for i in range(dims)]
+    zeros = [0] * dims
+    return te.compute((x.shape[0], x.shape[1], *shape),
+                      lambda b, c, *i: _tap(x, b, c, i, zeros, [1] * dims, padding[:dims], [1] * dims), name="pad")
 
 
 def _per_channel(x: te.Tensor, w: te.Tensor, strides, padding, dilation, out_sizes) -> te.Tensor:
