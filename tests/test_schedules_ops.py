@@ -24,8 +24,8 @@ from tvm.s_tir import Schedule
 
 import tvmattn
 from tvmattn.compiler import build
-from tvmattn.compiler.kernel import host_tensor
 from tvmattn.compiler.cuda import tools as cuda_tools
+from tvmattn.compiler.kernel import host_tensor
 from tvmattn.compiler.onnx.importer import relax_module
 from tvmattn.compiler.passes import polynomial_math
 from tvmattn.compiler.target import resolve_target, vector_lanes
