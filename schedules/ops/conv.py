@@ -80,7 +80,7 @@ class _ConvAsGemm(relax.PyExprMutator):
         else:
             if any(padding):  # padded once: the copy then reads whole vectors of x, not lane by lane clamped
                 x = self.builder_.emit_te(_padded, x, padding, primfunc_name_hint="pad")
-            cols = self.builder_.emit_te(_im2col, x, kernel, strides, [0] * dims, dilation, out_sizes, groups,
+            cols = self.builder_.emit_te(_im2col, x, kernel, strides, dilation, out_sizes, groups,
                                          primfunc_name_hint="im2col")
         if groups == 1:
             flat = self.builder_.emit(relax.op.reshape(cols, [batch, positions, k]))
@@ -111,20 +111,21 @@ def _supported(call: relax.Call, layouts: tuple[str, str]) -> bool:
             and isinstance(list(ty.shape)[1], tirx.IntImm))
 
 
-def _im2col(x: te.Tensor, kernel, strides, padding, dilation, out_sizes, groups: int = 1) -> te.Tensor:
-    """(B, OH, OW, C, KH, KW) (1-D: (B, OL, C, K)): each output position's receptive field, zero
-    where it reaches into the padding. With groups, (B, g, OH, OW, C/g, KH, KW): each group's rows
-    contiguous, as its GEMM reads them (a transposition after the copy cost Wav2Vec2's positional
-    convolution, 128 taps, a second pass over 128 times its input)."""
+def _im2col(x: te.Tensor, kernel, strides, dilation, out_sizes, groups: int = 1) -> te.Tensor:
+    """(B, OH, OW, C, KH, KW): each output position's receptive field in x (padded already, `_padded`).
+    With groups, (B, g, OH, OW, C/g, KH, KW): each group's rows contiguous, as its GEMM reads them (a
+    transposition after the copy cost Wav2Vec2's positional convolution, 128 taps, a second pass over
+    128 times its input)."""
     dims = len(kernel)
+    unpadded = [0] * dims
     if groups == 1:
         return te.compute((x.shape[0], *out_sizes, x.shape[1], *kernel),
-                          lambda b, *i: _tap(x, b, i[dims], i[:dims], i[dims + 1:], strides, padding, dilation),
+                          lambda b, *i: _tap(x, b, i[dims], i[:dims], i[dims + 1:], strides, unpadded, dilation),
                           name="im2col")
     per_group = int(x.shape[1]) // groups
     return te.compute((x.shape[0], groups, *out_sizes, per_group, *kernel),
                       lambda b, g, *i: _tap(x, b, g * per_group + i[dims], i[:dims], i[dims + 1:], strides,
-                                            padding, dilation),
+                                            unpadded, dilation),
                       name="im2col")
 
 
