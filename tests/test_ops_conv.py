@@ -43,6 +43,7 @@ CASES = [  # x's shape (names: symbolic), W's shape, bias, GELU after, Conv attr
      (2, 16, 9, 9)),
     (["b", 8, "n"], (8, 1, 5), False, False, {"group": 8, "pads": [2, 2]}, (3, 8, 29)),  # depthwise 1-D
     ([1, 512, 50], (7, 512, 10), True, False, {"strides": [5]}, (1, 512, 50)),  # Wav2Vec2's first, narrow out
+    (["b", 1, "n"], (40, 1, 10), True, False, {"strides": [5]}, (2, 1, 403)),  # one channel: 8-row tiles, 79 rows
     (["b", 32, "n"], (32, 16, 8), True, False, {"group": 2, "pads": [4, 4]}, (2, 32, 21)),  # W2V2 positions: 16 wide
 ]
 

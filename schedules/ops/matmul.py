@@ -28,6 +28,7 @@ from tvmattn.schedules.ops.injective import spatial
 
 KNOBS = GEMM_KNOBS
 WIDE = 8192  # output columns from which a GEMM takes taller register tiles (`Matmul.defaults`)
+SHORT = 16  # a reduction this short (an audio front end's one-channel conv: 10 taps) takes them too
 SYMBOLIC_REDUCTION = 1024  # the reduction length assumed for a symbolic one's task sizes
 
 
@@ -104,11 +105,13 @@ class Matmul(ScheduleRule):
     def defaults(self, d_in: int, width: int, lanes: int, bits: int) -> dict[str, int]:
         """The projections' tiles; for a wide output (an LM head; measured: the README's "Default
         tiles") with 16-lane vectors 8 rows × 2 vectors, the same 16 accumulators reading half as much
-        of the weight panel from L2 per FMA; with narrower ones 4 × 3 (its columns padded to whole
+        of the weight panel from L2 per FMA, and for a reduction under `SHORT` (each accumulator is
+        stored after a few FMAs, and the tile's store runs faster as 8 rows of two vectors than as 4
+        of four: measured in the README's convolution paragraph); with narrower ones 4 × 3 (its columns padded to whole
         tiles where the weight is packed) and 32 tiles of rows per task, so that each panel of the
         weight streams once per 128 rows."""
         knobs = gemm_defaults(d_in, lanes, bits, (width,))
-        if width >= WIDE and lanes >= 16:
+        if (width >= WIDE or d_in < SHORT and "gemm_rows" not in knobs) and lanes >= 16:
             knobs.update(gemm_rows=8, gemm_vecs=2)
         elif width >= WIDE:
             knobs.update(gemm_vecs=3, gemm_block_rows=32)
