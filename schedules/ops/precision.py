@@ -21,14 +21,14 @@ DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 CACHE_RESIDENT = 1 << 20  # fp32 weight bytes an L2 keeps between a decode step's calls
 
 
-def _cache_resident_gemv(x: relax.Expr, w) -> bool:
+def _cache_resident_gemv(x: relax.Expr, w: np.ndarray) -> bool:
     """One row (a decode step) by a weight that stays in cache: half its bytes saves nothing, and the
     activation's cast would be one more kernel of a step that is the VM's fixed cost per kernel."""
     shape = getattr(x.ty, "shape", None)
     dims = getattr(shape, "values", None)
     if dims is None or not all(isinstance(d, tvm.tirx.IntImm) for d in dims[:-1]):
         return False
-    return int(np.prod([int(d) for d in dims[:-1]])) == 1 and w.value.numpy().nbytes <= CACHE_RESIDENT
+    return int(np.prod([int(d) for d in dims[:-1]])) == 1 and w.nbytes <= CACHE_RESIDENT
 
 
 def matmuls_in(dtype: str) -> tvm.transform.Pass:
@@ -58,11 +58,25 @@ class _Matmuls(relax.PyExprMutator):
         if getattr(call.op, "name", "") != "relax.matmul":
             return call
         x, w = call.args
-        if not isinstance(w, tvm.ir.GenericConst) or str(w.value.dtype) != "float32" or w.value.ndim < 2 \
-                or str(getattr(x.ty, "dtype", "")) != "float32" or _cache_resident_gemv(x, w):
+        value = self._constant(w)
+        if value is None or value.dtype != np.float32 or value.ndim < 2 \
+                or str(getattr(x.ty, "dtype", "")) != "float32" or _cache_resident_gemv(x, value):
             return call
-        weight = relax.const(w.value.numpy().astype(DTYPES[self.dtype]), self.dtype)
+        weight = relax.const(value.astype(DTYPES[self.dtype]), self.dtype)
         return relax.op.matmul(self._cast(x), weight, out_dtype="float32")
+
+    def _constant(self, w: relax.Expr) -> np.ndarray | None:
+        """The weight's values: a constant, or one transposed (ONNX ``Gemm`` with ``transB``: OPT's
+        and other 2-D exports' MLPs) — folded here, before constant folding would."""
+        if isinstance(w, tvm.ir.GenericConst):
+            return w.value.numpy()
+        bound = self.lookup_binding(w) if isinstance(w, relax.Var) else None
+        if isinstance(bound, relax.Call) and getattr(bound.op, "name", "") == "relax.permute_dims" \
+                and isinstance(bound.args[0], tvm.ir.GenericConst):
+            value = bound.args[0].value.numpy()
+            axes = bound.attrs.axes
+            return np.ascontiguousarray(value.transpose(None if axes is None else [int(a) for a in axes]))
+        return None
 
     def _cast(self, x: relax.Expr) -> relax.Expr:
         """``x`` in 16 bits, cast before the reshapes that lead to it: a reshape is a view, not a
