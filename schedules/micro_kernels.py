@@ -30,6 +30,7 @@ GEMM_KNOBS = (
     Knob("gemm_block_cols", (1, 2, 4, 8), 4, "register tiles of columns per projection task"),
 )
 PANEL_BYTES = 384 * 1024  # a task's panel of W (d_in × its columns), to stay in L2
+L2_WEIGHT = 1 << 20  # a weight larger than this does not stay in L2 from one row block to the next
 PADDED_ROW_BLOCK = 16  # the block symbolic rows of a projection are padded to (`cpu.projections`)
 
 
@@ -82,19 +83,32 @@ def gemm(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: t
     # a divisor of the column tiles: a partial last block would guard every register tile of the task
     m_task, m_out, m_mid, m_vec = sch.split(m, [None, divisor_at_most(col_tiles, knob_int(sch, k["gemm_block_cols"])),
                                                 vecs, lanes_m])
-    # a task owns a block of rows × columns, so its panels of x and w stay in L2 across register tiles
+    # a task owns a block of rows × columns, so its panels of x and w stay in L2 across register tiles;
+    # consecutive tasks share a row block, or, for a weight an L2 cannot hold, a column panel (streamed
+    # once per panel rather than once per row block: the row blocks of a padded symbolic GEMM are 16)
+    tasks = (m_task, r_task) if _weight_bytes(sch, blk, sch.get(c).extent, width) > L2_WEIGHT else (r_task, m_task)
     if dot is not None:
         c, c_pair = sch.split(c, [None, dot.pair])
-        sch.reorder(*batch, r_task, m_task, r_out, m_out, c, r_in, m_mid, m_vec, c_pair)
+        sch.reorder(*batch, *tasks, r_out, m_out, c, r_in, m_mid, m_vec, c_pair)
     else:
-        sch.reorder(*batch, r_task, m_task, r_out, m_out, c, r_in, m_mid, m_vec)
-    sch.parallel(sch.fuse(*batch, r_task, m_task))
+        sch.reorder(*batch, *tasks, r_out, m_out, c, r_in, m_mid, m_vec)
+    sch.parallel(sch.fuse(*batch, *tasks))
     rows = knob_int(sch, rows_factor)
     # whole column tiles in the accumulator: with padded columns the last tile computes past the width
     w = knob_int(sch, vecs) * lanes_m
     return register_tile(sch, blk, m_out, lambda *i: (*i[:-2], i[-2] // rows, i[-2] % rows, i[-1] // w, i[-1] % w),
                          (r_in, m_mid), m_vec, lanes_m, c, epilogue,
                          intrinsic=None if dot is None else dot.pair_first, later=later)
+
+
+def _weight_bytes(sch: Schedule, blk, depth, width: int) -> int:
+    """Bytes of a GEMM's (depth × width) weight, at its operands' widest dtype (0 for a symbolic depth:
+    an activation × activation product's, whose "weight" changes every call)."""
+    if not isinstance(depth, tvm.tirx.IntImm):
+        return 0
+    block = sch.get(blk)
+    bits = max(tvm.DataType(r.source.dtype).bits for r in block.reads if not r.source.same_as(block.writes[0].source))
+    return int(depth) * width * bits // 8
 
 
 def gemv(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: tuple = (),

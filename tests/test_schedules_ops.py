@@ -102,7 +102,8 @@ def check_gemm(M: int, K: int, N: int, symbolic: bool, constant: bool, batch: tu
 
 @pytest.mark.parametrize("symbolic, constant", [(False, False), (True, True), (True, False), (False, True)])
 @pytest.mark.parametrize("M, K, N", [(1, 64, 48), (7, 96, 200), (65, 256, 1000), (33, 128, 17),
-                                     (37, 32, 8200)])  # (a wide output, an LM head's: `matmul.WIDE`)
+                                     (37, 32, 8200),  # (a wide output, an LM head's: `matmul.WIDE`)
+                                     (300, 512, 640)])  # a weight over `L2_WEIGHT`: tasks by column panel
 def test_matmul(M, K, N, symbolic, constant):
     one_row = M == 1 and not symbolic  # legalised with the unit row axis dropped: a GEMV
     assert check_gemm(M, K, N, symbolic, constant) == ("gemv" if one_row else "matmul")
