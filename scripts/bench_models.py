@@ -22,12 +22,15 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from tvmattn.compiler.errors import first_line  # noqa: E402
-from tvmattn.compiler.onnx.bench import CLASSES, bench_model  # noqa: E402
+from tvmattn.compiler.onnx.bench import CLASSES, OV_PRECISION, bench_model, openvino_run  # noqa: E402
 from tvmattn.compiler.onnx.compare import compare_with_ort  # noqa: E402
 from tvmattn.compiler.onnx.importer import ImportedModel, import_onnx  # noqa: E402
 from tvmattn.compiler.target import cpu_cores  # noqa: E402
 from tvmattn.compiler.tuning.model import tune_model  # noqa: E402
+from tvmattn.compiler.verify import errors  # noqa: E402
 from tvmattn.models import zoo  # noqa: E402
 
 FLAG = {None: 1e-3, "bf16": 5e-2, "bfloat16": 5e-2, "fp16": 1e-2, "float16": 1e-2}  # error flagged above, per dtype
@@ -61,6 +64,8 @@ class Row:
     fp32_ms: float | None = None  # the fp32 import, where the row runs in 16 bits (``--dtype``)
     dtype: str | None = None
     greedy: float | None = None  # a decoder in 16 bits: the share of positions whose argmax token is fp32's
+    ov_greedy: float | None = None  # the same share for OpenVINO at that inference precision
+    ov_error: float | None = None  # OpenVINO's error at that precision relative to our fp32 output's scale
 
     def speedup(self, peer_ms: float | None, ours: float | None = None) -> float | None:
         ours = ours or self.tvmattn_ms
@@ -76,8 +81,9 @@ class Row:
                   _num(self.speedup(self.ov_ms)), error, _num(self.import_s, 1), self.on_kernels]
         cells += [f"{100 * self.by_class.get(c, 0) / total:.0f} %" for c in CLASSES]
         if self.fp32_ms is not None:
-            cells += [_num(self.fp32_ms), _num(self.speedup(self.fp32_ms)),
-                      "—" if self.greedy is None else f"{100 * self.greedy:.1f} %"]
+            cells += [_num(self.fp32_ms), _num(self.speedup(self.fp32_ms))]
+            cells += ["—" if g is None else f"{100 * g:.1f} %" for g in (self.greedy, self.ov_greedy)]
+            cells += ["—" if self.ov_error is None else f"{self.ov_error:.1e}"]
         if tuned:
             cells += [_num(self.tuned_ms), _num(self.speedup(self.ort_ms, self.tuned_ms))]
         return "| " + " | ".join(cells) + " |"
@@ -136,8 +142,9 @@ def bench_one(m: zoo.ZooModel, shapes: tuple[tuple[int, int], ...], budget: floa
         except Exception:  # ONNX Runtime cannot run it: its note in the timing says why
             pass
         if baseline is not None and m.kind in (zoo.PREFILL, zoo.DECODE):
-            tokens, reference = imported.run(imported.declared(feed))[0].argmax(-1), baseline.run(feed)[0].argmax(-1)
-            r.greedy = float((tokens == reference).mean())
+            reference = baseline.run(feed)[0]
+            r.greedy = float((imported.run(imported.declared(feed))[0].argmax(-1) == reference.argmax(-1)).mean())
+            r.ov_greedy, r.ov_error = _openvino_greedy(proto, feed, imported.report.dtype, reference)
         b = bench_model(proto, imported, feed, budget, m.name, baseline)
         r.tvmattn_ms, r.ort_ms, r.ov_ms, r.by_class = b.tvmattn_ms, b.ort_ms, b.ov_ms, b.by_class
         r.fp32_ms = b.baseline_ms
@@ -145,6 +152,18 @@ def bench_one(m: zoo.ZooModel, shapes: tuple[tuple[int, int], ...], budget: floa
     if tune:
         _tuned(m, proto, rows, budget, tune)
     return rows
+
+
+def _openvino_greedy(proto, feed: dict, dtype: str, reference: np.ndarray) -> tuple[float | None, float | None]:
+    """OpenVINO at ``dtype`` inference precision against ``reference`` (our fp32 import's logits): the
+    share of its argmax tokens equal to the reference's, and its error (NaN where it output NaN) —
+    what the precision itself costs, for comparison with ours."""
+    try:
+        run, _ = openvino_run(proto, feed, OV_PRECISION[dtype])
+        logits = np.asarray(run()[0], dtype=np.float32)
+    except Exception:  # OpenVINO absent or failing on this model: its timing's note says which
+        return None, None
+    return float((logits.argmax(-1) == reference.argmax(-1)).mean()), errors(logits, reference)[1]
 
 
 def _tuned(m: zoo.ZooModel, proto, rows: list[Row], budget: float, trials: int) -> None:
@@ -191,7 +210,8 @@ def main() -> None:
                    "at the same precision; tvmattn's fp32 import in the same rounds)")
     args = p.parse_args()
     models = zoo.select(args.models)
-    extra = ((["tvmattn fp32 ms", "× fp32", "greedy = fp32"] if args.dtype else [])
+    extra = ((["tvmattn fp32 ms", "× fp32", "greedy = fp32", "OV greedy = fp32", "OV error vs fp32"] if args.dtype
+              else [])
              + (["tuned ms", "tuned × ORT"] if args.tune else []))
     print("| " + " | ".join(HEADER + extra) + " |")
     print("|" + "---|" * (len(HEADER) + len(extra)), flush=True)

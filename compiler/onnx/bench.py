@@ -82,7 +82,7 @@ def bench_model(model: onnx.ModelProto, imported: ImportedModel, feed: dict[str,
         runs["tvmattn fp32"] = lambda: baseline.run(feed)
     notes = {}
     precision = OV_PRECISION.get(imported.report.dtype or "float32", "f32")  # OpenVINO's for the same matmuls
-    for peer, make in (("onnxruntime", _ort_run), ("openvino", functools.partial(_openvino_run, precision=precision))):
+    for peer, make in (("onnxruntime", _ort_run), ("openvino", functools.partial(openvino_run, precision=precision))):
         run, notes[peer] = _try_peer(make, model, feed)
         if run is not None:
             runs[peer] = run
@@ -115,7 +115,7 @@ def _ort_run(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> tuple[Calla
     return (lambda: session.run(None, feed)), f"onnxruntime {ort.__version__}, default graph optimisations"
 
 
-def _openvino_run(model: onnx.ModelProto, feed: dict[str, np.ndarray], precision: str = "f32") -> tuple[Callable, str]:
+def openvino_run(model: onnx.ModelProto, feed: dict[str, np.ndarray], precision: str = "f32") -> tuple[Callable, str]:
     import openvino as ov
 
     core = ov.Core()
