@@ -5,12 +5,15 @@
     uniform      the paged kernel on 4 sequences of 900 keys: the ragged batch's balance
     tvm          TVM's own paged-cache CPU decode kernel (TIRPagedKVCache's ``_attention_decode_cpu``),
                  on the same pages (its (pages, 2, h_kv, P, d) pool) and the same page table
+    openvino     OpenVINO's CPU PagedAttention (``PagedAttentionExtension``) on pages of 32 (its CPU
+                 plugin's size, HND), beside tvmattn's paged kernel on the same pages
 
 The workload is the issue's: B=4, lengths 2048/37/513/1000, 32 query / 8 KV heads, d=128, page 16.
 Each kernel's result is checked against the paged oracle before timing. Run it alone
 (``flock /tmp/bench.lock``) with ``TVM_NUM_THREADS`` set.
 
-    python scripts/bench_paged.py [--rounds 7] [--dtypes float32 bfloat16] [--layouts HND NHD] [--no-tvm] [--prefill]
+    python scripts/bench_paged.py [--rounds 7] [--dtypes float32 bfloat16] [--layouts HND NHD] [--no-tvm]
+                                  [--no-openvino] [--prefill]
 
 ``--prefill`` adds the ragged prefill (causal, the same lengths) against tvmattn's dense kernel on the
 batch padded to the longest, in useful GFLOP/s (not checked against the oracle here: tests do that).
@@ -29,6 +32,7 @@ import tvmattn
 from tvmattn.compiler.arguments import numpy_dtype
 from tvmattn.compiler.kernel import host_tensor
 from tvmattn.compiler.paged import with_unused
+from tvmattn.compiler.target import cpu_cores
 from tvmattn.compiler.verify import TOLERANCE, errors
 
 LENGTHS = (2048, 37, 513, 1000)
@@ -38,13 +42,14 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 def paged_inputs(spec: tvmattn.PagedSpec, lengths, seed: int = 0) -> dict[str, np.ndarray]:
     """The sequences' pages shuffled through one pool (as a server's cache is after a while)."""
     rng = np.random.default_rng(seed)
-    width = max(-(-n // PAGE) for n in lengths)
-    pages = sum(-(-n // PAGE) for n in lengths)
+    page = spec.page_size
+    width = max(-(-n // page) for n in lengths)
+    pages = sum(-(-n // page) for n in lengths)
     order = rng.permutation(pages).astype(np.int32)
     table = np.zeros((len(lengths), width), np.int32)
     start = 0
     for b, n in enumerate(lengths):
-        used = -(-n // PAGE)
+        used = -(-n // page)
         table[b, :used] = order[start:start + used]
         start += used
     dt = numpy_dtype(spec.dtype)
@@ -62,6 +67,64 @@ def paged_peer(spec, lengths):
     check(kernel(*positional), tvmattn.paged_reference(spec, *positional), spec.dtype, f"paged {spec.kv_layout}")
     tensors = [host_tensor(a) for a in with_unused(spec, args).values()] + [host_tensor(out)]
     return lambda: kernel.run(*tensors)
+
+
+def openvino_peer(spec: tvmattn.PagedSpec, lengths):
+    """OpenVINO's CPU PagedAttention (``PagedAttentionExtension``, what vLLM's OpenVINO backend and
+    openvino_genai's continuous batching run) on the same pages: its cache layout is HND with pages of
+    32 (the CPU plugin's), the cache in ``spec.dtype`` (KV_CACHE_PRECISION), the block table as CSR.
+    It writes each step's new key into the cache: fed the key already at position n − 1, it reads n."""
+    import openvino as ov
+    import openvino.opset13 as ops
+    from openvino._pyopenvino.op import _PagedAttentionExtension
+
+    heads, kv_heads, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    names = {"q": [-1, heads * d], "k": [-1, kv_heads * d], "v": [-1, kv_heads * d],
+             "key_cache": [-1, kv_heads, spec.page_size, d], "value_cache": [-1, kv_heads, spec.page_size, d]}
+    params = [ops.parameter(shape, ov.Type.f32, name=n) for n, shape in names.items()]
+    params += [ops.parameter([-1], ov.Type.i32, name=n) for n in (
+        "past_lens", "subsequence_begins", "block_indices", "block_indices_begins", "score_aggregation_window")]
+    params.append(ops.parameter([], ov.Type.i32, name="max_context_len"))
+    p = {param.get_friendly_name(): param for param in params}
+
+    def const(value, dtype=np.int32, *shape):
+        return ops.constant(np.full(shape, value, dtype))
+
+    unused = [const(0, np.int32, 0), const(0, np.int32, 0), const(0, np.float32, 0), const(0, np.float32, 0),
+              const(0), const(0), const(0, np.float32, 0), const(0), const(0, np.int32, 0), const(0, np.int32, 0),
+              const(0, np.int32, 0), const(0, np.int32, 0), const(0, np.uint8, 0), const(0, np.int32, 0)]
+    inputs = [p["q"], p["k"], p["v"], p["key_cache"], p["value_cache"], p["past_lens"], p["subsequence_begins"],
+              p["block_indices"], p["block_indices_begins"], const(spec.scale or d ** -0.5, np.float32), const(0),
+              const(0, np.float32, 0), p["max_context_len"], p["score_aggregation_window"], *unused]
+    node = _PagedAttentionExtension([x.output(0) for x in inputs])
+    for key, value in (("k_head_size", d), ("num_k_heads", kv_heads), ("v_head_size", d), ("num_v_heads", kv_heads)):
+        node.get_rt_info()[key] = value
+    precision = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[spec.dtype]
+    compiled = ov.Core().compile_model(ov.Model([node.output(0)], params), "CPU", {
+        "INFERENCE_NUM_THREADS": cpu_cores(), "INFERENCE_PRECISION_HINT": precision, "KV_CACHE_PRECISION": precision})
+    args = paged_inputs(spec, lengths)
+    batch, n = len(lengths), np.array(lengths, np.int32)
+    used = -(-n // spec.page_size)
+    q = args["q"][:, 0].reshape(batch, heads * d).astype(np.float32)
+    last = [(args["block_table"][b, (m - 1) // spec.page_size], (m - 1) % spec.page_size) for b, m in enumerate(n)]
+    new_k, new_v = ([args[c][pg, :, off].reshape(-1).astype(np.float32) for pg, off in last]
+                    for c in ("k_cache", "v_cache"))
+
+    def cache(a):  # a 16-bit cache goes in as its bits
+        return ov.Tensor(a.view(np.uint16), a.shape, ov.Type.bf16 if spec.dtype == "bfloat16" else ov.Type.f16) \
+            if a.dtype.itemsize == 2 else ov.Tensor(a)
+
+    feed = {"q": q, "k": np.stack(new_k), "v": np.stack(new_v), "key_cache": cache(args["k_cache"]),
+            "value_cache": cache(args["v_cache"]), "past_lens": n - 1,
+            "subsequence_begins": np.arange(batch + 1, dtype=np.int32),
+            "block_indices": np.concatenate([args["block_table"][b, :u] for b, u in enumerate(used)]),
+            "block_indices_begins": np.concatenate([[0], np.cumsum(used)]).astype(np.int32),
+            "score_aggregation_window": np.zeros(batch, np.int32), "max_context_len": np.int32(n.max())}
+    request = compiled.create_infer_request()
+    out = np.asarray(request.infer(feed, share_inputs=True)[0]).reshape(batch, 1, heads, d)
+    ref = tvmattn.paged_reference(spec, *(args[k] for k in ("q", "k_cache", "v_cache", "block_table", "cache_seqlens")))
+    check(out, ref, spec.dtype, "OpenVINO PagedAttention")
+    return lambda: request.infer(feed, share_inputs=True)
 
 
 def contiguous_peer(dtype: str, layout: str, length: int):
@@ -163,6 +226,7 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--layouts", nargs="+", default=["HND", "NHD"])
     parser.add_argument("--no-tvm", action="store_true", help="leave out TVM's own (serial) kernel")
+    parser.add_argument("--no-openvino", action="store_true", help="leave out OpenVINO's PagedAttention")
     parser.add_argument("--prefill", action="store_true", help="also ragged prefill against the padded dense kernel")
     opts = parser.parse_args()
     total = sum(LENGTHS)
@@ -181,6 +245,11 @@ def main() -> None:
             keys[f"paged {layout} uniform"] = keys[f"contiguous {dense}"] = sum(uniform)
         if not opts.no_tvm:
             peers["TVM TIRPagedKVCache"] = tvm_peer(spec, LENGTHS)
+        if not opts.no_openvino:  # its CPU plugin's pages are 32 keys: ours on the same pages beside it
+            spec32 = tvmattn.PagedSpec(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, page_size=32,
+                                       kv_layout="HND", dtype=dtype)
+            peers["paged HND, page 32"] = paged_peer(spec32, LENGTHS)
+            peers["OpenVINO PagedAttention"] = openvino_peer(spec32, LENGTHS)
         times = {name: [] for name in peers}
         for _ in range(opts.rounds):  # interleaved: each round times every peer once
             for name, call in peers.items():
@@ -198,6 +267,9 @@ def main() -> None:
                   f"  ragged / uniform: {mine / rate[f'paged {layout} uniform']:.2f}x"
                   + (f";  vs TVM TIRPagedKVCache: {mine / rate['TVM TIRPagedKVCache']:.1f}x"
                      if "TVM TIRPagedKVCache" in median else ""))
+        if "OpenVINO PagedAttention" in median:
+            print(f"  paged HND, page 32 / OpenVINO PagedAttention (same pages): "
+                  f"{median['OpenVINO PagedAttention'] / median['paged HND, page 32']:.2f}x")
     if opts.prefill:
         prefill(opts.dtypes[0], max(3, opts.rounds // 2))
 
