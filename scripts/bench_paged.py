@@ -31,6 +31,7 @@ import tvm
 import tvmattn
 from tvmattn.compiler.arguments import numpy_dtype
 from tvmattn.compiler.kernel import host_tensor
+from tvmattn.compiler.onnx.bench import OV_PRECISION
 from tvmattn.compiler.paged import with_unused
 from tvmattn.compiler.target import cpu_cores
 from tvmattn.compiler.verify import TOLERANCE, errors
@@ -99,7 +100,7 @@ def openvino_peer(spec: tvmattn.PagedSpec, lengths):
     node = _PagedAttentionExtension([x.output(0) for x in inputs])
     for key, value in (("k_head_size", d), ("num_k_heads", kv_heads), ("v_head_size", d), ("num_v_heads", kv_heads)):
         node.get_rt_info()[key] = value
-    precision = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[spec.dtype]
+    precision = OV_PRECISION[spec.dtype]
     compiled = ov.Core().compile_model(ov.Model([node.output(0)], params), "CPU", {
         "INFERENCE_NUM_THREADS": cpu_cores(), "INFERENCE_PRECISION_HINT": precision, "KV_CACHE_PRECISION": precision})
     args = paged_inputs(spec, lengths)

@@ -107,9 +107,9 @@ class Matmul(ScheduleRule):
         tiles") with 16-lane vectors 8 rows × 2 vectors, the same 16 accumulators reading half as much
         of the weight panel from L2 per FMA, and for a reduction under `SHORT` (each accumulator is
         stored after a few FMAs, and the tile's store runs faster as 8 rows of two vectors than as 4
-        of four: measured in the README's convolution paragraph); with narrower ones 4 × 3 (its columns padded to whole
-        tiles where the weight is packed) and 32 tiles of rows per task, so that each panel of the
-        weight streams once per 128 rows."""
+        of four: measured in the README's convolution paragraph); with narrower ones 4 × 3 (its
+        columns padded to whole tiles where the weight is packed) and 32 tiles of rows per task, so
+        that each panel of the weight streams once per 128 rows."""
         knobs = gemm_defaults(d_in, lanes, bits, (width,))
         if (width >= WIDE or d_in < SHORT and "gemm_rows" not in knobs) and lanes >= 16:
             knobs.update(gemm_rows=8, gemm_vecs=2)
