@@ -215,10 +215,15 @@ def compile_paged(spec: PagedSpec, target: Any, thread_pool: str = "tvm") -> "Co
     if not is_cpu(target):
         raise TvmAttnError(f"a paged KV cache has a CPU kernel only: compile {spec.describe()} for 'cpu'")
     start = time.perf_counter()
-    plan = paged_plan_of(spec, target)
-    mod = passes.polynomial_math()(tvm.IRModule({"main": paged_kernel(plan)}))  # (softcap's tanh: a polynomial)
+    mod, how = schedule_paged(spec, target)
     try:
         executable = tvm_compile(mod, target, thread_pool)
     except Exception as err:  # our bug, but the user gets a sentence first
         raise TvmAttnError(f"TVM could not build the paged kernel ({spec.describe()}): {tvm_reason(err)}") from err
-    return CompiledPaged(spec, target, executable, plan.describe(), time.perf_counter() - start, mod, thread_pool)
+    return CompiledPaged(spec, target, executable, how, time.perf_counter() - start, mod, thread_pool)
+
+
+def schedule_paged(spec: PagedSpec, target: Target) -> tuple[tvm.IRModule, str]:
+    """The paged kernel of ``spec`` for a CPU ``target`` ("main", its TIR written by the plan) and how."""
+    plan = paged_plan_of(spec, target)
+    return passes.polynomial_math()(tvm.IRModule({"main": paged_kernel(plan)})), plan.describe()  # (tanh: a polynomial)

@@ -7,6 +7,9 @@
                  on the same pages (its (pages, 2, h_kv, P, d) pool) and the same page table
     openvino     OpenVINO's CPU PagedAttention (``PagedAttentionExtension``) on pages of 32 (its CPU
                  plugin's size, HND), beside tvmattn's paged kernel on the same pages
+    onnx         ONNX Runtime's com.microsoft.PagedAttention imported (`import_onnx`, NHD pages, its
+                 layout): the decode step as a model runs it, each sequence's newest key and value
+                 written into its page, then the attention
 
 The workload is the issue's: B=4, lengths 2048/37/513/1000, 32 query / 8 KV heads, d=128, page 16.
 Each kernel's result is checked against the paged oracle before timing. Run it alone
@@ -27,6 +30,8 @@ import time
 
 import numpy as np
 import tvm
+from onnx import TensorProto as TP
+from onnx import helper as oh
 
 import tvmattn
 from tvmattn.compiler.arguments import numpy_dtype
@@ -170,6 +175,36 @@ def tvm_peer(spec: tvmattn.PagedSpec, lengths):
     return lambda: fn(*tensors, 0, 1.0, 1e4, scale)
 
 
+def onnx_peer(spec: tvmattn.PagedSpec, lengths):
+    """The imported PagedAttention node on the paged kernel's inputs: past = length − 1, the new token's
+    key and value the ones already in its slot (so every call writes the same values)."""
+    args = paged_inputs(spec, lengths)
+    t = oh.np_dtype_to_tensor_dtype(numpy_dtype(spec.dtype))
+    tokens, b = len(lengths), len(lengths)
+    shapes = {"query": (t, [tokens, HEADS * HEAD_DIM]), "key": (t, [tokens, KV_HEADS * HEAD_DIM]),
+              "value": (t, [tokens, KV_HEADS * HEAD_DIM]), "key_cache": (t, list(args["k_cache"].shape)),
+              "value_cache": (t, list(args["v_cache"].shape)), "cumulative_sequence_length": (TP.INT32, [b + 1]),
+              "past_seqlens": (TP.INT32, [b]), "block_table": (TP.INT32, list(args["block_table"].shape))}
+    node = oh.make_node("PagedAttention", list(shapes), ["output", "key_cache_out", "value_cache_out"],
+                        domain="com.microsoft", num_heads=HEADS, kv_num_heads=KV_HEADS)
+    graph = oh.make_graph([node], "paged", [oh.make_tensor_value_info(n, *shapes[n]) for n in shapes], [
+        oh.make_tensor_value_info("output", t, [tokens, HEADS * HEAD_DIM]),
+        oh.make_tensor_value_info("key_cache_out", t, shapes["key_cache"][1]),
+        oh.make_tensor_value_info("value_cache_out", t, shapes["value_cache"][1])])
+    model = tvmattn.import_onnx(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21),
+                                                                     oh.make_opsetid("com.microsoft", 1)]))
+    last = np.array(lengths) - 1
+    rows = args["block_table"][np.arange(b), last // spec.page_size], last % spec.page_size
+    feed = {"query": args["q"].reshape(tokens, -1), "key": args["k_cache"][rows].reshape(tokens, -1),
+            "value": args["v_cache"][rows].reshape(tokens, -1), "key_cache": args["k_cache"],
+            "value_cache": args["v_cache"], "cumulative_sequence_length": np.arange(b + 1, dtype=np.int32),
+            "past_seqlens": last.astype(np.int32), "block_table": args["block_table"]}
+    positional = [args[n] for n in ("q", "k_cache", "v_cache", "block_table", "cache_seqlens")]
+    check(model.run(feed)[0].reshape(args["q"].shape), tvmattn.paged_reference(spec, *positional), spec.dtype,
+          "ONNX PagedAttention")
+    return lambda: model.run(feed)
+
+
 def prefill(dtype: str, rounds: int) -> None:
     """Ragged prefill (`PagedSpec(q_len=None)`, causal, the same lengths, queries = keys) against tvmattn's
     dense kernel on the batch padded to the longest (bottom-right causal, key padding: it skips the
@@ -244,6 +279,8 @@ def main() -> None:
             dense = {"HND": "BHSD", "NHD": "BSHD"}[layout]
             peers[f"contiguous {dense}"] = contiguous_peer(dtype, dense, uniform[0])
             keys[f"paged {layout} uniform"] = keys[f"contiguous {dense}"] = sum(uniform)
+        if "NHD" in opts.layouts:
+            peers["ONNX PagedAttention"] = onnx_peer(spec.replace(kv_layout="NHD"), LENGTHS)
         if not opts.no_tvm:
             peers["TVM TIRPagedKVCache"] = tvm_peer(spec, LENGTHS)
         if not opts.no_openvino:  # its CPU plugin's pages are 32 keys: ours on the same pages beside it
@@ -268,6 +305,9 @@ def main() -> None:
                   f"  ragged / uniform: {mine / rate[f'paged {layout} uniform']:.2f}x"
                   + (f";  vs TVM TIRPagedKVCache: {mine / rate['TVM TIRPagedKVCache']:.1f}x"
                      if "TVM TIRPagedKVCache" in median else ""))
+        if "ONNX PagedAttention" in median:
+            print(f"  ONNX PagedAttention imported / paged NHD kernel alone (time): "
+                  f"{median['ONNX PagedAttention'] / median['paged NHD']:.2f}x")
         if "OpenVINO PagedAttention" in median:
             print(f"  paged HND, page 32 / OpenVINO PagedAttention (same pages): "
                   f"{median['OpenVINO PagedAttention'] / median['paged HND, page 32']:.2f}x")

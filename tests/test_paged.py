@@ -289,6 +289,8 @@ RAGGED = dict(num_heads=8, num_kv_heads=2, head_dim=32, q_len=None)
     (PagedSpec(**RAGGED, page_size=8, causal=True, window=6, softcap=5.0, alibi="symmetric", sinks=True),
      [40, 13], [17, 13]),
     (PagedSpec(**RAGGED, page_size=32, causal=True, dtype="bfloat16"), [90, 31], [50, 6]),
+    (PagedSpec(**RAGGED, page_size=16, causal=True, sinks=True, alibi="signed"), [70, 1, 9, 300], [1, 1, 1, 1]),
+    (PagedSpec(**RAGGED, page_size=4, causal=True), [40, 13, 5], [0, 2, 1]),  # as many queries as sequences
 ])
 def test_ragged_prefill_matches_oracle(spec, lens, queries):
     check_ragged(spec, lens, queries)

@@ -37,7 +37,7 @@ from tvmattn.compiler.onnx.converters import Node
 from tvmattn.compiler.onnx.kernels import Kernels, Replacement
 from tvmattn.compiler.onnx.profile import Profile, profile
 from tvmattn.compiler.onnx.shape_ops import as_onnx_value, state_broadcast, state_shape, tighten_shapes
-from tvmattn.compiler.spec import DTYPES
+from tvmattn.compiler.spec import DTYPES, AttentionSpec
 from tvmattn.compiler.target import is_cpu, is_foreign, resolve_target
 from tvmattn.compiler.work import AttentionWork
 
@@ -77,6 +77,7 @@ class ImportReport:
     dtype: str | None = None  # the matmuls' precision where the import was asked for one (`import_onnx(dtype=…)`)
     cache: list[tuple[str, str]] = field(default_factory=list)  # (past, present) stored in ``cache_dtype``
     cache_dtype: str | None = None
+    in_place: dict[str, str] = field(default_factory=dict)  # output → the input written in place (its alias)
 
     @property
     def scheduled(self) -> dict[str, int]:
@@ -95,6 +96,8 @@ class ImportReport:
             lines.append(f"  KV cache in {self.cache_dtype} ({len(self.cache)} pairs, as "
                          f"{self.cache[0][0]} → {self.cache[0][1]}): feed the present outputs back as they are")
         lines += [f"  {i}. {r.line()}" for i, r in enumerate(self.replacements, 1)]
+        lines += [f"  {out} is {into}, written in place: the array passed as {into} comes back updated"
+                  for out, into in self.in_place.items()]
         if self.softmaxes:
             lines.append(f"  {self.softmaxes_on_kernels} of {len(self.softmaxes)} Softmax node(s) on tvmattn kernels:")
             lines += [f"    {f.line()}" for f in self.softmaxes]
@@ -173,7 +176,10 @@ class ImportedModel:
             self._mains.give_back(main)
         outs = [out] if isinstance(out, tvm.runtime.Tensor) else list(out)
         if on_cpu:
-            return [_host_view(o, args) for o in outs]
+            names = [i.name for i in self.inputs]
+            into = [self.report.in_place.get(name) for name in self.output_names]
+            return [args[names.index(i)] if i in names and o.data_ptr() == args[names.index(i)].ctypes.data
+                    else _host_view(o, args) for o, i in zip(outs, into)]  # an in-place output: its input
         return [o.numpy() for o in outs]
 
     def export_library(self, path: str) -> None:
@@ -272,12 +278,13 @@ def _import(model: Any, target: Any, arch: str | None, shapes: Mapping[str, Sequ
             raise TvmAttnError(f"TVM could not compile the imported model for {tgt.kind.name}: "
                                f"{tvm_reason(err)}") from err
     remaining = patterns.remaining_softmax(c.mod, c.importer.provenance)
-    work = {r.kernel: AttentionWork(r.spec) for r in c.kernels.replacements}
+    work = {r.kernel: AttentionWork(r.spec) for r in c.kernels.replacements if isinstance(r.spec, AttentionSpec)}
     report = ImportReport(c.proto.graph.name or "model", tgt.kind.name, list(c.kernels.replacements), remaining,
                           time.perf_counter() - start,
                           _softmax_fates(c.softmax_nodes, c.kernels.replacements, remaining, c.reasons),
                           scheduler.rule_of if scheduler else {}, scheduler.tuned_functions if scheduler else [],
-                          (scheduler.work if scheduler else {}) | work, dtype, c.cache, cache_dtype)
+                          (scheduler.work if scheduler else {}) | work, dtype, c.cache, cache_dtype,
+                          dict(c.kernels.in_place))
     return ImportedModel(tgt, executable, graph_inputs(c.proto), [o.name for o in c.proto.graph.output], report)
 
 

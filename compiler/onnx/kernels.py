@@ -17,8 +17,9 @@ from tvm.target import Target
 
 from tvmattn.compiler import arguments
 from tvmattn.compiler.annotations import IS_SCHEDULED, OP_PATTERN, OPAQUE
-from tvmattn.compiler.build import schedule_attention
+from tvmattn.compiler.build import schedule_attention, schedule_paged
 from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.paged import PagedSpec
 from tvmattn.compiler.spec import AttentionSpec, Dim
 
 
@@ -28,7 +29,7 @@ class Replacement:
 
     nodes: tuple[str, ...]  # the ONNX nodes it replaces
     source: str  # the converter or pattern that found it
-    spec: AttentionSpec
+    spec: AttentionSpec | PagedSpec
     kernel: str  # the PrimFunc's name in the compiled module
     schedule: str  # how that kernel was scheduled: default knobs or a tuned record
 
@@ -43,9 +44,10 @@ class Kernels:
 
     target: Target
     replacements: list[Replacement] = field(default_factory=list)
-    _funcs: dict[AttentionSpec, tuple[relax.GlobalVar, str]] = field(default_factory=dict)
+    _funcs: dict[AttentionSpec | PagedSpec, tuple[relax.GlobalVar, str]] = field(default_factory=dict)
     precision: str | None = None  # fp32 attention computed in this 16-bit dtype (`import_onnx(dtype=…)`)
     cache_16: bool = False  # the KV cache arrives in 16 bits (`import_onnx(cache_dtype=…)`)
+    in_place: dict[str, str] = field(default_factory=dict)  # output → the input it is written into (an alias)
 
     def call(self, bb: relax.BlockBuilder, spec: AttentionSpec, args: list[relax.Expr], sizes: "Sizes",
              nodes: tuple[str, ...], source: str) -> relax.Var:
@@ -56,25 +58,35 @@ class Kernels:
         self.replacements.append(Replacement(tuple(nodes), source, spec, gvar.name_hint, how))
         return out
 
-    def _kernel(self, bb: relax.BlockBuilder, spec: AttentionSpec) -> tuple[relax.GlobalVar, str]:
+    def call_paged(self, bb: relax.BlockBuilder, spec: PagedSpec, args: list[relax.Expr], out_shape: list,
+                   nodes: tuple[str, ...], source: str) -> relax.Var:
+        """Emit ``call_tir`` of the paged kernel of ``spec`` (`paged.with_unused`'s arguments, in order)."""
+        gvar, how = self._kernel(bb, spec)
+        out = bb.emit(relax.call_tir(gvar, args, relax.TensorType(out_shape, spec.dtype)))
+        self.replacements.append(Replacement(tuple(nodes), source, spec, gvar.name_hint, how))
+        return out
+
+    def _kernel(self, bb: relax.BlockBuilder, spec: AttentionSpec | PagedSpec) -> tuple[relax.GlobalVar, str]:
         if spec not in self._funcs:
             mod, how = _schedule(spec, self.target)
-            name = f"tvmattn_attention{len(self._funcs)}" + ("" if spec.output == "attn" else f"_{spec.output}")
+            output = getattr(spec, "output", "attn")
+            name = f"tvmattn_{'paged' if isinstance(spec, PagedSpec) else 'attention'}{len(self._funcs)}" + (
+                "" if output == "attn" else f"_{output}")
             func = (mod["main"].with_attr("global_symbol", name).with_attr(OP_PATTERN, OPAQUE)
                     .with_attr(IS_SCHEDULED, True))  # dlight must not reschedule it (CUDA)
             self._funcs[spec] = (bb.add_func(func, name), how)
         return self._funcs[spec]
 
 
-_SCHEDULED: dict[tuple[AttentionSpec, str], tuple[tvm.IRModule, str]] = {}
+_SCHEDULED: dict[tuple[AttentionSpec | PagedSpec, str], tuple[tvm.IRModule, str]] = {}
 
 
-def _schedule(spec: AttentionSpec, target: Target) -> tuple[tvm.IRModule, str]:
-    """`schedule_attention`, cached: models repeat their attention shapes, and scheduling is a pure
-    function of the spec and the target (Targets compare by identity, hence their text)."""
+def _schedule(spec: AttentionSpec | PagedSpec, target: Target) -> tuple[tvm.IRModule, str]:
+    """`schedule_attention` (`schedule_paged`), cached: models repeat their attention shapes, and
+    scheduling is a pure function of the spec and the target (Targets compare by identity, hence their text)."""
     key = (spec, str(target))
     if key not in _SCHEDULED:
-        _SCHEDULED[key] = schedule_attention(spec, target)
+        _SCHEDULED[key] = (schedule_paged if isinstance(spec, PagedSpec) else schedule_attention)(spec, target)
     return _SCHEDULED[key]
 
 

@@ -138,7 +138,7 @@ def _seconds(fn, call_args: list, rounds: int) -> float:
 
 
 def _rule_of(symbol: str, rule_of: Mapping[str, str]) -> str:
-    if symbol.startswith("tvmattn_attention"):
+    if symbol.startswith(("tvmattn_attention", "tvmattn_paged")):
         return "attention"
     return rule_of.get(symbol, VM)
 

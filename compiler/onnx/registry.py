@@ -27,7 +27,7 @@ from typing import Callable
 
 import onnx
 
-from tvmattn.compiler.onnx import gqa, ops, ort_attention, run_checks, shape_ops
+from tvmattn.compiler.onnx import gqa, ops, ort_attention, paged_attention, run_checks, shape_ops
 from tvmattn.compiler.onnx.converters import Converter, onnx_attention
 from tvmattn.compiler.onnx.graph import DEFAULT_DOMAINS
 
@@ -53,6 +53,7 @@ OPS: dict[tuple[str, str], Op] = {
     (MS, "Attention"): Op(ort_attention.ms_attention),
     (MS, "MultiHeadAttention"): Op(ort_attention.ms_multi_head_attention),
     (MS, "GroupQueryAttention"): Op(gqa.ms_group_query_attention),
+    (MS, "PagedAttention"): Op(paged_attention.ms_paged_attention),
     # norms, GELUs, rotary embeddings
     ("", "RMSNormalization"): Op(ops.rms_normalization),
     ("", "LayerNormalization"): Op(contrib_in_onnx_domain=17),  # TVM's converter (ONNX's at 17, the same op)

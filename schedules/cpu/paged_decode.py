@@ -58,12 +58,14 @@ class PagedPlan:
     rows: int  # query rows sharing each K/V read: q_len · group
     heads_per_task: int  # KV heads a task reads together (`ACCUMULATORS`)
     prefetch: bool = True  # the next block's K and V rows prefetched
+    decode: "PagedPlan | None" = None  # ragged queries: the plan of a batch of one query per sequence
 
     def describe(self) -> str:
         shared = (f"{self.rows} query rows × {self.heads_per_task} KV heads per K/V read, {self.lanes}-lane dot "
                   f"products along d, {BLOCK}-key softmax blocks")
         if self.spec.ragged:
-            return f"paged prefill: tiles of {QUERY_TILE} queries dealt to {self.chunks} chunks, {shared}"
+            return (f"paged prefill: tiles of {QUERY_TILE} queries dealt to {self.chunks} chunks, {shared}; "
+                    f"one query per sequence: {self.decode.describe()}")
         return f"paged decode: {self.chunks} key chunks per sequence, {shared}"
 
 
@@ -73,14 +75,14 @@ def plan_of(spec: PagedSpec, target: Target) -> PagedPlan:
     rows = (spec.q_len or QUERY_TILE) * spec.group
     heads = max(k for k in range(1, spec.h_kv + 1) if spec.h_kv % k == 0 and (k == 1 or k * rows * spec.head_dim
                                                                                <= ACCUMULATORS))
-    return PagedPlan(spec, lanes_for(spec.head_dim, isa.lanes if isa else 8), max(cores, 1), rows, heads)
+    decode = plan_of(spec.replace(q_len=1), target) if spec.ragged else None
+    return PagedPlan(spec, lanes_for(spec.head_dim, isa.lanes if isa else 8), max(cores, 1), rows, heads,
+                     decode=decode)
 
 
-def paged_kernel(plan: PagedPlan) -> tirx.PrimFunc:
-    """The kernel of ``plan``: `paged.PagedSpec`'s call order, then out; sinks and alibi_slopes (h,)
-    float32 always taken, read only where the spec has them. A spec with ``q_len=None`` (ragged
-    queries) gets the prefill kernel: a task per (query tile, sequence, KV heads), tiles dealt to the
-    chunks in turn (tile i to chunk i mod C), all of a tile's keys in it, no combine."""
+def _bodies(plan: PagedPlan):
+    """The kernel's body for ``plan`` as a macro on its buffers (a decode step's), or the whole ragged
+    kernel (`_ragged`), from the one block step (`attend`) and the variant hooks."""
     spec, a = plan.spec, plan.spec.attention
     H, HKV, G, D, P, N = spec.h, spec.h_kv, spec.group, spec.head_dim, spec.page_size, spec.q_len
     R, LANES, C, dt = plan.rows, plan.lanes, plan.chunks, spec.dtype
@@ -190,24 +192,10 @@ def paged_kernel(plan: PagedPlan) -> tirx.PrimFunc:
                 qs[kv, r, e] = T.Cast("float32", query_at(r // G, (first + kv) * G + r % G, e))
                 acc[kv, r, e] = T.float32(0)
 
-    if N is None:
-        return _ragged(locals())
-
-    @T.prim_func
-    def main(q_h: T.handle, k_h: T.handle, v_h: T.handle, bt_h: T.handle, lens_h: T.handle, sinks_h: T.handle,
-             slopes_h: T.handle, o_h: T.handle):
-        T.func_attr({"global_symbol": "main", "tirx.noalias": True})
-        batch = T.int32()
-        pages = T.int32()
-        width = T.int32()
-        Q = T.match_buffer(q_h, (batch, N, H, D), dt)
-        K = T.match_buffer(k_h, spec.cache_shape(pages), dt)
-        V = T.match_buffer(v_h, spec.cache_shape(pages), dt)
-        TABLE = T.match_buffer(bt_h, (batch, width), "int32")
-        LENS = T.match_buffer(lens_h, (batch,), "int32")
-        SINKS = T.match_buffer(sinks_h, (H,), "float32")
-        SLOPES = T.match_buffer(slopes_h, (H,), "float32")
-        O = T.match_buffer(o_h, (batch, N, H, D), dt)
+    @T.macro
+    def decode_body(Q, K, V, TABLE, LENS, SINKS, SLOPES, O, batch, pages, width):
+        """The decode step (``N`` queries a sequence): a task per (key chunk, sequence, KV heads), then
+        the combine."""
         part_m = T.alloc_buffer((C, batch, N * H), "float32")
         part_l = T.alloc_buffer((C, batch, N * H), "float32")
         part_o = T.alloc_buffer((C, batch, N * H, D), "float32")
@@ -253,16 +241,49 @@ def paged_kernel(plan: PagedPlan) -> tirx.PrimFunc:
                 O[b, sh // H, sh % H, e] = T.Cast(dt, variant.normalise(
                     out[e], denominator(SINKS, total[0], top[0], sh % H)))
 
+    if N is None:
+        return _ragged(locals(), _bodies(plan.decode))
+    return decode_body
+
+
+def paged_kernel(plan: PagedPlan) -> tirx.PrimFunc:
+    """The kernel of ``plan``: `paged.PagedSpec`'s call order, then out; sinks and alibi_slopes (h,)
+    float32 always taken, read only where the spec has them. A spec with ``q_len=None`` (ragged
+    queries) gets the prefill kernel (`_ragged`), whose batches of one query per sequence take the
+    decode step's body."""
+    spec = plan.spec
+    if spec.ragged:
+        return _bodies(plan)
+    H, D, N, dt = spec.h, spec.head_dim, spec.q_len, spec.dtype
+    decode_body = _bodies(plan)
+
+    @T.prim_func
+    def main(q_h: T.handle, k_h: T.handle, v_h: T.handle, bt_h: T.handle, lens_h: T.handle, sinks_h: T.handle,
+             slopes_h: T.handle, o_h: T.handle):
+        T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+        batch = T.int32()
+        pages = T.int32()
+        width = T.int32()
+        Q = T.match_buffer(q_h, (batch, N, H, D), dt)
+        K = T.match_buffer(k_h, spec.cache_shape(pages), dt)
+        V = T.match_buffer(v_h, spec.cache_shape(pages), dt)
+        TABLE = T.match_buffer(bt_h, (batch, width), "int32")
+        LENS = T.match_buffer(lens_h, (batch,), "int32")
+        SINKS = T.match_buffer(sinks_h, (H,), "float32")
+        SLOPES = T.match_buffer(slopes_h, (H,), "float32")
+        O = T.match_buffer(o_h, (batch, N, H, D), dt)
+        decode_body(Q, K, V, TABLE, LENS, SINKS, SLOPES, O, batch, pages, width)
+
     return main
 
 
-def _ragged(scope: dict) -> tirx.PrimFunc:
+def _ragged(scope: dict, decode_body) -> tirx.PrimFunc:
     """The prefill kernel of ragged queries: q (total_q, h, d), sequence b's queries
-    q[cu_seqlens_q[b] : cu_seqlens_q[b + 1]], the last of its keys (bottom-right)."""
-    H, D, G, R, C, KT, TASKS, QT, LANES, dt, spec = (scope[k] for k in (
-        "H", "D", "G", "R", "C", "KT", "TASKS", "QT", "LANES", "dt", "spec"))
-    attend, start, keys, denominator = scope["attend"], scope["start"], scope["keys"], scope["denominator"]
-    P = spec.page_size
+    q[cu_seqlens_q[b] : cu_seqlens_q[b + 1]], the last of its keys (bottom-right). A batch of one
+    query per sequence (cu_seqlens_q = 0, 1, …, B: every decode step of a server) takes
+    ``decode_body`` instead, q read as (B, 1, h, d): its keys split over the threads, whatever the lengths."""
+    H, D, dt, spec = (scope[k] for k in ("H", "D", "dt", "spec"))
+    prefill = _prefill_body(scope)
 
     @T.prim_func
     def main(q_h: T.handle, k_h: T.handle, v_h: T.handle, bt_h: T.handle, lens_h: T.handle, cu_h: T.handle,
@@ -281,6 +302,31 @@ def _ragged(scope: dict) -> tirx.PrimFunc:
         SINKS = T.match_buffer(sinks_h, (H,), "float32")
         SLOPES = T.match_buffer(slopes_h, (H,), "float32")
         O = T.match_buffer(o_h, (total_q, H, D), dt)
+        single = T.alloc_buffer((1,), "int32", scope="local")
+        single[0] = T.Select(total_q == batch, 1, 0)
+        for b in range(batch + 1):
+            if CU[b] != b:
+                single[0] = 0
+        if single[0] == 1:
+            QD = T.decl_buffer((batch, 1, H, D), dt, data=Q.data)
+            OD = T.decl_buffer((batch, 1, H, D), dt, data=O.data)
+            decode_body(QD, K, V, TABLE, LENS, SINKS, SLOPES, OD, batch, pages, width)
+        else:
+            prefill(Q, K, V, TABLE, LENS, CU, SINKS, SLOPES, O, batch, pages, width, total_q)
+
+    return main
+
+
+def _prefill_body(scope: dict):
+    """The ragged kernel's own body: a task per (query tile, sequence, KV heads), each sequence's tiles
+    dealt to the chunks in turn (tile i to chunk i mod C), all of a tile's keys in it, no combine."""
+    H, D, G, R, C, KT, TASKS, QT, LANES, dt, spec = (scope[k] for k in (
+        "H", "D", "G", "R", "C", "KT", "TASKS", "QT", "LANES", "dt", "spec"))
+    attend, start, keys, denominator = scope["attend"], scope["start"], scope["keys"], scope["denominator"]
+    P = spec.page_size
+
+    @T.macro
+    def prefill(Q, K, V, TABLE, LENS, CU, SINKS, SLOPES, O, batch, pages, width, total_q):
         for task in T.parallel(C * batch * TASKS):
             c = task // (batch * TASKS)
             b = task // TASKS % batch
@@ -308,4 +354,4 @@ def _ragged(scope: dict) -> tirx.PrimFunc:
                             O[q0 + s0 + r // G, (first + kv) * G + r % G, e] = T.Cast(dt, variant.normalise(
                                 acc[kv, r, e], denominator(SINKS, ls[kv, r], m[kv, r], (first + kv) * G + r % G)))
 
-    return main
+    return prefill
