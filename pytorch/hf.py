@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.torch.flash import flash_attn_func
+from tvmattn.torch.paged import flash_attn_varlen_func, flash_attn_with_kvcache
 from tvmattn.torch.sdpa import scaled_dot_product_attention
 
 
@@ -46,11 +48,41 @@ def tvmattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     return out.transpose(1, 2).contiguous(), None
 
 
+def tvmattn_varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                     value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                                     scaling: float | None = None, is_causal: bool | None = None,
+                                     cu_seq_lens_q: torch.Tensor | None = None,
+                                     cu_seq_lens_k: torch.Tensor | None = None,
+                                     max_length_q: int | None = None, max_length_k: int | None = None,
+                                     sliding_window: int | None = None, softcap: float | None = None,
+                                     s_aux: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' continuous batching calls a flash backend with the step's tokens packed, (1, h, T, d),
+    each sequence's keys read from the paged cache, (1, h_kv, T_k, d), and ``cu_seq_lens_q``/``_k``: one
+    `flash_attn_varlen_func` call (no mask; a step of one token per sequence is the decode kernel's).
+    Without them (``generate()``), `tvmattn_attention_forward`."""
+    if cu_seq_lens_q is None:
+        return tvmattn_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                         is_causal=is_causal, s_aux=s_aux, softcap=softcap, **kwargs)
+    if s_aux is not None or query.shape[0] != 1:
+        raise TvmAttnError("continuous batching on tvmattn takes one packed row of tokens and no attention sinks "
+                           "(s_aux) yet: use attn_implementation='tvmattn' with generate()")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    window = (sliding_window - 1, 0 if causal else sliding_window - 1) if sliding_window else (-1, -1)
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, h, d)
+    out = flash_attn_varlen_func(q, k.contiguous(), v.contiguous(), cu_seq_lens_q.to(torch.int32),
+                                 cu_seq_lens_k.to(torch.int32), max_length_q, max_length_k, dropout_p=dropout,
+                                 softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap or 0.0)
+    return out[None], None
+
+
 def register_hf(name: str = "tvmattn") -> str:
     """Register tvmattn with transformers' attention and mask interfaces under ``name``, and return it.
 
     Then ``AutoModelForCausalLM.from_config(cfg, attn_implementation="tvmattn")``, or
     ``model.set_attn_implementation("tvmattn")``, runs every attention layer on tvmattn kernels.
+    ``name + "_flash"`` is registered too, for continuous batching (``generate_batch``,
+    ``ContinuousBatchingManager``), which takes only backends named "flash…": its packed steps go to
+    `tvmattn_varlen_attention_forward`.
     """
     try:
         from transformers import AttentionInterface
@@ -60,4 +92,28 @@ def register_hf(name: str = "tvmattn") -> str:
                            f"pip install -U transformers ({err})") from None
     AttentionInterface.register(name, tvmattn_attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionInterface.register(f"{name}_flash", tvmattn_varlen_attention_forward)
+    AttentionMaskInterface.register(f"{name}_flash", sdpa_mask)
+    _load_by_name(f"{name}_flash")
     return name
+
+
+def _load_by_name(name: str) -> None:
+    """transformers loads a "flash…" backend's functions by its name (`lazy_import_flash_attention`: the
+    flash_attn package, else a kernels-hub repository) when a model is set to it; for ``name`` they are
+    tvmattn's. A hook on its private loader: a transformers without one loads nothing by name."""
+    try:
+        import transformers.modeling_flash_attention_utils as fa
+        loader, pad, unpad = fa._lazy_imports, fa._pad_input, fa._unpad_input
+    except (ImportError, AttributeError):
+        return
+    names = getattr(loader, "tvmattn_names", None)
+    if names is None:
+        def lazy_imports(implementation, *args, **kwargs):
+            if implementation in names:
+                return flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, pad, unpad
+            return loader(implementation, *args, **kwargs)
+
+        names = lazy_imports.tvmattn_names = set()
+        fa._lazy_imports = lazy_imports
+    names.add(name)

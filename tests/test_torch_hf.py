@@ -119,3 +119,27 @@ def test_gpt_oss_sinks_and_sliding_window():
         settings = dict(max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
         assert torch.equal(ours.generate(ids[:1], **settings), ref.generate(ids[:1], **settings))
     assert KERNELS.keys() and all(k.sinks for k in KERNELS.keys())
+
+
+def test_continuous_batching_gives_the_default_paths_tokens(monkeypatch):
+    """transformers' continuous batching (generate_batch: a paged cache, requests of mixed lengths packed
+    into each step) on "tvmattn_flash": the greedy tokens of its "sdpa" path, every step's attention one
+    tvmattn varlen call."""
+    from tvmattn.torch import hf
+
+    calls = []
+    monkeypatch.setattr(hf, "flash_attn_varlen_func", lambda *a, **k: calls.append(a[3].shape[0] - 1) or
+                        tvmattn.torch.flash_attn_varlen_func(*a, **k))
+    ref, _ = models("llama")
+    ours = copy.deepcopy(ref)
+    ours.set_attn_implementation("tvmattn_flash")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, VOCAB, (int(n),), generator=g).tolist() for n in (1, 37, 5, 60, 2, 17)]
+    config = transformers.GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    with torch.no_grad():
+        small = transformers.ContinuousBatchingConfig(num_blocks=8)  # (a cache sized from free memory is slow)
+        want, got = (m.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=small,
+                                      progress_bar=False) for m in (ref, ours))
+    assert sorted(got) == sorted(want)
+    assert [got[r].generated_tokens for r in sorted(got)] == [want[r].generated_tokens for r in sorted(want)]
+    assert calls and max(calls) > 1  # packed steps of several sequences went through the varlen kernel
