@@ -131,7 +131,7 @@ def _bodies(plan: PagedPlan):
     add, biggest = (lambda x, y: x + y), tirx.max  # noqa: E731
 
     @T.macro
-    def attend(K, V, TABLE, SLOPES, pages, qs, m, ls, acc, x, part, pg, row, b, first, length, t_begin, t_end,
+    def attend(K, V, page_at, SLOPES, pages, qs, m, ls, acc, x, part, pg, row, b, first, length, t_begin, t_end,
                s0, queries, n_q):
         """The rows' online softmax over keys [t_begin, t_end) of sequence b: the task's state (qs, m, ls,
         acc) updated; rows of queries from s0 + ``queries`` on are hidden."""
@@ -139,13 +139,13 @@ def _bodies(plan: PagedPlan):
             t0 = t_begin + blk * BLOCK
             live = T.min(BLOCK, t_end - t0)
             for tt in range(live):
-                pg[tt] = T.max(T.min(TABLE[b, T.shift_right(t0 + tt, LOG2P)], pages - 1), 0)
+                pg[tt] = T.max(T.min(page_at(b, T.shift_right(t0 + tt, LOG2P)), pages - 1), 0)
                 row[tt] = T.bitwise_and(t0 + tt, P - 1)
             # The next block's K and V rows requested now, computed on next: its pages lie anywhere
             # in the pool, and the hardware's prefetchers stop at every 4 KiB page.
             for tt in range(T.max(T.min(BLOCK, t_end - t0 - BLOCK), 0)):
                 ahead = t0 + BLOCK + tt
-                page = T.max(T.min(TABLE[b, T.shift_right(ahead, LOG2P)], pages - 1), 0)
+                page = T.max(T.min(page_at(b, T.shift_right(ahead, LOG2P)), pages - 1), 0)
                 for kv, line in T.grid(KT, LINES):
                     T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(cache_at(
                         K, page, T.bitwise_and(ahead, P - 1), first + kv, line * STEP)), 0, 3, 1))
@@ -193,9 +193,11 @@ def _bodies(plan: PagedPlan):
                 acc[kv, r, e] = T.float32(0)
 
     @T.macro
-    def decode_body(Q, K, V, TABLE, LENS, SINKS, SLOPES, O, batch, pages, width):
+    def decode_body(query_at, K, V, page_at, length_of, SINKS, SLOPES, O, LSE, with_lse, batch, pages):
         """The decode step (``N`` queries a sequence): a task per (key chunk, sequence, KV heads), then
-        the combine."""
+        the combine. ``query_at(b, s, head, e)``, ``page_at(b, j)`` (sequence b's page j) and ``length_of(b)``
+        (its keys, within its pages) read the caller's arguments; ``with_lse``: each row's log-sum-exp of
+        its base-2 logits into LSE[b, s·h + head] (TVM's paged cache merges partial attentions by it)."""
         part_m = T.alloc_buffer((C, batch, N * H), "float32")
         part_l = T.alloc_buffer((C, batch, N * H), "float32")
         part_o = T.alloc_buffer((C, batch, N * H, D), "float32")
@@ -203,7 +205,7 @@ def _bodies(plan: PagedPlan):
             c = task // (batch * TASKS)
             b = task // TASKS % batch
             first = task % TASKS * KT  # the task's first KV head
-            length = T.max(T.min(LENS[b], width * P), 0)  # (checked by the caller; clamped all the same)
+            length = length_of(b)
             qs = T.alloc_buffer((KT, R, D), "float32", scope="local")
             m = T.alloc_buffer((KT, R), "float32", scope="local")
             ls = T.alloc_buffer((KT, R), "float32", scope="local")
@@ -212,8 +214,8 @@ def _bodies(plan: PagedPlan):
             part = T.alloc_buffer((R, LANES), "float32", scope="local")
             pg = T.alloc_buffer((BLOCK,), "int32", scope="local")
             row = T.alloc_buffer((BLOCK,), "int32", scope="local")
-            start(qs, m, ls, acc, lambda s, head, e: Q[b, s, head, e], first)
-            attend(K, V, TABLE, SLOPES, pages, qs, m, ls, acc, x, part, pg, row, b, first, length,
+            start(qs, m, ls, acc, lambda s, head, e: query_at(b, s, head, e), first)
+            attend(K, V, page_at, SLOPES, pages, qs, m, ls, acc, x, part, pg, row, b, first, length,
                    span(length, c), span(length, c + 1), 0, N, N)
             for kv, r in T.grid(KT, R):
                 part_m[c, b, r // G * H + (first + kv) * G + r % G] = m[kv, r]
@@ -240,6 +242,8 @@ def _bodies(plan: PagedPlan):
             for e in T.vectorized(D):
                 O[b, sh // H, sh % H, e] = T.Cast(dt, variant.normalise(
                     out[e], denominator(SINKS, total[0], top[0], sh % H)))
+            if with_lse:
+                LSE[b, sh] = T.Select(total[0] > T.float32(0), top[0] + T.log2(total[0]), T.float32(LOWEST))
 
     if N is None:
         return _ragged(locals(), _bodies(plan.decode))
@@ -254,7 +258,7 @@ def paged_kernel(plan: PagedPlan) -> tirx.PrimFunc:
     spec = plan.spec
     if spec.ragged:
         return _bodies(plan)
-    H, D, N, dt = spec.h, spec.head_dim, spec.q_len, spec.dtype
+    H, D, N, P, dt = spec.h, spec.head_dim, spec.q_len, spec.page_size, spec.dtype
     decode_body = _bodies(plan)
 
     @T.prim_func
@@ -272,7 +276,9 @@ def paged_kernel(plan: PagedPlan) -> tirx.PrimFunc:
         SINKS = T.match_buffer(sinks_h, (H,), "float32")
         SLOPES = T.match_buffer(slopes_h, (H,), "float32")
         O = T.match_buffer(o_h, (batch, N, H, D), dt)
-        decode_body(Q, K, V, TABLE, LENS, SINKS, SLOPES, O, batch, pages, width)
+        decode_body(lambda b, s, head, e: Q[b, s, head, e], K, V, lambda b, j: TABLE[b, j],
+                    lambda b: T.max(T.min(LENS[b], width * P), 0),  # (checked by the caller; clamped all the same)
+                    SINKS, SLOPES, O, SINKS, False, batch, pages)
 
     return main
 
@@ -283,6 +289,7 @@ def _ragged(scope: dict, decode_body) -> tirx.PrimFunc:
     query per sequence (cu_seqlens_q = 0, 1, …, B: every decode step of a server) takes
     ``decode_body`` instead, q read as (B, 1, h, d): its keys split over the threads, whatever the lengths."""
     H, D, dt, spec = (scope[k] for k in ("H", "D", "dt", "spec"))
+    P = spec.page_size
     prefill = _prefill_body(scope)
 
     @T.prim_func
@@ -308,9 +315,9 @@ def _ragged(scope: dict, decode_body) -> tirx.PrimFunc:
             if CU[b] != b:
                 single[0] = 0
         if single[0] == 1:
-            QD = T.decl_buffer((batch, 1, H, D), dt, data=Q.data)
             OD = T.decl_buffer((batch, 1, H, D), dt, data=O.data)
-            decode_body(QD, K, V, TABLE, LENS, SINKS, SLOPES, OD, batch, pages, width)
+            decode_body(lambda b, s, head, e: Q[b, head, e], K, V, lambda b, j: TABLE[b, j],
+                        lambda b: T.max(T.min(LENS[b], width * P), 0), SINKS, SLOPES, OD, SINKS, False, batch, pages)
         else:
             prefill(Q, K, V, TABLE, LENS, CU, SINKS, SLOPES, O, batch, pages, width, total_q)
 
@@ -346,8 +353,8 @@ def _prefill_body(scope: dict):
                 s0 = (c + k * C) * QT
                 queries = T.min(QT, n_q - s0)
                 start(qs, m, ls, acc, lambda s, head, e: Q[q0 + T.min(s0 + s, n_q - 1), head, e], first)
-                attend(K, V, TABLE, SLOPES, pages, qs, m, ls, acc, x, part, pg, row, b, first, length,
-                       keys(length, s0, queries, n_q)[0], keys(length, s0, queries, n_q)[1], s0, queries, n_q)
+                attend(K, V, lambda seq, j: TABLE[seq, j], SLOPES, pages, qs, m, ls, acc, x, part, pg, row, b, first,
+                       length, keys(length, s0, queries, n_q)[0], keys(length, s0, queries, n_q)[1], s0, queries, n_q)
                 for kv, r in T.grid(KT, R):
                     if r // G < queries:
                         for e in T.vectorized(D):
@@ -355,3 +362,54 @@ def _prefill_body(scope: dict):
                                 acc[kv, r, e], denominator(SINKS, ls[kv, r], m[kv, r], (first + kv) * G + r % G)))
 
     return prefill
+
+
+def tvm_cache_decode_kernel(plan: PagedPlan) -> tirx.PrimFunc:
+    """The decode kernel with the signature of TVM's own paged-cache CPU decode kernel
+    (`tvm.relax.frontend.nn.llm._decode_kernels._attention_decode_cpu`, what ``TIRPagedKVCache`` hands to
+    ``vm.builtin.paged_attention_kv_cache_create``): q (B, h, d); pages (max_pages, 2, h_kv, P, d), each
+    page's K then V rows (read as two HND caches); a CSR page table (indptr (B + 1,), values) and each
+    sequence's last-page length; output (B, h, d) and lse (B, h), the base-2 log-sum-exp of the logits;
+    ``sm_scale`` at run time (the plan's spec has scale 1: the queries are scaled as they load). RoPE
+    inside the kernel (rotary_mode 1) is refused: the cache applies it before appending (RopeMode.NORMAL)."""
+    spec = plan.spec
+    H, HKV, D, P, dt = spec.h, spec.h_kv, spec.head_dim, spec.page_size, spec.dtype
+    decode_body = _bodies(plan)
+    stride = (2 * HKV * P * D, P * D, D, 1)
+    inline_rope = "tvmattn's paged decode kernel takes RoPE applied before the cache (RopeMode NONE or NORMAL)"
+
+    @T.prim_func
+    def batch_decode_paged_kv(Q_handle: T.handle, pages_handle: T.handle, page_table_indptr_handle: T.handle,
+                              page_table_values_handle: T.handle, var_length_info: T.handle,
+                              k_rope_pos_offset_handle: T.handle, q_rope_position_handle: T.handle,
+                              output_handle: T.handle, lse_handle: T.handle, rotary_mode: T.int32,
+                              rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32):
+        T.func_attr({"global_symbol": "batch_decode_paged_kv_cpu", "tirx.noalias": True, "tirx.is_scheduled": True})
+        B = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        indptr_offset = T.int32()
+        values_offset = T.int32()
+        k_rope_offset = T.int32()
+        q_rope_offset = T.int32()
+        length_offset = T.int32()
+        Q = T.match_buffer(Q_handle, (B, H, D), dt)
+        PAGES = T.match_buffer(pages_handle, (max_num_pages, 2, HKV, P, D), dt)
+        INDPTR = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32", elem_offset=indptr_offset)
+        VALUES = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32", elem_offset=values_offset)
+        LAST = T.match_buffer(var_length_info, (B,), "int32", elem_offset=length_offset)
+        T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_rope_offset)
+        T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_rope_offset)
+        OUT = T.match_buffer(output_handle, (B, H, D), dt)
+        LSE = T.match_buffer(lse_handle, (B, H), "float32")
+        assert rotary_mode != 1, inline_rope
+        K = T.decl_buffer((max_num_pages, HKV, P, D), dt, data=PAGES.data, strides=stride)
+        V = T.decl_buffer((max_num_pages, HKV, P, D), dt, data=PAGES.data, elem_offset=HKV * P * D, strides=stride)
+        O = T.decl_buffer((B, 1, H, D), dt, data=OUT.data)
+        decode_body(lambda b, s, head, e: T.Cast("float32", Q[b, head, e]) * sm_scale, K, V,
+                    lambda b, j: VALUES[T.max(T.min(INDPTR[b] + j, nnz_pages - 1), 0)],
+                    lambda b: T.max(T.min((INDPTR[b + 1] - INDPTR[b] - 1) * P + LAST[b],
+                                          (INDPTR[b + 1] - INDPTR[b]) * P), 0),
+                    LSE, LSE, O, LSE, True, B, max_num_pages)
+
+    return batch_decode_paged_kv
