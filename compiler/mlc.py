@@ -5,10 +5,11 @@ fixed signatures; on a CPU target it is handed ``_attention_decode_cpu``'s, a se
 `attention_decode_cpu` builds tvmattn's decode kernel with that signature (`schedules.cpu.paged_decode.
 tvm_cache_decode_kernel`), so it drops into the same slot:
 
-    fdecode = tvmattn.mlc.attention_decode_cpu(num_kv_heads, num_qo_heads, head_dim, dtype, False, {})
-    cache = fcreate(..., ["tirx", fattn_prefill], ["tirx", tvm.compile(fdecode, "llvm")["main"]], ...)
+    fdecode = tvmattn.compiler.mlc.attention_decode_cpu(num_kv_heads, num_qo_heads, head_dim, dtype, False, {})
+    cache = fcreate(..., ["tirx", fattn_prefill], ["tirx", tvm.compile(fdecode, target)["main"]], ...)
 
-or, for a model built with ``tvm.relax.frontend.nn`` (MLC-LLM's), ``with tvmattn.mlc.in_tir_paged_kv_cache():``
+(``target`` this CPU's, with its vector features: a bare "llvm" is SSE2), or, for a model built with
+``tvm.relax.frontend.nn`` (MLC-LLM's), ``with tvmattn.compiler.mlc.in_tir_paged_kv_cache():``
 around the model's construction: every ``TIRPagedKVCache`` made inside takes tvmattn's decode kernel. The
 sliding-window decode variant and inline RoPE (``RopeMode.INLINE``) stay TVM's own.
 """

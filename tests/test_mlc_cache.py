@@ -1,4 +1,4 @@
-"""tvmattn's decode kernel in TVM's own paged KV cache (`tvmattn.mlc`): the cache is driven through its
+"""tvmattn's decode kernel in TVM's own paged KV cache (`tvmattn.compiler.mlc`): the cache is driven through its
 runtime operations (add, fork and remove sequences, begin/end forward, attention with fused QKV, pop)
 with every kernel TVM's own except the decode one, and each decode step's output is checked against a
 float64 reference of the keys the test appended, and against the same cache on TVM's decode kernel."""
