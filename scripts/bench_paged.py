@@ -19,7 +19,8 @@ Each kernel's result is checked against the paged oracle before timing. Run it a
                                   [--no-openvino] [--prefill]
 
 ``--prefill`` adds the ragged prefill (causal, the same lengths) against tvmattn's dense kernel on the
-batch padded to the longest, in useful GFLOP/s (not checked against the oracle here: tests do that).
+batch padded to the longest, in useful GFLOP/s (not checked against the oracle here: tests do that),
+and against TIRPagedKVCache's ragged prefill kernel (one call a round: it takes seconds).
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ def onnx_peer(spec: tvmattn.PagedSpec, lengths):
     return lambda: model.run(feed)
 
 
-def prefill(dtype: str, rounds: int) -> None:
+def prefill(dtype: str, rounds: int, with_tvm: bool) -> None:
     """Ragged prefill (`PagedSpec(q_len=None)`, causal, the same lengths, queries = keys) against tvmattn's
     dense kernel on the batch padded to the longest (bottom-right causal, key padding: it skips the
     padding's key tiles), in useful GFLOP/s (4·d per visible (query, key) pair and head)."""
@@ -228,16 +229,49 @@ def prefill(dtype: str, rounds: int) -> None:
         dense_spec.input_shapes().values())[:3]] + [np.array(LENGTHS, np.int32)]
     dense_tensors = [host_tensor(a) for a in padded] + [host_tensor(np.empty_like(padded[0]))]
     peers = {"ragged prefill": lambda: ragged.run(*tensors), "padded dense": lambda: dense.run(*dense_tensors)}
+    if with_tvm:
+        ragged.run(*tensors)  # (the output TVM's is checked against)
+        peers["TVM TIRPagedKVCache"] = tvm_prefill_peer(spec, args, q, cu, tensors[-1])
     times = {name: [] for name in peers}
     for _ in range(rounds):
         for name, call in peers.items():
-            times[name].append(timed(call, 0.5))
+            times[name].append(timed(call, 0.5) if not name.startswith("TVM") else timed_once(call))
     flops = sum(n * (n + 1) / 2 for n in LENGTHS) * HEADS * 4 * HEAD_DIM
     rate = {name: flops / statistics.median(t) for name, t in times.items()}
     print(f"\nprefill {dtype}, causal, lengths {'/'.join(map(str, LENGTHS))}, {rounds} rounds:")
     for name, r in rate.items():
         print(f"  {name:24s} {flops / r * 1e3:8.1f} ms  {r / 1e9:6.1f} useful GFLOP/s")
     print(f"  ragged / padded dense (useful GFLOP/s): {rate['ragged prefill'] / rate['padded dense']:.2f}x")
+    if with_tvm:
+        print(f"  ragged / TVM TIRPagedKVCache's ragged prefill: "
+              f"{rate['ragged prefill'] / rate['TVM TIRPagedKVCache']:.1f}x")
+
+
+def tvm_prefill_peer(spec: tvmattn.PagedSpec, args: dict, q: np.ndarray, cu: np.ndarray, ours):
+    """TIRPagedKVCache's CPU ragged prefill kernel (``_attention_prefill_ragged_cpu``: each sequence's new
+    queries over its new keys, packed) on the same queries and keys, checked against tvmattn's output."""
+    from tvm.relax.frontend.nn.llm.kv_cache import _attention_prefill_ragged_cpu
+
+    func = _attention_prefill_ragged_cpu(KV_HEADS, HEADS, HEAD_DIM, HEAD_DIM, spec.dtype, {})
+    fn = tvm.compile(tvm.IRModule({"main": func}), target=tvmattn.compiler.target.host_target())["main"]
+    rows = [(args["block_table"][b, t // spec.page_size], t % spec.page_size) for b, n in enumerate(LENGTHS)
+            for t in range(n)]
+    k, v = (np.ascontiguousarray(np.stack([args[c][p, r] for p, r in rows])) for c in ("k_cache", "v_cache"))
+    out = np.empty_like(q)
+    zeros = np.zeros(q.shape[0], np.int32)
+    tensors = [tvm.runtime.tensor(a) for a in (q, cu, k, v, cu, zeros, zeros[:len(LENGTHS)], out,
+                                               np.empty(q.shape[:2], np.float32))]
+    scale = 1.0 / np.sqrt(HEAD_DIM)
+    fn(*tensors, 1, 0, 1.0, 1e4, scale)
+    check(tensors[7].numpy(), ours.numpy(), spec.dtype, "TVM TIRPagedKVCache prefill")
+    return lambda: fn(*tensors, 1, 0, 1.0, 1e4, scale)
+
+
+def timed_once(call) -> float:
+    """Seconds of one call (TVM's serial kernels take seconds)."""
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
 
 
 def check(out, ref, dtype, what) -> None:
@@ -312,7 +346,7 @@ def main() -> None:
             print(f"  paged HND, page 32 / OpenVINO PagedAttention (same pages): "
                   f"{median['OpenVINO PagedAttention'] / median['paged HND, page 32']:.2f}x")
     if opts.prefill:
-        prefill(opts.dtypes[0], max(3, opts.rounds // 2))
+        prefill(opts.dtypes[0], max(3, opts.rounds // 2), not opts.no_tvm)
 
 
 if __name__ == "__main__":

@@ -28,20 +28,26 @@ def _built(func: tvm.tirx.PrimFunc):
 
 @functools.cache
 def _functions(d: int, dtype: str, ours: bool) -> list:
-    """The kernels `create` hands the cache, in its order; decode from ``ours`` or TVM."""
-    decode = (mlc.attention_decode_cpu(KV_HEADS, HEADS, d, dtype, False, {}) if ours
-              else tk._attention_decode_cpu(KV_HEADS, HEADS, d, dtype, False, {}))
-    calls = [0]
+    """The kernels `create` hands the cache, in its order: decode, prefill over pages and ragged prefill
+    tvmattn's (``ours``, each called through a counter) or TVM's, the rest TVM's."""
+    calls = {}
 
-    def counted(*args):  # the cache calls the decode kernel through this: the test sees that it does
-        calls[0] += 1
-        return kernel(*args)
+    def counted(name: str, func: tvm.tirx.PrimFunc):  # the cache calls our kernels through these
+        kernel = _built(func)
 
-    kernel = _built(decode)
+        def call(*args):
+            calls[name] = calls.get(name, 0) + 1
+            return kernel(*args)
+        return tvm.runtime.convert(call) if ours else kernel
+
+    source = mlc if ours else tk
+    decode = source.attention_decode_cpu if ours else tk._attention_decode_cpu
+    prefill = source.attention_prefill_cpu if ours else tk._attention_prefill_cpu
+    ragged = source.attention_prefill_ragged_cpu if ours else tk._attention_prefill_ragged_cpu
     return [_built(tk._kv_cache_transpose_append(KV_HEADS, d, dtype)), None,
-            ["tirx", _built(tk._attention_prefill_ragged_cpu(KV_HEADS, HEADS, d, d, dtype, {}))],
-            ["tirx", _built(tk._attention_prefill_cpu(KV_HEADS, HEADS, d, dtype, False, {}))],
-            ["tirx", tvm.runtime.convert(counted)],
+            ["tirx", counted("ragged", ragged(KV_HEADS, HEADS, d, d, dtype, {}))],
+            ["tirx", counted("prefill", prefill(KV_HEADS, HEADS, d, dtype, False, {}))],
+            ["tirx", counted("decode", decode(KV_HEADS, HEADS, d, dtype, False, {}))],
             ["tirx", _built(tk._attention_prefill_cpu(KV_HEADS, HEADS, d, dtype, True, {}))],
             ["tirx", _built(tk._attention_decode_cpu(KV_HEADS, HEADS, d, dtype, True, {}))],
             ["tirx", _built(tk.tree_attn_with_paged_kv_cache_cpu(KV_HEADS, HEADS, d, dtype, {}))],
@@ -84,10 +90,11 @@ def _step(caches, keys: dict, values: dict, batch: list[tuple[int, int]], d: int
         for s, n in batch:
             keys[s][layer] = np.concatenate([keys[s][layer], new[s][1]])
             values[s][layer] = np.concatenate([values[s][layer], new[s][2]])
-            if n == 1:
-                want = _attend(new[s][0][0], keys[s][layer], values[s][layer], d)
+            for i in range(n):  # query i sees the sequence's keys up to its own position
+                length = len(keys[s][layer]) - n + i + 1
+                want = _attend(new[s][0][i], keys[s][layer][:length], values[s][layer][:length], d)
                 for got in outs:
-                    assert np.abs(got[row] - want).max() <= TOLERANCE[dtype] * max(np.abs(want).max(), 1.0)
+                    assert np.abs(got[row + i] - want).max() <= TOLERANCE[dtype] * max(np.abs(want).max(), 1.0)
             row += n
         np.testing.assert_allclose(outs[0], outs[-1], rtol=0, atol=TOLERANCE[dtype] * 4)
     for cache in caches:
@@ -104,7 +111,7 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, d: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("d,dtype", [(64, "float32"), (128, "float16")])
-def test_decode_in_tvms_paged_cache(d, dtype):
+def test_tvmattn_kernels_in_tvms_paged_cache(d, dtype):
     rng = np.random.default_rng(0)
     caches = [_cache(d, dtype, True), _cache(d, dtype, False)]
     calls = _functions(d, dtype, True)[-1]
@@ -113,10 +120,10 @@ def test_decode_in_tvms_paged_cache(d, dtype):
         for cache in caches:
             _op("kv_state_add_sequence")(cache, s)
         keys[s], values[s] = ([np.zeros((0, KV_HEADS, d), dtype)] * LAYERS for _ in range(2))
-    _step(caches, keys, values, [(0, 37), (1, 1), (2, 100), (3, 16)], d, dtype, rng)  # prefill (TVM's kernels)
-    before = calls[0]
+    _step(caches, keys, values, [(0, 37), (1, 1), (2, 100), (3, 16)], d, dtype, rng)  # first prompts
     for _ in range(3):
         _step(caches, keys, values, [(0, 1), (1, 1), (2, 1), (3, 1)], d, dtype, rng)
+    _step(caches, keys, values, [(1, 20), (3, 1), (0, 7)], d, dtype, rng)  # prefill chunks after a history
     for cache in caches:  # a fork sharing sequence 2's pages, a removal, a pop
         _op("kv_state_fork_sequence")(cache, 2, 4, -1)
         _op("kv_state_remove_sequence")(cache, 1)
@@ -125,9 +132,10 @@ def test_decode_in_tvms_paged_cache(d, dtype):
     keys[0], values[0] = [k[:-5] for k in keys[0]], [v[:-5] for v in values[0]]
     _step(caches, keys, values, [(2, 1), (4, 1), (0, 1)], d, dtype, rng)
     _step(caches, keys, values, [(3, 1)], d, dtype, rng)
-    # every decode step on tvmattn's kernel; after the fork, the two sequences' shared pages once more:
-    # the cache attends to them apart and merges the parts by their lse (what the kernel's lse is for)
-    assert before == 0 and calls[0] == 5 * LAYERS + LAYERS
+    # every kernel of ours ran: the new tokens among themselves (ragged), over the pages of a history
+    # (prefill, merged with the ragged part by the lse), the decode steps (after the fork, the shared
+    # pages apart and merged by the lse too)
+    assert set(calls) == {"ragged", "prefill", "decode"}, calls
 
 
 def test_the_sliding_window_variant_is_refused():
@@ -135,10 +143,15 @@ def test_the_sliding_window_variant_is_refused():
         mlc.attention_decode_cpu(KV_HEADS, HEADS, 64, "float32", True, {})
 
 
-def test_in_tir_paged_kv_cache_swaps_the_decode_kernel():
+def test_in_tir_paged_kv_cache_swaps_the_kernels():
     with mlc.in_tir_paged_kv_cache():
-        ours = tk._attention_decode_cpu(KV_HEADS, HEADS, 64, "float32", False, {})
+        ours = [tk._attention_decode_cpu(KV_HEADS, HEADS, 64, "float32", False, {}),
+                tk._attention_prefill_cpu(KV_HEADS, HEADS, 64, "float32", False, {}),
+                tk._attention_prefill_ragged_cpu(KV_HEADS, HEADS, 64, 64, "float32", {})]
         window = tk._attention_decode_cpu(KV_HEADS, HEADS, 64, "float32", True, {})
-    assert ours.attrs["global_symbol"] == "batch_decode_paged_kv_cpu" and "tirx.noalias" in ours.attrs
+    assert all("tirx.noalias" in f.attrs for f in ours)  # (tvmattn's; TVM's do not say it)
+    assert [str(f.attrs["global_symbol"]) for f in ours] == [
+        "batch_decode_paged_kv_cpu", "batch_prefill_paged_kv_cpu", "batch_prefill_ragged_kv"]
     assert window.attrs["global_symbol"] == "batch_decode_paged_kv_cpu_sliding_window"
-    assert tk._attention_decode_cpu.__module__.startswith("tvm.")
+    assert all(getattr(tk, n).__module__.startswith("tvm.") for n in (
+        "_attention_decode_cpu", "_attention_prefill_cpu", "_attention_prefill_ragged_cpu"))

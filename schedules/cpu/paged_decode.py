@@ -80,9 +80,10 @@ def plan_of(spec: PagedSpec, target: Target) -> PagedPlan:
                      decode=decode)
 
 
-def _bodies(plan: PagedPlan):
-    """The kernel's body for ``plan`` as a macro on its buffers (a decode step's), or the whole ragged
-    kernel (`_ragged`), from the one block step (`attend`) and the variant hooks."""
+def bodies(plan: PagedPlan):
+    """The kernel's body for ``plan`` as a macro: a decode step's (``decode_body``) or, for ragged
+    queries, the prefill's (`_prefill_body`), both on the one block step (`attend`) and the variant
+    hooks; their callers' arguments reach them through ``query_at``, ``page_at`` and ``length_of``."""
     spec, a = plan.spec, plan.spec.attention
     H, HKV, G, D, P, N = spec.h, spec.h_kv, spec.group, spec.head_dim, spec.page_size, spec.q_len
     R, LANES, C, dt = plan.rows, plan.lanes, plan.chunks, spec.dtype
@@ -246,7 +247,7 @@ def _bodies(plan: PagedPlan):
                 LSE[b, sh] = T.Select(total[0] > T.float32(0), top[0] + T.log2(total[0]), T.float32(LOWEST))
 
     if N is None:
-        return _ragged(locals(), _bodies(plan.decode))
+        return _prefill_body(locals())
     return decode_body
 
 
@@ -257,9 +258,9 @@ def paged_kernel(plan: PagedPlan) -> tirx.PrimFunc:
     decode step's body."""
     spec = plan.spec
     if spec.ragged:
-        return _bodies(plan)
+        return _ragged(plan, bodies(plan), bodies(plan.decode))
     H, D, N, P, dt = spec.h, spec.head_dim, spec.q_len, spec.page_size, spec.dtype
-    decode_body = _bodies(plan)
+    decode_body = bodies(plan)
 
     @T.prim_func
     def main(q_h: T.handle, k_h: T.handle, v_h: T.handle, bt_h: T.handle, lens_h: T.handle, sinks_h: T.handle,
@@ -283,14 +284,13 @@ def paged_kernel(plan: PagedPlan) -> tirx.PrimFunc:
     return main
 
 
-def _ragged(scope: dict, decode_body) -> tirx.PrimFunc:
+def _ragged(plan: PagedPlan, prefill, decode_body) -> tirx.PrimFunc:
     """The prefill kernel of ragged queries: q (total_q, h, d), sequence b's queries
     q[cu_seqlens_q[b] : cu_seqlens_q[b + 1]], the last of its keys (bottom-right). A batch of one
     query per sequence (cu_seqlens_q = 0, 1, …, B: every decode step of a server) takes
     ``decode_body`` instead, q read as (B, 1, h, d): its keys split over the threads, whatever the lengths."""
-    H, D, dt, spec = (scope[k] for k in ("H", "D", "dt", "spec"))
-    P = spec.page_size
-    prefill = _prefill_body(scope)
+    spec = plan.spec
+    H, D, P, dt = spec.h, spec.head_dim, spec.page_size, spec.dtype
 
     @T.prim_func
     def main(q_h: T.handle, k_h: T.handle, v_h: T.handle, bt_h: T.handle, lens_h: T.handle, cu_h: T.handle,
@@ -319,26 +319,28 @@ def _ragged(scope: dict, decode_body) -> tirx.PrimFunc:
             decode_body(lambda b, s, head, e: Q[b, head, e], K, V, lambda b, j: TABLE[b, j],
                         lambda b: T.max(T.min(LENS[b], width * P), 0), SINKS, SLOPES, OD, SINKS, False, batch, pages)
         else:
-            prefill(Q, K, V, TABLE, LENS, CU, SINKS, SLOPES, O, batch, pages, width, total_q)
+            prefill(lambda t, head, e: Q[t, head, e], K, V, lambda b, j: TABLE[b, j],
+                    lambda b: T.max(T.min(LENS[b], width * P), 0), CU, SINKS, SLOPES, O, SINKS, False, batch, pages,
+                    total_q)
 
     return main
 
 
 def _prefill_body(scope: dict):
     """The ragged kernel's own body: a task per (query tile, sequence, KV heads), each sequence's tiles
-    dealt to the chunks in turn (tile i to chunk i mod C), all of a tile's keys in it, no combine."""
-    H, D, G, R, C, KT, TASKS, QT, LANES, dt, spec = (scope[k] for k in (
-        "H", "D", "G", "R", "C", "KT", "TASKS", "QT", "LANES", "dt", "spec"))
+    dealt to the chunks in turn (tile i to chunk i mod C), all of a tile's keys in it, no combine.
+    Sequence b's queries are rows CU[b] … CU[b + 1] − 1 of O (and of ``query_at(t, head, e)``)."""
+    H, D, G, R, C, KT, TASKS, QT, LANES, dt = (scope[k] for k in (
+        "H", "D", "G", "R", "C", "KT", "TASKS", "QT", "LANES", "dt"))
     attend, start, keys, denominator = scope["attend"], scope["start"], scope["keys"], scope["denominator"]
-    P = spec.page_size
 
     @T.macro
-    def prefill(Q, K, V, TABLE, LENS, CU, SINKS, SLOPES, O, batch, pages, width, total_q):
+    def prefill(query_at, K, V, page_at, length_of, CU, SINKS, SLOPES, O, LSE, with_lse, batch, pages, total_q):
         for task in T.parallel(C * batch * TASKS):
             c = task // (batch * TASKS)
             b = task // TASKS % batch
             first = task % TASKS * KT
-            length = T.max(T.min(LENS[b], width * P), 0)
+            length = length_of(b)
             q0 = T.max(T.min(CU[b], total_q), 0)  # (checked by the caller; clamped all the same)
             n_q = T.max(T.min(CU[b + 1], total_q) - q0, 0)
             qs = T.alloc_buffer((KT, R, D), "float32", scope="local")
@@ -352,64 +354,17 @@ def _prefill_body(scope: dict):
             for k in range(T.max((n_q + QT - 1) // QT - c + C - 1, 0) // C):
                 s0 = (c + k * C) * QT
                 queries = T.min(QT, n_q - s0)
-                start(qs, m, ls, acc, lambda s, head, e: Q[q0 + T.min(s0 + s, n_q - 1), head, e], first)
-                attend(K, V, lambda seq, j: TABLE[seq, j], SLOPES, pages, qs, m, ls, acc, x, part, pg, row, b, first,
-                       length, keys(length, s0, queries, n_q)[0], keys(length, s0, queries, n_q)[1], s0, queries, n_q)
+                start(qs, m, ls, acc, lambda s, head, e: query_at(q0 + T.min(s0 + s, n_q - 1), head, e), first)
+                attend(K, V, page_at, SLOPES, pages, qs, m, ls, acc, x, part, pg, row, b, first, length,
+                       keys(length, s0, queries, n_q)[0], keys(length, s0, queries, n_q)[1], s0, queries, n_q)
                 for kv, r in T.grid(KT, R):
                     if r // G < queries:
                         for e in T.vectorized(D):
                             O[q0 + s0 + r // G, (first + kv) * G + r % G, e] = T.Cast(dt, variant.normalise(
                                 acc[kv, r, e], denominator(SINKS, ls[kv, r], m[kv, r], (first + kv) * G + r % G)))
+                        if with_lse:
+                            LSE[q0 + s0 + r // G, (first + kv) * G + r % G] = T.Select(
+                                ls[kv, r] > T.float32(0), m[kv, r] + T.log2(ls[kv, r]), T.float32(LOWEST))
 
     return prefill
 
-
-def tvm_cache_decode_kernel(plan: PagedPlan) -> tirx.PrimFunc:
-    """The decode kernel with the signature of TVM's own paged-cache CPU decode kernel
-    (`tvm.relax.frontend.nn.llm._decode_kernels._attention_decode_cpu`, what ``TIRPagedKVCache`` hands to
-    ``vm.builtin.paged_attention_kv_cache_create``): q (B, h, d); pages (max_pages, 2, h_kv, P, d), each
-    page's K then V rows (read as two HND caches); a CSR page table (indptr (B + 1,), values) and each
-    sequence's last-page length; output (B, h, d) and lse (B, h), the base-2 log-sum-exp of the logits;
-    ``sm_scale`` at run time (the plan's spec has scale 1: the queries are scaled as they load). RoPE
-    inside the kernel (rotary_mode 1) is refused: the cache applies it before appending (RopeMode.NORMAL)."""
-    spec = plan.spec
-    H, HKV, D, P, dt = spec.h, spec.h_kv, spec.head_dim, spec.page_size, spec.dtype
-    decode_body = _bodies(plan)
-    stride = (2 * HKV * P * D, P * D, D, 1)
-    inline_rope = "tvmattn's paged decode kernel takes RoPE applied before the cache (RopeMode NONE or NORMAL)"
-
-    @T.prim_func
-    def batch_decode_paged_kv(Q_handle: T.handle, pages_handle: T.handle, page_table_indptr_handle: T.handle,
-                              page_table_values_handle: T.handle, var_length_info: T.handle,
-                              k_rope_pos_offset_handle: T.handle, q_rope_position_handle: T.handle,
-                              output_handle: T.handle, lse_handle: T.handle, rotary_mode: T.int32,
-                              rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32):
-        T.func_attr({"global_symbol": "batch_decode_paged_kv_cpu", "tirx.noalias": True, "tirx.is_scheduled": True})
-        B = T.int32()
-        nnz_pages = T.int32()
-        max_num_pages = T.int32()
-        indptr_offset = T.int32()
-        values_offset = T.int32()
-        k_rope_offset = T.int32()
-        q_rope_offset = T.int32()
-        length_offset = T.int32()
-        Q = T.match_buffer(Q_handle, (B, H, D), dt)
-        PAGES = T.match_buffer(pages_handle, (max_num_pages, 2, HKV, P, D), dt)
-        INDPTR = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32", elem_offset=indptr_offset)
-        VALUES = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32", elem_offset=values_offset)
-        LAST = T.match_buffer(var_length_info, (B,), "int32", elem_offset=length_offset)
-        T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_rope_offset)
-        T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_rope_offset)
-        OUT = T.match_buffer(output_handle, (B, H, D), dt)
-        LSE = T.match_buffer(lse_handle, (B, H), "float32")
-        assert rotary_mode != 1, inline_rope
-        K = T.decl_buffer((max_num_pages, HKV, P, D), dt, data=PAGES.data, strides=stride)
-        V = T.decl_buffer((max_num_pages, HKV, P, D), dt, data=PAGES.data, elem_offset=HKV * P * D, strides=stride)
-        O = T.decl_buffer((B, 1, H, D), dt, data=OUT.data)
-        decode_body(lambda b, s, head, e: T.Cast("float32", Q[b, head, e]) * sm_scale, K, V,
-                    lambda b, j: VALUES[T.max(T.min(INDPTR[b] + j, nnz_pages - 1), 0)],
-                    lambda b: T.max(T.min((INDPTR[b + 1] - INDPTR[b] - 1) * P + LAST[b],
-                                          (INDPTR[b + 1] - INDPTR[b]) * P), 0),
-                    LSE, LSE, O, LSE, True, B, max_num_pages)
-
-    return batch_decode_paged_kv
