@@ -31,6 +31,20 @@ def _views(plan: PagedPlan):
     return stride, spec.h_kv * spec.page_size * spec.head_dim  # the V rows' offset in a page
 
 
+def _by_mask(causal: PagedPlan, full: PagedPlan):
+    """The prefill body of the ``causal`` plan or of the ``full`` one, as the run-time flag says; lse kept."""
+    masked, unmasked = bodies(causal), bodies(full)
+
+    @T.macro
+    def prefill(is_causal, query_at, K, V, page_at, length_of, CU, O, LSE, batch, pages, total):
+        if is_causal == 1:
+            masked(query_at, K, V, page_at, length_of, CU, LSE, LSE, O, LSE, True, batch, pages, total)
+        else:
+            unmasked(query_at, K, V, page_at, length_of, CU, LSE, LSE, O, LSE, True, batch, pages, total)
+
+    return prefill
+
+
 def decode_kernel(plan: PagedPlan) -> tirx.PrimFunc:
     """``_attention_decode_cpu``'s signature: q (B, h, d), one new query per sequence."""
     spec = plan.spec
@@ -75,7 +89,7 @@ def prefill_kernel(causal: PagedPlan, full: PagedPlan) -> tirx.PrimFunc:
     ``causal`` (bottom-right) or not at run time: the ``causal`` plan's body or the ``full`` one's."""
     spec = causal.spec
     H, HKV, D, P, dt = spec.h, spec.h_kv, spec.head_dim, spec.page_size, spec.dtype
-    masked, unmasked = bodies(causal), bodies(full)
+    prefill = _by_mask(causal, full)
     stride, v_rows = _views(causal)
 
     @T.prim_func
@@ -101,18 +115,10 @@ def prefill_kernel(causal: PagedPlan, full: PagedPlan) -> tirx.PrimFunc:
         assert rotary_mode != 1, INLINE_ROPE
         K = T.decl_buffer((max_num_pages, HKV, P, D), dt, data=PAGES.data, strides=stride)
         V = T.decl_buffer((max_num_pages, HKV, P, D), dt, data=PAGES.data, elem_offset=v_rows, strides=stride)
-        if causal == 1:
-            masked(lambda t, head, e: T.Cast("float32", Q[t, head, e]) * sm_scale, K, V,
-                   lambda b, j: VALUES[T.max(T.min(INDPTR[b] + j, nnz_pages - 1), 0)],
-                   lambda b: T.max(T.min((INDPTR[b + 1] - INDPTR[b] - 1) * P + LAST[b],
-                                         (INDPTR[b + 1] - INDPTR[b]) * P), 0),
-                   CU, LSE, LSE, O, LSE, True, B, max_num_pages, total)
-        else:
-            unmasked(lambda t, head, e: T.Cast("float32", Q[t, head, e]) * sm_scale, K, V,
-                     lambda b, j: VALUES[T.max(T.min(INDPTR[b] + j, nnz_pages - 1), 0)],
-                     lambda b: T.max(T.min((INDPTR[b + 1] - INDPTR[b] - 1) * P + LAST[b],
-                                           (INDPTR[b + 1] - INDPTR[b]) * P), 0),
-                     CU, LSE, LSE, O, LSE, True, B, max_num_pages, total)
+        prefill(causal, lambda t, head, e: T.Cast("float32", Q[t, head, e]) * sm_scale, K, V,
+                lambda b, j: VALUES[T.max(T.min(INDPTR[b] + j, nnz_pages - 1), 0)],
+                lambda b: T.max(T.min((INDPTR[b + 1] - INDPTR[b] - 1) * P + LAST[b],
+                                      (INDPTR[b + 1] - INDPTR[b]) * P), 0), CU, O, LSE, B, max_num_pages, total)
 
     return batch_prefill_paged_kv_cpu
 
@@ -122,7 +128,7 @@ def ragged_kernel(causal: PagedPlan, full: PagedPlan) -> tirx.PrimFunc:
     both packed (q_indptr, kv_indptr), the keys read as one-key NHD pages (the plans' page size is 1)."""
     spec = causal.spec
     H, HKV, D, dt = spec.h, spec.h_kv, spec.head_dim, spec.dtype
-    masked, unmasked = bodies(causal), bodies(full)
+    prefill = _by_mask(causal, full)
 
     @T.prim_func
     def batch_prefill_ragged_kv(var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle, var_v: T.handle,
@@ -145,13 +151,8 @@ def ragged_kernel(causal: PagedPlan, full: PagedPlan) -> tirx.PrimFunc:
         assert rotary_mode != 1, INLINE_ROPE
         K = T.decl_buffer((kv_len, 1, HKV, D), dt, data=KK.data)
         V = T.decl_buffer((kv_len, 1, HKV, D), dt, data=VV.data)
-        if causal == 1:
-            masked(lambda t, head, e: T.Cast("float32", Q[t, head, e]) * sm_scale, K, V,
-                   lambda b, j: T.max(T.min(KV_CU[b] + j, kv_len - 1), 0),
-                   lambda b: T.max(KV_CU[b + 1] - KV_CU[b], 0), CU, LSE, LSE, O, LSE, True, B, kv_len, qo_len)
-        else:
-            unmasked(lambda t, head, e: T.Cast("float32", Q[t, head, e]) * sm_scale, K, V,
-                     lambda b, j: T.max(T.min(KV_CU[b] + j, kv_len - 1), 0),
-                     lambda b: T.max(KV_CU[b + 1] - KV_CU[b], 0), CU, LSE, LSE, O, LSE, True, B, kv_len, qo_len)
+        prefill(causal, lambda t, head, e: T.Cast("float32", Q[t, head, e]) * sm_scale, K, V,
+                lambda b, j: T.max(T.min(KV_CU[b] + j, kv_len - 1), 0), lambda b: T.max(KV_CU[b + 1] - KV_CU[b], 0),
+                CU, O, LSE, B, kv_len, qo_len)
 
     return batch_prefill_ragged_kv
