@@ -27,6 +27,7 @@ from tvmattn.compiler.te_attention import attention_te
 from tvmattn.compiler.tuning.lookup import tuned_knobs, tuned_schedule
 from tvmattn.schedules.cpu.paged_decode import paged_kernel
 from tvmattn.schedules.cpu.paged_decode import plan_of as paged_plan_of
+from tvmattn.schedules.cuda import schedule_paged as cuda_schedule_paged
 from tvmattn.schedules.ops import BEFORE_LEGALIZE, ScheduleFunctions
 from tvmattn.schedules.ops.precision import matmuls_in
 
@@ -37,7 +38,8 @@ def compile_attention(spec: AttentionSpec | PagedSpec, target: Any = "cpu", *, a
                       thread_pool: str = "tvm") -> CompiledAttention:
     """``tvmattn.compile``: build the attention of ``spec`` for ``target`` (``"cpu"``, ``"cuda"``, ``"aarch64"``
     or ``"riscv64"`` with the CPU ``mcpu`` (`cross.cpus`), a dict or a Target). A `paged.PagedSpec`
-    (attention over a paged KV cache) builds its CPU kernel (`paged.CompiledPaged`).
+    (attention over a paged KV cache) builds its kernel (`paged.CompiledPaged`): the CPU's, or on
+    CUDA the flash template reading K/V through the block table (a fixed ``q_len``).
 
     Without ``knobs`` the best tuning record for this workload is used (``log_dirs`` are searched
     before the user's and the shipped logs; ``tuned=False`` ignores them all). ``thread_pool``
@@ -195,11 +197,16 @@ def build_module(mod: tvm.IRModule, spec: AttentionSpec, target: Target,
                            f"({spec.describe()}): {tvm_reason(err)}") from err
 
 
-def build_serial(spec: AttentionSpec, tiles: FlashTiles) -> CompiledAttention:
+def build_serial(spec: AttentionSpec | PagedSpec, tiles: FlashTiles) -> CompiledAttention:
     """The online-softmax template compiled unscheduled for this CPU: the CUDA kernel's numerics,
-    runnable here (a full layer: inside the tensor expression's projections, as on CUDA)."""
+    runnable here (a full layer: inside the tensor expression's projections, as on CUDA; a paged
+    cache: K and V through its block table, called as `paged.CompiledPaged`)."""
     start = time.perf_counter()
     target = host_target()
+    if isinstance(spec, PagedSpec):
+        mod = tvm.IRModule({"main": flash_attention(spec.attention, tiles, paged=spec)})
+        return CompiledPaged(spec, target, tvm_compile(mod, target), f"flash template, serial ({tiles})",
+                             time.perf_counter() - start, mod)
     if spec.projections:
         expr = attention_te(spec)
         func = layer_around(spec, expr, flash_attention(spec, tiles, packed=True, dims=expr.dims))
@@ -211,13 +218,16 @@ def build_serial(spec: AttentionSpec, tiles: FlashTiles) -> CompiledAttention:
 
 
 def compile_paged(spec: PagedSpec, target: Any, thread_pool: str = "tvm") -> "CompiledPaged":
-    """``tvmattn.compile`` of a `PagedSpec`: the CPU paged decode kernel (`schedules.cpu.paged_decode`)."""
-    if not is_cpu(target):
-        raise TvmAttnError(f"a paged KV cache has a CPU kernel only: compile {spec.describe()} for 'cpu'")
+    """``tvmattn.compile`` of a `PagedSpec`: the CPU paged kernels (`schedules.cpu.paged_decode`), or the
+    CUDA one (`schedules.cuda.schedule_paged`)."""
+    cuda = target.kind.name == "cuda"
+    if not (is_cpu(target) or (cuda and not spec.ragged)):
+        raise TvmAttnError(f"a paged KV cache has CPU kernels, and a CUDA one for a fixed q_len: compile "
+                           f"{spec.describe()} for 'cpu'" + ("" if not cuda else " (ragged queries)"))
     start = time.perf_counter()
-    mod, how = schedule_paged(spec, target)
+    mod, how = cuda_schedule_paged(spec, target) if cuda else schedule_paged(spec, target)
     try:
-        executable = tvm_compile(mod, target, thread_pool)
+        executable = compile_cuda(mod, target) if cuda else tvm_compile(mod, target, thread_pool)
     except Exception as err:  # our bug, but the user gets a sentence first
         raise TvmAttnError(f"TVM could not build the paged kernel ({spec.describe()}): {tvm_reason(err)}") from err
     return CompiledPaged(spec, target, executable, how, time.perf_counter() - start, mod, thread_pool)

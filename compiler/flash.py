@@ -68,6 +68,7 @@ from tvm.ir.expr import Expr as PrimExpr
 from tvm.script import tirx as T
 
 from tvmattn.compiler import arguments, variant
+from tvmattn.compiler.paged import PagedSpec
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.variant import ACC, Operand, size_expr
 
@@ -96,7 +97,7 @@ def operands(spec: AttentionSpec, packed: bool = False) -> dict[str, Operand]:
 
 def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False,
                     scopes: Mapping[str, str] | None = None,
-                    dims: Mapping[str, tirx.Var] | None = None) -> tirx.PrimFunc:
+                    dims: Mapping[str, tirx.Var] | None = None, paged: PagedSpec | None = None) -> tirx.PrimFunc:
     """The online-softmax PrimFunc of the core of ``spec``: ``main(q, k, v, *extras, o)``, the extras
     the arguments past the data `arguments.TABLE` gives the spec (kv_lens, attn_mask, …).
 
@@ -105,14 +106,25 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
     tile_max, tile_sum, m, m_new, alpha, l, l_new, PV_acc, PV, O, O_new)
     in memory ("shared", "local"…; "global" when not named): where a value lives, not what it is.
     ``dims``: the variables of symbolic sizes by name (to share them with another function).
+    ``paged``: K and V read from a paged cache through its block table (`paged.PagedSpec`; ``spec``
+    is then its ``attention``): ``main(q, k_cache, v_cache, block_table, cache_seqlens, *extras, o)``,
+    key t of sequence b at row t % P of page block_table[b, t // P] (clamped into the cache).
     """
     spec.validate()
     dims = dict(dims or {})
     dim = lambda x: dims.setdefault(x, tirx.Var(x, "int32")) if isinstance(x, str) else x  # noqa: E731
+    pages, width = dim("num_pages"), dim("max_pages")
+    if paged is not None:  # the keys a block table reaches
+        dims[spec.n_kv] = width * paged.page_size
     B, n, n_kv = dim(spec.batch), dim(spec.n_q), dim(spec.n_kv)
     ops = operands(spec, packed)
     q_shape, k_shape, v_shape, o_shape = (ops[x].shape(B, n_kv if x in "kv" else n) for x in "qkvo")
-    q_at, k_at, v_at, o_at = (ops[x].index for x in "qkvo")
+    q_at, o_at = ops["q"].index, ops["o"].index
+    k_at, v_at = (lambda table, b, kvh, t, e: ops["k"].index(b, kvh, t, e)), \
+        (lambda table, b, kvh, t, e: ops["v"].index(b, kvh, t, e))
+    if paged is not None:
+        k_shape = v_shape = paged.cache_shape(pages)
+        k_at = v_at = _paged_index(paged, pages)
     mask_shape = tuple(dim(x) for x in spec.attn_mask_shape())
     dt, g, h, h_kv, d_k, d_v = spec.dtype, spec.group, spec.h, spec.h_kv, spec.d_k, spec.d_v
     R, Tk, splits = tiles.q_rows, tiles.kv_tile, tiles.kv_splits
@@ -170,8 +182,8 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
 
     @T.macro
     def kv_step(j: PrimExpr, j_hi: PrimExpr, vb: PrimExpr, vkvh: PrimExpr, row0: PrimExpr, kv_len: PrimExpr,
-                k: tirx.Buffer, v: tirx.Buffer, attn_mask: tirx.Buffer, slopes: tirx.Buffer, Q: tirx.Buffer,
-                m: tirx.Buffer,
+                k: tirx.Buffer, v: tirx.Buffer, table: tirx.Buffer, attn_mask: tirx.Buffer, slopes: tirx.Buffer,
+                Q: tirx.Buffer, m: tirx.Buffer,
                 l: tirx.Buffer, O: tirx.Buffer, m_new: tirx.Buffer, alpha: tirx.Buffer, l_new: tirx.Buffer,
                 O_new: tirx.Buffer, P: tirx.Buffer) -> None:
         """Key tile j of row block row0 folded into the running (m, l, O) (Triton's ``_attn_fwd_inner``)."""
@@ -185,11 +197,13 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
             for t, e in T.grid(Tk, d_k):
                 with T.sblock("k_load"):
                     vt, ve = T.axis.remap("SS", [t, e])
-                    K[vt, ve] = T.if_then_else(vj * Tk + vt < n_kv, k[k_at(vb, vkvh, vj * Tk + vt, ve)], zero_in)
+                    K[vt, ve] = T.if_then_else(vj * Tk + vt < n_kv, k[k_at(table, vb, vkvh, vj * Tk + vt, ve)],
+                                               zero_in)
             for t, cc in T.grid(Tk, d_v):
                 with T.sblock("v_load"):
                     vt, vc = T.axis.remap("SS", [t, cc])
-                    V[vt, vc] = T.if_then_else(vj * Tk + vt < n_kv, v[v_at(vb, vkvh, vj * Tk + vt, vc)], zero_in)
+                    V[vt, vc] = T.if_then_else(vj * Tk + vt < n_kv, v[v_at(table, vb, vkvh, vj * Tk + vt, vc)],
+                                               zero_in)
             # key_tile holds one block, so that TVM's software pipeliner keeps it one stage
             # (it splices a block whose body is a sequence into the pipeline).
             with T.sblock("key_tile"):
@@ -310,11 +324,12 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                     o_all[vb, vi, vs, vc], denominator(l_all[vb, vi, vs], m_all[vb, vi, vs], sinks, vi)))
 
     @T.prim_func(s_tir=True)
-    def main(q_h: T.handle, k_h: T.handle, v_h: T.handle, lens_h: T.handle, mask_h: T.handle,
+    def main(q_h: T.handle, k_h: T.handle, v_h: T.handle, table_h: T.handle, lens_h: T.handle, mask_h: T.handle,
              sinks_h: T.handle, slopes_h: T.handle, o_h: T.handle):
         q = T.match_buffer(q_h, q_shape, dt)
         k = T.match_buffer(k_h, k_shape, dt)
         v = T.match_buffer(v_h, v_shape, dt)
+        block_table = T.match_buffer(table_h, (B, width), "int32")
         kv_lens = T.match_buffer(lens_h, (B,), "int32")
         attn_mask = T.match_buffer(mask_h, mask_shape, spec.input_dtype("attn_mask"))
         sinks = T.match_buffer(sinks_h, (h,), "float32")
@@ -362,7 +377,7 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
                 # loop it cannot prove to run its stage count with branches, and a branch around the
                 # barriers of a pipelined step is something CUDA code generation cannot place.
                 for step in T.serial(T.max(j_hi - j_lo, tiles.min_steps)):
-                    kv_step(j_lo + step, j_hi, vb, vkvh, row0, kv_len, k, v, attn_mask, alibi_slopes,
+                    kv_step(j_lo + step, j_hi, vb, vkvh, row0, kv_len, k, v, block_table, attn_mask, alibi_slopes,
                             Q, m, l, O, m_new, alpha, l_new, O_new, P)
                 epilogue(parts if splits > 1 else o, vb, vkvh, vsplit, row0, O, m, l, sinks)
         if splits > 1:
@@ -371,8 +386,23 @@ def flash_attention(spec: AttentionSpec, tiles: FlashTiles, packed: bool = False
     # The calling convention has the extras the spec takes (`arguments.TABLE`), in its order (the
     # parameters are named after their buffers).
     takes = {a.name for a in arguments.extras(spec)} | {"q", "k", "v", "o"}
+    if paged is not None:  # the paged kernels' calling convention (`paged.with_unused`): sinks and slopes always
+        takes |= {"block_table", "sinks", "alibi_slopes"}
     main = tirx.PrimFunc([p for p in main.params if p.name in takes], main.body, main.ret_type, main.attrs)
     return main.with_attr("global_symbol", "main")
+
+
+def _paged_index(paged: PagedSpec, pages: PrimExpr):
+    """(block_table, b, kvh, t, e) → the cache element of key t of sequence b: its page clamped into the
+    cache (a block-table entry past the sequence's keys is never used, and never read out of bounds)."""
+    P = paged.page_size
+
+    def index(table: tirx.Buffer, b, kvh, t, e) -> tuple:
+        page = tirx.max(tirx.min(tirx.BufferLoad(table, [b, tirx.floordiv(t, P)]), pages - 1), 0)
+        row = tirx.floormod(t, P)
+        return (page, row, kvh, e) if paged.kv_layout == "NHD" else (page, kvh, row, e)
+
+    return index
 
 
 def _key_tiles(spec: AttentionSpec, tiles: FlashTiles, row0, split, kv_len, n, n_kv) -> tuple[PrimExpr, PrimExpr]:

@@ -13,7 +13,8 @@ import numpy as np
 
 from tvmattn.compiler import arguments
 from tvmattn.compiler.kernel import CompiledAttention
-from tvmattn.compiler.oracle import reference
+from tvmattn.compiler.oracle import paged_reference, reference
+from tvmattn.compiler.paged import PagedSpec
 from tvmattn.compiler.spec import AttentionSpec
 
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
@@ -47,12 +48,12 @@ def random_inputs(spec: AttentionSpec, sizes: dict[str, int] | None = None,
 
 def check(kernel: CompiledAttention, sizes: dict[str, int] | None = None, seed: int = 0,
           inputs: dict[str, np.ndarray] | None = None) -> Check:
-    """Run ``kernel`` once at ``sizes`` (values of its symbolic lengths) and compare with the oracle;
-    ``inputs`` replace the drawn arguments of those names."""
+    """Run ``kernel`` once at ``sizes`` (values of its symbolic lengths) and compare with the oracle (a
+    paged kernel: the paged oracle); ``inputs`` replace the drawn arguments of those names."""
     spec = kernel.spec
     arrays, named = arguments.split(spec, {**random_inputs(spec, sizes, seed), **(inputs or {})})
     out = kernel(*arrays, **named).astype(np.float64)
-    ref = reference(spec, *arrays, **named)
+    ref = (paged_reference if isinstance(spec, PagedSpec) else reference)(spec, *arrays, **named)
     return Check(spec.dtype, dict(sizes or {}), *errors(out, ref), TOLERANCE[spec.dtype])
 
 

@@ -33,6 +33,7 @@ from tvm.target import Target
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.flash import FlashTiles, flash_attention
 from tvmattn.compiler.layer import layer_around
+from tvmattn.compiler.paged import PagedSpec
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.te_attention import AttentionTE, attention_te
 from tvmattn.schedules.knobs import Knob, KnobValue
@@ -122,6 +123,18 @@ class CudaFlashAttention(AttentionRule):
         tiles = FlashTiles(int(knobs["q_rows"]), int(knobs["kv_tile"]), int(knobs["kv_splits"]), int(knobs["stages"]))
         dims = _layer_te(spec).dims if spec.projections else None
         return flash_attention(spec, tiles, packed=spec.projections, scopes=scopes(spec, knobs), dims=dims)
+
+
+def schedule_paged(paged: PagedSpec, target: Target) -> tuple[tvm.IRModule, str]:
+    """A paged cache's kernel on CUDA: the template reading K and V through the block table
+    (`flash_attention(paged=…)`), scheduled as the dense attention of the same spec (`paged.attention`:
+    key padding, so one stage: the key tiles a sequence has depend on its length), default knobs."""
+    rule, spec = CudaFlashAttention(), paged.attention
+    knobs = rule.defaults(spec, target)
+    tiles = FlashTiles(int(knobs["q_rows"]), int(knobs["kv_tile"]), int(knobs["kv_splits"]), int(knobs["stages"]))
+    sch = Schedule(tvm.IRModule({"main": flash_attention(spec, tiles, scopes=scopes(spec, knobs), paged=paged)}))
+    rule.apply(sch, spec, target, knobs)
+    return sch.mod, f"paged {paged.kv_layout} page={paged.page_size}, " + rule.describe(spec, target, knobs)
 
 
 def tensor_cores(spec: AttentionSpec, knobs: Mapping[str, KnobValue]) -> bool:

@@ -28,6 +28,7 @@ from tvmattn.compiler.te_attention import attention_te
 from tvmattn.compiler.tuning import measure, space
 from tvmattn.compiler.tuning.tuner import tune
 from tvmattn.models.presets import PRESETS
+from tvmattn.schedules.cuda import schedule_paged as cuda_schedule_paged
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
@@ -162,6 +163,32 @@ def test_default_kernels_compile_without_spills_within_shared_memory(name, arch)
         assert r.spill_bytes == 0, r.line()
         assert r.total_shared_bytes <= limit, f"{r.line()}: over {limit} B"
     assert cuda_tools.verify_kernels(build.lower(mod, target), arch) == []
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("spec", [
+    tvmattn.PagedSpec(num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype="float16", causal=True),
+    tvmattn.PagedSpec(num_heads=8, head_dim=64, page_size=32, kv_layout="HND", q_len=2, dtype="bfloat16",
+                      causal=True, alibi="symmetric"),
+], ids=["fp16-nhd-gqa", "bf16-hnd-2q-alibi"])
+def test_paged_kernels_compile_within_shared_memory(spec, arch):
+    """The paged cache's CUDA kernel (the template reading K/V through the block table; its numerics:
+    tests/test_paged.py): nvcc and ptxas take it, shared memory within the limit, the GPU verifier passes,
+    no spills on sm_80 (sm_90's ptxas spills 8-12 bytes of the page arithmetic on some)."""
+    target = resolve_target("cuda", arch)
+    mod, _ = cuda_schedule_paged(spec, target)
+    resources = cuda_tools.kernel_resources(mod, target)
+    assert resources, "ptxas reported no kernel"
+    for r in resources:
+        assert r.total_shared_bytes <= cuda_tools.SHARED_MEMORY_PER_BLOCK[arch], r.line()
+        assert r.spill_bytes == 0 or arch != "sm_80", r.line()
+    assert cuda_tools.verify_kernels(build.lower(mod, target), arch) == []
+
+
+def test_ragged_paged_queries_have_no_cuda_kernel():
+    with pytest.raises(TvmAttnError, match="CUDA one for a fixed q_len"):
+        tvmattn.compile(tvmattn.PagedSpec(num_heads=4, head_dim=32, q_len=None), "cuda", arch="sm_90")
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 
 import tvmattn
 from tvmattn import PagedSpec, TvmAttnError
+from tvmattn.compiler import build
 from tvmattn.compiler.arguments import numpy_dtype
+from tvmattn.compiler.flash import FlashTiles
 from tvmattn.compiler.verify import TOLERANCE, errors
 
 
@@ -52,12 +54,13 @@ def draw(spec: PagedSpec, lens: list[int], spare: int = 3, shared: int = 0, seed
     return arrays
 
 
-def check(spec: PagedSpec, lens: list[int], shared: int = 0, seed: int = 0) -> None:
-    """The kernel of ``spec`` on `draw`'s arrays against `tvmattn.paged_reference`, at the dtype's tolerance."""
+def check(spec: PagedSpec, lens: list[int], shared: int = 0, seed: int = 0, kernel=None) -> None:
+    """The kernel of ``spec`` (or ``kernel``) on `draw`'s arrays against `tvmattn.paged_reference`, at the
+    dtype's tolerance."""
     args = draw(spec, lens, shared=shared, seed=seed)
     positional = [args[n] for n in ("q", "k_cache", "v_cache", "block_table", "cache_seqlens")]
     extras = {n: args[n] for n in ("sinks", "alibi_slopes") if n in args}
-    out = compiled(spec)(*positional, **extras)
+    out = (kernel or compiled(spec))(*positional, **extras)
     ref = tvmattn.paged_reference(spec, *positional, **extras)
     max_abs, max_rel = errors(out, ref)
     assert np.isfinite(max_abs) and max_rel <= TOLERANCE[spec.dtype], (spec, lens, max_abs, max_rel)
@@ -265,6 +268,25 @@ def test_readme_paged_example_runs():
     exec(compile(code, "README.md", "exec"), {})
 
 
+# ---- the CUDA kernel's numerics: its template, run serially here (tests/test_cuda.py compiles it) --------
+@settings(max_examples=6)
+@given(page=st.sampled_from([1, 4, 16, 64]), layout=st.sampled_from(["NHD", "HND"]),
+       heads=st.sampled_from([(4, 4), (4, 2), (8, 1)]), dtype=st.sampled_from(["float32", "float16", "bfloat16"]),
+       q_len=st.integers(1, 3), variant=st.sampled_from([{}, {"causal": True}, {"window": 7, "causal": True},
+                                                         {"softcap": 5.0, "alibi": "symmetric"}, {"sinks": True}]),
+       tiles=st.sampled_from([(16, 16, 1), (16, 32, 4), (32, 64, 2)]),
+       lens=st.lists(st.integers(0, 150), min_size=1, max_size=4), seed=st.integers(0, 9))
+def test_cuda_template_reads_through_the_block_table(page, layout, heads, dtype, q_len, variant, tiles, lens, seed):
+    spec = PagedSpec(num_heads=heads[0], num_kv_heads=heads[1], head_dim=16, page_size=page, kv_layout=layout,
+                     q_len=q_len, dtype=dtype, **variant)
+    check(spec, lens, seed=seed, kernel=serial_template(spec, FlashTiles(*tiles)))
+
+
+@functools.lru_cache(maxsize=16)
+def serial_template(spec: PagedSpec, tiles: FlashTiles) -> tvmattn.CompiledPaged:
+    return build.build_serial(spec, tiles)
+
+
 # ---- ragged queries: the prefill kernel -----------------------------------------------------------------
 def check_ragged(spec: PagedSpec, lens: list[int], queries: list[int], seed: int = 0) -> None:
     """Sequence b's last ``queries[b]`` keys are its queries (packed, cu_seqlens_q), against the oracle."""
@@ -366,8 +388,3 @@ def test_unchecked_run_reads_no_page_outside_the_pool():
     out = np.full(args["q"].shape, np.nan, np.float32)
     compiled(spec).run(*(host_tensor(a) for a in with_unused(spec, args).values()), host_tensor(out))
     assert np.isfinite(out).all()
-
-
-def test_paged_kernel_is_cpu_only():
-    with pytest.raises(TvmAttnError, match="has a CPU kernel only"):
-        tvmattn.compile(PagedSpec(**GQA), "cuda")
