@@ -91,39 +91,27 @@ def torch_sdpa(spec: AttentionSpec, q: np.ndarray, k: np.ndarray, v: np.ndarray,
     return (lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=spec.causal)), (lambda: None)
 
 
-def check_variants(target: str, arch: str | None, dry: bool) -> list[str]:
-    failures = []
-    print(f"{'oracle check':<22} {'schedule':<58} {'compile':>8}  result")
-    for name, spec in variants(dry).items():
-        try:
-            kernel = tvmattn.compile(spec, target, arch=arch)
-            result = check(kernel, {d: 700 for d in spec.symbolic_dims} or None)
-        except Exception as err:  # one broken case must not hide the others' results
-            print(f"{name:<22} FAIL: {type(err).__name__}: {str(err).strip().splitlines()[-1][:200]}")
-            failures.append(name)
-            continue
-        print(f"{name:<22} {kernel.schedule[:58]:<58} {kernel.compile_seconds:7.1f}s  {result.line()}")
-        if not result.ok:
-            failures.append(name)
-    return failures
-
-
-def check_paged(target: str, arch: str | None, dry: bool) -> list[str]:
-    """The paged-cache decode kernels (the flash template reading K/V through a block table) against the
-    paged oracle: both layouts, GQA, fp16/bf16/fp32, pages shuffled through the pool, ragged lengths."""
-    failures = []
-    sizes = {"b": 3, "num_pages": 12, "max_pages": 4} if dry else {"b": 4, "num_pages": 600, "max_pages": 140}
+def paged_variants(dry: bool) -> dict[str, tvmattn.PagedSpec]:
+    """The paged-cache decode kernels (the flash template reading K/V through a block table): both
+    layouts, GQA, fp16/bf16/fp32, pages shuffled through the pool, ragged lengths (`PAGED_SIZES`)."""
     cases = [("float32", "NHD", 1), ("float32", "HND", 2)] if dry else [
         ("float16", "NHD", 1), ("bfloat16", "HND", 1), ("float32", "NHD", 4), ("float16", "HND", 2)]
-    for dtype, layout, q_len in cases:
-        spec = tvmattn.PagedSpec(num_heads=32 if not dry else 4, num_kv_heads=8 if not dry else 2,
-                                 head_dim=128 if not dry else 16, page_size=16, kv_layout=layout, q_len=q_len,
-                                 dtype=dtype, causal=True)
-        name = f"paged-{layout}-{dtype}-n{q_len}"
+    heads, kv_heads, d = (4, 2, 16) if dry else (32, 8, 128)
+    return {f"paged-{layout}-{dtype}-n{q_len}": tvmattn.PagedSpec(
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=d, page_size=16, kv_layout=layout, q_len=q_len,
+        dtype=dtype, causal=True) for dtype, layout, q_len in cases}
+
+
+def check_variants(target: str, arch: str | None, dry: bool) -> list[str]:
+    failures = []
+    paged_sizes = {"b": 3, "num_pages": 12, "max_pages": 4} if dry else {"b": 4, "num_pages": 600, "max_pages": 140}
+    print(f"{'oracle check':<22} {'schedule':<58} {'compile':>8}  result")
+    for name, spec in {**variants(dry), **paged_variants(dry)}.items():
+        sizes = paged_sizes if isinstance(spec, tvmattn.PagedSpec) else {d: 700 for d in spec.symbolic_dims} or None
         try:
             kernel = tvmattn.compile(spec, target, arch=arch)
             result = check(kernel, sizes)
-        except Exception as err:
+        except Exception as err:  # one broken case must not hide the others' results
             print(f"{name:<22} FAIL: {type(err).__name__}: {str(err).strip().splitlines()[-1][:200]}")
             failures.append(name)
             continue
@@ -205,7 +193,6 @@ def main() -> int:
             tune_first(arch, args.tune)
     start = time.perf_counter()
     failures = check_variants(target, arch, args.dry_run)
-    failures += check_paged(target, arch, args.dry_run)
     rows, slow = time_shapes(target, arch, args.dry_run)
     failures += slow
     ratios = [r["ratio"] for r in rows]
