@@ -58,20 +58,21 @@ def tvmattn_varlen_attention_forward(module: torch.nn.Module, query: torch.Tenso
                                      s_aux: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' continuous batching calls a flash backend with the step's tokens packed, (1, h, T, d),
     each sequence's keys read from the paged cache, (1, h_kv, T_k, d), and ``cu_seq_lens_q``/``_k``: one
-    `flash_attn_varlen_func` call (no mask; a step of one token per sequence is the decode kernel's).
+    `flash_attn_varlen_func` call (no mask; a step of one token per sequence is the decode kernel's;
+    gpt-oss's sinks, ``s_aux``, as the kernel's sinks).
     Without them (``generate()``), `tvmattn_attention_forward`."""
     if cu_seq_lens_q is None:
         return tvmattn_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                          is_causal=is_causal, s_aux=s_aux, softcap=softcap, **kwargs)
-    if s_aux is not None or query.shape[0] != 1:
-        raise TvmAttnError("continuous batching on tvmattn takes one packed row of tokens and no attention sinks "
-                           "(s_aux) yet: use attn_implementation='tvmattn' with generate()")
+    if query.shape[0] != 1:
+        raise TvmAttnError(f"continuous batching packs a step's tokens into one row, not {query.shape[0]}")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     window = (sliding_window - 1, 0 if causal else sliding_window - 1) if sliding_window else (-1, -1)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, h, d)
     out = flash_attn_varlen_func(q, k.contiguous(), v.contiguous(), cu_seq_lens_q.to(torch.int32),
                                  cu_seq_lens_k.to(torch.int32), max_length_q, max_length_k, dropout_p=dropout,
-                                 softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap or 0.0)
+                                 softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap or 0.0,
+                                 sinks=s_aux)
     return out[None], None
 
 
@@ -96,6 +97,18 @@ def register_hf(name: str = "tvmattn") -> str:
     AttentionMaskInterface.register(f"{name}_flash", sdpa_mask)
     _load_by_name(f"{name}_flash")
     return name
+
+
+def for_continuous_batching(model: Any, name: str = "tvmattn") -> Any:
+    """``model`` set to ``name + "_flash"`` (`register_hf` first), its continuous-batching backend. A model
+    that lists the flash implementations it accepts (``_compatible_flash_implementations``: gpt-oss)
+    would be switched to its own first choice: this model's list gains ours."""
+    register_hf(name)
+    listed = getattr(model, "_compatible_flash_implementations", None)
+    if listed is not None and f"{name}_flash" not in listed:
+        model._compatible_flash_implementations = [*listed, f"{name}_flash"]  # this model only
+    model.set_attn_implementation(f"{name}_flash")
+    return model
 
 
 def _load_by_name(name: str) -> None:

@@ -87,7 +87,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
                            return_attn_probs: bool = False, block_table: torch.Tensor | None = None,
-                           kv_layout: str = "NHD") -> torch.Tensor:
+                           kv_layout: str = "NHD", sinks: torch.Tensor | None = None) -> torch.Tensor:
     """FlashAttention 2's ``flash_attn_varlen_func`` on tvmattn's ragged prefill kernel (CPU, forward only).
 
     q (total_q, H, D) holds sequence b's queries at rows cu_seqlens_q[b] … cu_seqlens_q[b + 1] − 1;
@@ -96,6 +96,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     keys of sequence b. No padding: each sequence attends to its own keys, ``causal`` and windows
     aligned bottom-right; ``softcap``, ``alibi_slopes`` (H,) float32 and ``softmax_scale`` as in
     `flash_attn_func`. → (total_q, H, D). ``max_seqlen_k`` sizes the block table of packed keys.
+    ``sinks`` (H,), tvmattn's own keyword: each head's attention-sink logit (gpt-oss's ``s_aux``).
     """
     if dropout_p != 0.0 or return_attn_probs:
         raise TvmAttnError("dropout_p > 0 and return_attn_probs=True: tvmattn's kernels are for inference and "
@@ -124,15 +125,19 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         block_table = (cu_seqlens_k[:-1, None] + torch.arange(width, dtype=torch.int32)[None, :]).contiguous()
         k, v = k.unsqueeze(1), v.unsqueeze(1)
     k_pages, v_pages, table = _pages(k, v, block_table, batch, kv_layout)
-    spec = _spec(q[None], k_pages, kv_layout, causal, window_size, softcap, alibi_slopes, softmax_scale).replace(
-        q_len=None)
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.shape != (q.shape[1],)):
+        raise TvmAttnError(f"sinks must be one logit per query head, ({q.shape[1]},)")
+    spec = _spec(q[None], k_pages, kv_layout, causal, window_size, softcap, alibi_slopes, softmax_scale,
+                 sinks is not None).replace(q_len=None)
     check_pages(spec, table.numpy(), lens.numpy(), k_pages.shape[0])
     check_queries(cu_seqlens_q.numpy(), batch, q.shape[0])
     out = q.new_empty(q.shape)
     args = with_unused(spec, {"q": q.contiguous(), "k_cache": k_pages, "v_cache": v_pages, "block_table": table,
                               "cache_seqlens": lens, "cu_seqlens_q": cu_seqlens_q.contiguous(),
                               **({} if alibi_slopes is None else {"alibi_slopes": alibi_slopes.detach().to(
-                                  torch.float32).contiguous()})}, _zeros(q.shape[1]))
+                                  torch.float32).contiguous()}),
+                              **({} if sinks is None else {"sinks": sinks.detach().to(torch.float32).contiguous()})},
+                      _zeros(q.shape[1]))
     KERNELS.get(spec).run(*args.values(), out)
     return out
 
@@ -206,7 +211,8 @@ def _lengths(cache_seqlens, batch: int, reach: int) -> torch.Tensor:
     return cache_seqlens
 
 
-def _spec(q, k_pages, kv_layout, causal, window_size, softcap, alibi_slopes, softmax_scale) -> PagedSpec:
+def _spec(q, k_pages, kv_layout, causal, window_size, softcap, alibi_slopes, softmax_scale,
+          sinks: bool = False) -> PagedSpec:
     batch, q_len, heads, head_dim = q.shape
     page = k_pages.shape[1] if kv_layout == "NHD" else k_pages.shape[2]
     kv_heads = k_pages.shape[2] if kv_layout == "NHD" else k_pages.shape[1]
@@ -217,18 +223,19 @@ def _spec(q, k_pages, kv_layout, causal, window_size, softcap, alibi_slopes, sof
         raise TvmAttnError(f"alibi_slopes must be float32 of shape ({heads},) or ({batch}, {heads})")
     return _spec_of(heads, kv_heads, head_dim, page, kv_layout, q_len, DTYPES[q.dtype], bool(causal),
                     tuple(int(w) for w in window_size), float(softcap), alibi_slopes is not None,
-                    None if softmax_scale is None else float(softmax_scale))
+                    None if softmax_scale is None else float(softmax_scale), sinks)
 
 
 @functools.lru_cache(maxsize=256)
 def _spec_of(heads: int, kv_heads: int, head_dim: int, page: int, kv_layout: str, q_len: int, dtype: str, causal: bool,
-             window_size: tuple[int, int], softcap: float, alibi: bool, scale: float | None) -> PagedSpec:
+             window_size: tuple[int, int], softcap: float, alibi: bool, scale: float | None,
+             sinks: bool = False) -> PagedSpec:
     """The spec of a call, made once per kind of call (building and validating one costs more than a
     small decode step's kernel)."""
     causal, window = _window(causal, window_size)
     return PagedSpec(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, page_size=page, kv_layout=kv_layout,
                      q_len=q_len, dtype=dtype, causal=causal, window=window, softcap=softcap or None,
-                     alibi="symmetric" if alibi else None, scale=scale)
+                     alibi="symmetric" if alibi else None, scale=scale, sinks=sinks)
 
 
 def _append(spec: PagedSpec, k_pages, v_pages, table, lens, k, v) -> None:

@@ -143,3 +143,27 @@ def test_continuous_batching_gives_the_default_paths_tokens(monkeypatch):
     assert sorted(got) == sorted(want)
     assert [got[r].generated_tokens for r in sorted(got)] == [want[r].generated_tokens for r in sorted(want)]
     assert calls and max(calls) > 1  # packed steps of several sequences went through the varlen kernel
+
+
+def test_continuous_batching_with_sinks_and_sliding_window():
+    """gpt-oss (sinks as s_aux, a sliding-window layer and a full one) batched continuously on
+    "tvmattn_flash": each request's greedy tokens as "eager" generate() gives them one at a time."""
+    torch.manual_seed(0)
+    cfg = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                    num_experts_per_tok=2, sliding_window=4,
+                                    layer_types=["sliding_attention", "full_attention"])
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
+    with torch.no_grad():
+        for module in ref.modules():
+            if hasattr(module, "sinks"):
+                module.sinks.normal_(1.0, 1.0)
+    ours = tvmattn.torch.for_continuous_batching(copy.deepcopy(ref))  # (gpt-oss lists its flash backends)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, VOCAB, (int(n),), generator=g).tolist() for n in (3, 11, 1, 7)]
+    config = transformers.GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    with torch.no_grad():
+        got = ours.generate_batch(inputs=prompts, generation_config=config, progress_bar=False,
+                                  continuous_batching_config=transformers.ContinuousBatchingConfig(num_blocks=8))
+        want = [ref.generate(torch.tensor([p]), generation_config=config)[0, len(p):].tolist() for p in prompts]
+    assert [got[r].generated_tokens for r in sorted(got, key=lambda r: int(r.split("_")[-1]))] == want
