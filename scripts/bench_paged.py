@@ -43,6 +43,7 @@ from tvmattn.compiler.target import cpu_cores
 from tvmattn.compiler.verify import TOLERANCE, errors
 
 LENGTHS = (2048, 37, 513, 1000)
+PAUSE = 0.05  # seconds idle before each peer's turn
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 
 
@@ -269,6 +270,7 @@ def tvm_prefill_peer(spec: tvmattn.PagedSpec, args: dict, q: np.ndarray, cu: np.
 
 def timed_once(call) -> float:
     """Seconds of one call (TVM's serial kernels take seconds)."""
+    time.sleep(PAUSE)
     start = time.perf_counter()
     call()
     return time.perf_counter() - start
@@ -281,7 +283,10 @@ def check(out, ref, dtype, what) -> None:
 
 
 def timed(call, budget: float = 0.15) -> float:
-    """Seconds per call: as many calls as fit ``budget``, at least 3."""
+    """Seconds per call: as many calls as fit ``budget``, at least 3; first a pause in which the previous
+    peer's worker threads stop spinning (OpenVINO's and TVM's spin after a call and would take a core
+    from the next peer)."""
+    time.sleep(PAUSE)
     call()
     start, n = time.perf_counter(), 0
     while n < 3 or time.perf_counter() - start < budget:
