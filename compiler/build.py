@@ -25,7 +25,7 @@ from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import host_target, is_cpu, resolve_target
 from tvmattn.compiler.te_attention import attention_te
 from tvmattn.compiler.tuning.lookup import tuned_knobs, tuned_schedule
-from tvmattn.schedules.cpu.paged_decode import paged_kernel
+from tvmattn.schedules.cpu.paged_decode import buffer_kernel, paged_kernel
 from tvmattn.schedules.cpu.paged_decode import plan_of as paged_plan_of
 from tvmattn.schedules.cuda import schedule_paged as cuda_schedule_paged
 from tvmattn.schedules.ops import BEFORE_LEGALIZE, ScheduleFunctions
@@ -233,7 +233,10 @@ def compile_paged(spec: PagedSpec, target: Any, thread_pool: str = "tvm") -> "Co
     return CompiledPaged(spec, target, executable, how, time.perf_counter() - start, mod, thread_pool)
 
 
-def schedule_paged(spec: PagedSpec, target: Target) -> tuple[tvm.IRModule, str]:
-    """The paged kernel of ``spec`` for a CPU ``target`` ("main", its TIR written by the plan) and how."""
+def schedule_paged(spec: PagedSpec, target: Target, rows: int | None = None) -> tuple[tvm.IRModule, str]:
+    """The paged kernel of ``spec`` for a CPU ``target`` ("main", its TIR written by the plan) and how;
+    with ``rows``, its decode kernel over contiguous (B, h_kv, rows, d) buffers (`buffer_kernel`)."""
     plan = paged_plan_of(spec, target)
-    return passes.polynomial_math()(tvm.IRModule({"main": paged_kernel(plan)})), plan.describe()  # (tanh: a polynomial)
+    func = paged_kernel(plan) if rows is None else buffer_kernel(plan, rows)
+    how = plan.describe() + ("" if rows is None else f", over ({rows}-row buffers read as pages)")
+    return passes.polynomial_math()(tvm.IRModule({"main": func})), how  # (softcap's tanh: a polynomial)

@@ -291,6 +291,42 @@ def test_ms_group_query_attention_constant_total_beyond_the_cache_is_refused():
         tvmattn.import_onnx(model)
 
 
+@pytest.mark.parametrize("rotary,sink", [(None, False), ("half", True)])
+def test_ms_group_query_attention_decode_over_a_shared_buffer_runs_on_the_paged_kernel(rotary, sink):
+    """ORT GenAI's decode step: one token a sequence into a buffer past and present share (static rows),
+    sequences of their own lengths (seqlens_k), GQA: the paged decode kernel reads the buffer as pages
+    (its work split follows each sequence's length); outputs and presents as ORT computes them,
+    including a first prompt of one token (total_sequence_length 1) and a sequence filling the buffer."""
+    d, rows = 16, 40
+    names = ["q", "k", "v", "pk", "pv", "sl", "tot"] + (["cos", "sin"] if rotary else ["", ""]) + \
+        (["", "", "sink"] if sink else [])
+    node = oh.make_node("GroupQueryAttention", names, ["y", "present_k", "present_v"], domain="com.microsoft",
+                        num_heads=H, kv_num_heads=H_KV, do_rotary=int(rotary is not None))
+    inputs = [("q", TP.FLOAT, ["B", 1, H * d]), ("k", TP.FLOAT, ["B", 1, H_KV * d]),
+              ("v", TP.FLOAT, ["B", 1, H_KV * d])] + [(n, TP.FLOAT, ["B", H_KV, rows, d]) for n in ("pk", "pv")]
+    inputs += [("sl", TP.INT32, ["B"]), ("tot", TP.INT32, [])]
+    inputs += [(n, TP.FLOAT, [MAX_POS, d // 2]) for n in ("cos", "sin")] if rotary else []
+    inputs += [("sink", TP.FLOAT, [H])] if sink else []
+    model = _model([node], inputs, [("y", TP.FLOAT, ["B", 1, H * d]),
+                                    ("present_k", TP.FLOAT, ["B", H_KV, rows, d]),
+                                    ("present_v", TP.FLOAT, ["B", H_KV, rows, d])])
+    rng = np.random.default_rng(5)
+
+    def feed(seqlens: list[int], total: int) -> dict:
+        f = _gqa_feed(rng, d, len(seqlens), 1, rows, seqlens, d)
+        f["tot"] = np.array(total, np.int32)
+        f = _select(f, True, rotary)
+        return f | ({"sink": randn(rng, H)} if sink else {})
+
+    imported = assert_matches_ort(model, [feed([5, 39, 0], 40), feed([17, 3], 18), feed([0, 0], 1)], 1)
+    assert [type(r.spec).__name__ for r in imported.report.replacements] == ["PagedSpec"]
+    assert "40-row buffers read as pages" in imported.report.replacements[0].schedule
+    # the new rows go into the past buffer itself (present is past), the arrays a decode loop passes
+    assert imported.report.in_place == {"present_k": "pk", "present_v": "pv"}
+    f = feed([5, 2], 6)
+    assert imported.run(f)[1] is f["pk"] and np.abs(f["pk"][:, :, 7:]).max() == 0
+
+
 def test_ms_group_query_attention_undeclared_shared_buffer_is_refused_at_run_time():
     """Without a constant total_sequence_length or a declared present_key length, the cache is taken to grow
     (present = past + S); a feed that uses the past as a shared buffer (total ≤ its rows) is then refused,

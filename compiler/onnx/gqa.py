@@ -20,7 +20,9 @@ from __future__ import annotations
 import numpy as np
 import tvm
 from tvm import relax, tirx
+from tvm.script import tirx as T
 
+from tvmattn.compiler.annotations import IS_SCHEDULED, OP_PATTERN, OPAQUE
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.onnx import rotary
 from tvmattn.compiler.onnx.converters import (
@@ -34,6 +36,7 @@ from tvmattn.compiler.onnx.converters import (
 )
 from tvmattn.compiler.onnx.kernels import Mask, Sizes, shape_of, static
 from tvmattn.compiler.onnx.ort_attention import _causal, ort_masks
+from tvmattn.compiler.paged import PagedSpec
 
 op = relax.op
 I64 = "int64"
@@ -91,18 +94,48 @@ def ms_group_query_attention(node: Node, inputs: list) -> list:
                                              "cos_cache's rows", 0, shape_of(cos, "cos_cache")[0])
         q = _rotary(node, q, cos, sin, positions, bool(a["rotary_interleaved"]), "query")
         k = _rotary(node, k, cos, sin, positions, bool(a["rotary_interleaved"]), "key")
-    q, k, v = bhsd(node, q), bhsd(node, k), bhsd(node, v)
-    if cache is not None:
+    q_rows, q, k, v = q, bhsd(node, q), bhsd(node, k), bhsd(node, v)
+    if cache == "shared" and node.checks and all(_graph_input(x) for x in (past_k, past_v)):
+        k, v = _write_in_place(node, past_k, past_v, k, v, first)
+    elif cache is not None:
         k, v = _write_at(node, past_k, k, first, rows), _write_at(node, past_v, v, first, rows)
     kv_lens, mask = _keys(node, cache, lens, first_prompt, attn_bias, batch, n_new, rows)
     # ORT 1.32 counts the query's own position in local_window_size (checked against its CPU kernel)
     window = a["local_window_size"] if a["local_window_size"] >= 0 else None
-    y, = node.attend(q, k, v, layout="BHSD", mask=mask, kv_lens=kv_lens, sinks=_sinks(node, head_sink,
-                                                                                      a["smooth_softmax"], heads),
-                     scale=None if a["scale"] is None else float(a["scale"]),
-                     softcap=float(a["softcap"]) if a["softcap"] else None,
-                     **_causal(bool(a["causal"]), past_k, window))
+    options = dict(scale=None if a["scale"] is None else float(a["scale"]),
+                   softcap=float(a["softcap"]) if a["softcap"] else None, **_causal(bool(a["causal"]), past_k, window))
+    sinks = _sinks(node, head_sink, a["smooth_softmax"], heads)
+    if _over_pages(node, cache, n_new, rows, attn_bias, q, k):
+        y = _decode_over_pages(node, q_rows, k, v, kv_lens, sinks, int(rows.value), options)
+        return [merge_heads(node, y, "BSHD"), k if node.wants(1) else None, v if node.wants(2) else None]
+    y, = node.attend(q, k, v, layout="BHSD", mask=mask, kv_lens=kv_lens, sinks=sinks, **options)
     return [merge_heads(node, y, "BHSD"), k if node.wants(1) else None, v if node.wants(2) else None]
+
+
+def _over_pages(node: Node, cache: str | None, n_new, rows, attn_bias, q, k) -> bool:
+    """Whether this is a decode step (one new token a sequence) over a buffer past and present share
+    with a static row count, without attention_bias, on a CPU: ORT GenAI's batch of sequences of their
+    own lengths (seqlens_k). It runs on the paged decode kernel, the buffer read as pages (no table): its
+    work split follows each sequence's own length. (A first prompt of one token sits at 0 and sees key 0:
+    the kernel's length 1, as kv_lens says.)"""
+    return (cache == "shared" and attn_bias is None and node.checks and isinstance(n_new, tirx.IntImm)
+            and int(n_new.value) == 1 and isinstance(rows, tirx.IntImm) and str(q.ty.dtype) == str(k.ty.dtype))
+
+
+def _decode_over_pages(node: Node, q: relax.Expr, k: relax.Expr, v: relax.Expr, kv_lens: relax.Expr,
+                       sinks: relax.Expr | None, rows: int, options: dict) -> relax.Var:
+    """q (B, 1, h, d) over the (B, h_kv, rows, d) buffers on `paged_decode.buffer_kernel`: pages of the
+    largest power of two up to 256 that divides ``rows``."""
+    batch, _, heads, d = shape_of(q, "query")
+    page = max(p for p in (1, 2, 4, 8, 16, 32, 64, 128, 256) if rows % p == 0)
+    spec = PagedSpec(num_heads=static(heads, "the query head count"), num_kv_heads=static(shape_of(k, "key")[1],
+                     "the key head count"), head_dim=static(d, "the head size"), page_size=page, kv_layout="HND",
+                     q_len=1, dtype=str(q.ty.dtype), causal=options.get("causal", False),
+                     window=options.get("window"), softcap=options["softcap"], sinks=sinks is not None,
+                     scale=options["scale"])
+    zeros = relax.const(np.zeros(spec.h, np.float32))
+    return node.kernels.call_paged(node.bb, spec, [q, k, v, kv_lens, zeros if sinks is None else sinks, zeros],
+                                   [batch, 1, heads, d], (node.name,), f"{node.op} converter", rows=rows)
 
 
 def _cache(node: Node, past: relax.Expr | None, total: relax.Expr, n_new) -> str | None:
@@ -212,6 +245,48 @@ def _rotary(node: Node, x: relax.Expr, cos: relax.Expr, sin: relax.Expr, positio
         raise TvmAttnError(f"cos_cache and sin_cache must be (max_position, r/2) with r ≤ the head width {d}")
     c, s = rotary.at_positions(node, positions, cos, sin, check=False)
     return rotary.rotate(node, x, c, s, interleaved, 2 * half, head_axis=2)
+
+
+def _graph_input(x: relax.Expr) -> bool:
+    """A tensor the model was given (its function's parameter), not one computed in it."""
+    return isinstance(x, relax.Var) and not isinstance(x, relax.DataflowVar)
+
+
+def _write_in_place(node: Node, past_k: relax.Expr, past_v: relax.Expr, k: relax.Expr, v: relax.Expr,
+                    first: relax.Expr) -> tuple[relax.Var, relax.Var]:
+    """A buffer past and present share, as ORT means it: sequence b's S new rows written into past at
+    first[b] (checked to fit), the rows after them zeroed (ORT's present has zeros there), in place
+    (``call_tir_inplace``): present is past (`ImportReport.in_place`), no copy of the buffer a step."""
+    width = static(shape_of(past_k, "past_key")[3], "the head size")
+    func = node.bb.add_func(_shared_write_func(str(past_k.ty.dtype), width), "gqa_shared_buffer_write")
+    out = node.emit(relax.call_tir_inplace(func, [past_k, past_v, k, v, first], [0, 1], [past_k.ty, past_v.ty]))
+    for i, into in ((1, 3), (2, 4)):
+        if node.wants(i):
+            node.kernels.in_place[node.proto.output[i]] = node.proto.input[into]
+    return node.emit(relax.TupleGetItem(out, 0)), node.emit(relax.TupleGetItem(out, 1))
+
+
+def _shared_write_func(dtype: str, width: int) -> tirx.PrimFunc:
+    @T.prim_func(private=True)
+    def write(pk_h: T.handle, pv_h: T.handle, k_h: T.handle, v_h: T.handle, first_h: T.handle):
+        batch, heads, rows, n_new = T.int64(), T.int64(), T.int64(), T.int64()
+        PK = T.match_buffer(pk_h, (batch, heads, rows, width), dtype)
+        PV = T.match_buffer(pv_h, (batch, heads, rows, width), dtype)
+        K = T.match_buffer(k_h, (batch, heads, n_new, width), dtype)
+        V = T.match_buffer(v_h, (batch, heads, n_new, width), dtype)
+        FIRST = T.match_buffer(first_h, (batch,), I64)
+        for bh in T.parallel(batch * heads):
+            start = T.max(T.min(FIRST[bh // heads], rows - n_new), 0)  # (checked; clamped all the same)
+            for s in range(n_new):
+                for e in T.vectorized(width):
+                    PK[bh // heads, bh % heads, start + s, e] = K[bh // heads, bh % heads, s, e]
+                    PV[bh // heads, bh % heads, start + s, e] = V[bh // heads, bh % heads, s, e]
+            for t in range(rows - start - n_new):
+                for e in T.vectorized(width):
+                    PK[bh // heads, bh % heads, start + n_new + t, e] = T.Cast(dtype, 0)
+                    PV[bh // heads, bh % heads, start + n_new + t, e] = T.Cast(dtype, 0)
+
+    return write.with_attr(OP_PATTERN, OPAQUE).with_attr(IS_SCHEDULED, True)
 
 
 def _write_at(node: Node, past: relax.Expr, new: relax.Expr, first: relax.Expr, rows) -> relax.Var:

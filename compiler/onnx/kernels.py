@@ -8,6 +8,7 @@ it emits is recorded as a `Replacement`, the import report's lines.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import tvm
 from tvm import relax, tirx
@@ -44,7 +45,7 @@ class Kernels:
 
     target: Target
     replacements: list[Replacement] = field(default_factory=list)
-    _funcs: dict[AttentionSpec | PagedSpec, tuple[relax.GlobalVar, str]] = field(default_factory=dict)
+    _funcs: dict[Any, tuple[relax.GlobalVar, str]] = field(default_factory=dict)  # by spec (and buffer rows)
     precision: str | None = None  # fp32 attention computed in this 16-bit dtype (`import_onnx(dtype=…)`)
     cache_16: bool = False  # the KV cache arrives in 16 bits (`import_onnx(cache_dtype=…)`)
     in_place: dict[str, str] = field(default_factory=dict)  # output → the input it is written into (an alias)
@@ -59,34 +60,38 @@ class Kernels:
         return out
 
     def call_paged(self, bb: relax.BlockBuilder, spec: PagedSpec, args: list[relax.Expr], out_shape: list,
-                   nodes: tuple[str, ...], source: str) -> relax.Var:
-        """Emit ``call_tir`` of the paged kernel of ``spec`` (`paged.with_unused`'s arguments, in order)."""
-        gvar, how = self._kernel(bb, spec)
+                   nodes: tuple[str, ...], source: str, rows: int | None = None) -> relax.Var:
+        """Emit ``call_tir`` of the paged kernel of ``spec`` (`paged.with_unused`'s arguments, in order), or
+        with ``rows``, of its decode kernel over contiguous (B, h_kv, rows, d) buffers (`buffer_kernel`)."""
+        gvar, how = self._kernel(bb, spec, rows)
         out = bb.emit(relax.call_tir(gvar, args, relax.TensorType(out_shape, spec.dtype)))
         self.replacements.append(Replacement(tuple(nodes), source, spec, gvar.name_hint, how))
         return out
 
-    def _kernel(self, bb: relax.BlockBuilder, spec: AttentionSpec | PagedSpec) -> tuple[relax.GlobalVar, str]:
-        if spec not in self._funcs:
-            mod, how = _schedule(spec, self.target)
+    def _kernel(self, bb: relax.BlockBuilder, spec: AttentionSpec | PagedSpec,
+                rows: int | None = None) -> tuple[relax.GlobalVar, str]:
+        key = spec if rows is None else (spec, rows)
+        if key not in self._funcs:
+            mod, how = _schedule(spec, self.target, rows)
             output = getattr(spec, "output", "attn")
             name = f"tvmattn_{'paged' if isinstance(spec, PagedSpec) else 'attention'}{len(self._funcs)}" + (
                 "" if output == "attn" else f"_{output}")
             func = (mod["main"].with_attr("global_symbol", name).with_attr(OP_PATTERN, OPAQUE)
                     .with_attr(IS_SCHEDULED, True))  # dlight must not reschedule it (CUDA)
-            self._funcs[spec] = (bb.add_func(func, name), how)
-        return self._funcs[spec]
+            self._funcs[key] = (bb.add_func(func, name), how)
+        return self._funcs[key]
 
 
-_SCHEDULED: dict[tuple[AttentionSpec | PagedSpec, str], tuple[tvm.IRModule, str]] = {}
+_SCHEDULED: dict[tuple[AttentionSpec | PagedSpec, str, int | None], tuple[tvm.IRModule, str]] = {}
 
 
-def _schedule(spec: AttentionSpec | PagedSpec, target: Target) -> tuple[tvm.IRModule, str]:
+def _schedule(spec: AttentionSpec | PagedSpec, target: Target, rows: int | None = None) -> tuple[tvm.IRModule, str]:
     """`schedule_attention` (`schedule_paged`), cached: models repeat their attention shapes, and
     scheduling is a pure function of the spec and the target (Targets compare by identity, hence their text)."""
-    key = (spec, str(target))
+    key = (spec, str(target), rows)
     if key not in _SCHEDULED:
-        _SCHEDULED[key] = (schedule_paged if isinstance(spec, PagedSpec) else schedule_attention)(spec, target)
+        _SCHEDULED[key] = schedule_paged(spec, target, rows) if isinstance(spec, PagedSpec) else \
+            schedule_attention(spec, target)
     return _SCHEDULED[key]
 
 

@@ -368,3 +368,35 @@ def _prefill_body(scope: dict):
 
     return prefill
 
+
+
+def buffer_kernel(plan: PagedPlan, rows: int) -> tirx.PrimFunc:
+    """The decode kernel over one contiguous buffer per sequence, (B, h_kv, rows, d) K and V (ONNX
+    Runtime's GroupQueryAttention past/present buffer, each sequence's own length ``cache_seqlens``): the
+    buffer read as HND pages of the plan's page size P (a power of two dividing ``rows``), sequence b's
+    page j being page b·h_kv·rows/P + j of a strided view; no block table. ``main(q, k, v, cache_seqlens,
+    sinks, alibi_slopes, out)``; the work split as the paged kernel's, so that ragged lengths balance."""
+    spec = plan.spec
+    H, HKV, D, N, P, dt = spec.h, spec.h_kv, spec.head_dim, spec.q_len, spec.page_size, spec.dtype
+    per_head = rows // P  # pages of one (sequence, KV head)
+    decode_body = bodies(plan)
+
+    @T.prim_func
+    def main(q_h: T.handle, k_h: T.handle, v_h: T.handle, lens_h: T.handle, sinks_h: T.handle, slopes_h: T.handle,
+             o_h: T.handle):
+        T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+        batch = T.int32()
+        Q = T.match_buffer(q_h, (batch, N, H, D), dt)
+        KB = T.match_buffer(k_h, (batch, HKV, rows, D), dt)
+        VB = T.match_buffer(v_h, (batch, HKV, rows, D), dt)
+        LENS = T.match_buffer(lens_h, (batch,), "int32")
+        SINKS = T.match_buffer(sinks_h, (H,), "float32")
+        SLOPES = T.match_buffer(slopes_h, (H,), "float32")
+        O = T.match_buffer(o_h, (batch, N, H, D), dt)
+        pages = T.meta_var((batch - 1) * HKV * per_head + per_head)  # the last sequence's first head's pages end here
+        K = T.decl_buffer((pages, HKV, P, D), dt, data=KB.data, strides=(P * D, rows * D, D, 1))
+        V = T.decl_buffer((pages, HKV, P, D), dt, data=VB.data, strides=(P * D, rows * D, D, 1))
+        decode_body(lambda b, s, head, e: Q[b, s, head, e], K, V, lambda b, j: b * HKV * per_head + j,
+                    lambda b: T.max(T.min(LENS[b], rows), 0), SINKS, SLOPES, O, SINKS, False, batch, pages)
+
+    return main
