@@ -259,3 +259,15 @@ def test_a_slot_outside_the_caches_is_one_clear_error():
 def test_what_the_kernel_does_not_do_is_refused_at_import(change, named):
     with pytest.raises(TvmAttnError, match=named):
         tvmattn.import_onnx(_model(replace(C, **change)))
+
+
+def test_a_cache_computed_in_the_model_is_refused():
+    """The op writes its caches in place: they must be the model's inputs, not tensors it computes."""
+    model = onnx.ModelProto()
+    model.CopyFrom(_model(C))  # (the cached one stays as it is)
+    graph = model.graph
+    node = graph.node[0]
+    node.input[3] = "key_cache_copy"
+    graph.node.insert(0, oh.make_node("Identity", ["key_cache"], ["key_cache_copy"]))
+    with pytest.raises(TvmAttnError, match="must be inputs of the model"):
+        tvmattn.import_onnx(model)

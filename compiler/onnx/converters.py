@@ -94,6 +94,12 @@ def _check_attribute(name: str, value: Any) -> None:
         raise TvmAttnError(f"attribute {name}=nan is not a number")
 
 
+def graph_input(x: relax.Expr) -> bool:
+    """A tensor the model was given (its function's parameter), not one computed in it: what an op
+    may write in place."""
+    return isinstance(x, relax.Var) and not isinstance(x, relax.DataflowVar)
+
+
 def _inputs(inputs: list, count: int) -> list:
     return list(inputs) + [None] * (count - len(inputs))
 

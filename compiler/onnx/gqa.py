@@ -31,6 +31,7 @@ from tvmattn.compiler.onnx.converters import (
     _refuse,
     _unsupported,
     bhsd,
+    graph_input,
     merge_heads,
     split_heads,
 )
@@ -95,7 +96,7 @@ def ms_group_query_attention(node: Node, inputs: list) -> list:
         q = _rotary(node, q, cos, sin, positions, bool(a["rotary_interleaved"]), "query")
         k = _rotary(node, k, cos, sin, positions, bool(a["rotary_interleaved"]), "key")
     q_rows, q, k, v = q, bhsd(node, q), bhsd(node, k), bhsd(node, v)
-    if cache == "shared" and node.checks and all(_graph_input(x) for x in (past_k, past_v)):
+    if cache == "shared" and node.checks and all(graph_input(x) for x in (past_k, past_v)):
         k, v = _write_in_place(node, past_k, past_v, k, v, first)
     elif cache is not None:
         k, v = _write_at(node, past_k, k, first, rows), _write_at(node, past_v, v, first, rows)
@@ -245,11 +246,6 @@ def _rotary(node: Node, x: relax.Expr, cos: relax.Expr, sin: relax.Expr, positio
         raise TvmAttnError(f"cos_cache and sin_cache must be (max_position, r/2) with r ≤ the head width {d}")
     c, s = rotary.at_positions(node, positions, cos, sin, check=False)
     return rotary.rotate(node, x, c, s, interleaved, 2 * half, head_axis=2)
-
-
-def _graph_input(x: relax.Expr) -> bool:
-    """A tensor the model was given (its function's parameter), not one computed in it."""
-    return isinstance(x, relax.Var) and not isinstance(x, relax.DataflowVar)
 
 
 def _write_in_place(node: Node, past_k: relax.Expr, past_v: relax.Expr, k: relax.Expr, v: relax.Expr,

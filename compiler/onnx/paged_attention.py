@@ -29,7 +29,7 @@ from tvm.script import tirx as T
 from tvmattn.compiler.annotations import IS_SCHEDULED, OP_PATTERN, OPAQUE
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.onnx import rotary
-from tvmattn.compiler.onnx.converters import Node, _inputs, _refuse, _unsupported
+from tvmattn.compiler.onnx.converters import Node, _inputs, _refuse, _unsupported, graph_input
 from tvmattn.compiler.onnx.gqa import _sinks
 from tvmattn.compiler.onnx.kernels import shape_of, static
 from tvmattn.compiler.paged import PagedSpec, with_unused
@@ -71,6 +71,8 @@ def ms_paged_attention(node: Node, inputs: list) -> list:
     if window == 0 or (window is not None and not a["is_causal"]):
         raise TvmAttnError(f"local_window_size={window} with is_causal={a['is_causal']} is not supported by "
                            f"tvmattn's {node.op} converter (a window of at least 1 key on a causal mask is)")
+    if not (graph_input(k_cache) and graph_input(v_cache)):
+        raise TvmAttnError("key_cache and value_cache must be inputs of the model: the op writes them in place")
     pages, page, cache_heads, d = _cache_shape(node, k_cache, v_cache, kv_heads)
     dtype = str(k_cache.ty.dtype)
     for name in ("k_cache_dtype", "v_cache_dtype"):
