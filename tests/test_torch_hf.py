@@ -101,19 +101,25 @@ def test_set_attn_implementation_on_a_built_model():
     assert KERNELS.keys()
 
 
-def test_gpt_oss_sinks_and_sliding_window():
-    """gpt-oss (its attention sinks reach the backend as ``s_aux``; a sliding-window layer, a full one): the
-    logits and greedy tokens of "eager", its own attention with sinks (gpt-oss has no "sdpa")."""
+def gpt_oss():
+    """A random gpt-oss on "eager" (it has no "sdpa"): a sliding-window layer, a full one, sinks far from 0."""
     torch.manual_seed(0)
     cfg = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                                     num_experts_per_tok=2, sliding_window=4,
                                     layer_types=["sliding_attention", "full_attention"])
-    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     with torch.no_grad():
-        for module in ref.modules():
+        for module in model.modules():
             if hasattr(module, "sinks"):
                 module.sinks.normal_(1.0, 1.0)
+    return model
+
+
+def test_gpt_oss_sinks_and_sliding_window():
+    """gpt-oss (its attention sinks reach the backend as ``s_aux``; a sliding-window layer, a full one): the
+    logits and greedy tokens of "eager", its own attention with sinks (gpt-oss has no "sdpa")."""
+    ref = gpt_oss()
     ours, ids = switched(ref)
     with torch.no_grad():
         settings = dict(max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
@@ -148,16 +154,7 @@ def test_continuous_batching_gives_the_default_paths_tokens(monkeypatch):
 def test_continuous_batching_with_sinks_and_sliding_window():
     """gpt-oss (sinks as s_aux, a sliding-window layer and a full one) batched continuously on
     "tvmattn_flash": each request's greedy tokens as "eager" generate() gives them one at a time."""
-    torch.manual_seed(0)
-    cfg = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-                                    num_experts_per_tok=2, sliding_window=4,
-                                    layer_types=["sliding_attention", "full_attention"])
-    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
-    with torch.no_grad():
-        for module in ref.modules():
-            if hasattr(module, "sinks"):
-                module.sinks.normal_(1.0, 1.0)
+    ref = gpt_oss()
     ours = tvmattn.torch.for_continuous_batching(copy.deepcopy(ref))  # (gpt-oss lists its flash backends)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1, VOCAB, (int(n),), generator=g).tolist() for n in (3, 11, 1, 7)]

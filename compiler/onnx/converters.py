@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 import onnx
-from tvm import relax
+from tvm import relax, tirx
 
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.onnx import run_checks
@@ -70,6 +70,17 @@ class Node:
         if not self.checks:
             return values if carry is None else carry
         return run_checks.in_range(self.bb, f"node {self.name!r} ({self.op}): {what}", values, lo, hi, carry)
+
+    def write_in_place(self, func: tirx.PrimFunc, name: str, caches: tuple, rest: list) -> tuple[relax.Var, ...]:
+        """``caches`` (this node's inputs 3 and 4) written by ``func(*caches, *rest)`` in place
+        (``call_tir_inplace``), returned as its outputs; the node's outputs 1 and 2 are recorded as
+        their aliases (`ImportReport.in_place`): a run hands back the arrays it was given."""
+        out = self.emit(relax.call_tir_inplace(self.bb.add_func(func, name), [*caches, *rest],
+                                               list(range(len(caches))), [c.ty for c in caches]))
+        for i, into in ((1, 3), (2, 4)):
+            if self.wants(i):
+                self.kernels.in_place[self.proto.output[i]] = self.proto.input[into]
+        return tuple(self.emit(relax.TupleGetItem(out, i)) for i in range(len(caches)))
 
     def attend(self, q, k, v, **kw) -> list[relax.Var]:
         return attend(self.bb, self.kernels, q, k, v, nodes=(self.name,), source=f"{self.op} converter", **kw)

@@ -254,12 +254,8 @@ def _write_in_place(node: Node, past_k: relax.Expr, past_v: relax.Expr, k: relax
     first[b] (checked to fit), the rows after them zeroed (ORT's present has zeros there), in place
     (``call_tir_inplace``): present is past (`ImportReport.in_place`), no copy of the buffer a step."""
     width = static(shape_of(past_k, "past_key")[3], "the head size")
-    func = node.bb.add_func(_shared_write_func(str(past_k.ty.dtype), width), "gqa_shared_buffer_write")
-    out = node.emit(relax.call_tir_inplace(func, [past_k, past_v, k, v, first], [0, 1], [past_k.ty, past_v.ty]))
-    for i, into in ((1, 3), (2, 4)):
-        if node.wants(i):
-            node.kernels.in_place[node.proto.output[i]] = node.proto.input[into]
-    return node.emit(relax.TupleGetItem(out, 0)), node.emit(relax.TupleGetItem(out, 1))
+    return node.write_in_place(_shared_write_func(str(past_k.ty.dtype), width), "gqa_shared_buffer_write",
+                               (past_k, past_v), [k, v, first])
 
 
 def _shared_write_func(dtype: str, width: int) -> tirx.PrimFunc:

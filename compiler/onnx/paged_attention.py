@@ -95,10 +95,8 @@ def ms_paged_attention(node: Node, inputs: list) -> list:
                                              "sequence) must index cos_cache's rows", 0, shape_of(cos, "cos_cache")[0])
         q, k = (_rotary(node, x, cos, sin, positions, bool(a["rotary_interleaved"]), what)
                 for x, what in ((q, "query"), (k, "key")))
-    k_cache, v_cache = _write(node, k_cache, v_cache, k, v, slots, page)
-    for i, into in ((1, 3), (2, 4)):
-        if node.wants(i):
-            node.kernels.in_place[node.proto.output[i]] = node.proto.input[into]
+    k_cache, v_cache = node.write_in_place(_write_func(page, dtype), "paged_attention_write", (k_cache, v_cache),
+                                           [k, v, slots])
     given = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_table": table, "cache_seqlens": lens,
              "cu_seqlens_q": cu, "sinks": _sinks(node, head_sink, a["smooth_softmax"], heads)}
     args = with_unused(spec, {k: x for k, x in given.items() if x is not None},
@@ -226,14 +224,6 @@ def _index_func(page: int, given_slots: bool, where: str) -> tirx.PrimFunc:
                                        + T.Cast(I64, PAST[b] + i) % page)
 
     return index.with_attr(OP_PATTERN, OPAQUE).with_attr(IS_SCHEDULED, True)
-
-
-def _write(node: Node, k_cache, v_cache, k, v, slots, page: int) -> tuple[relax.Var, relax.Var]:
-    """Both caches with the new keys and values in their slots, written in place (the outputs alias them)."""
-    func = node.bb.add_func(_write_func(page, str(k_cache.ty.dtype)), "paged_attention_write")
-    out = node.emit(relax.call_tir_inplace(func, [k_cache, v_cache, k, v, slots], [0, 1],
-                                           [k_cache.ty, v_cache.ty]))
-    return node.emit(relax.TupleGetItem(out, 0)), node.emit(relax.TupleGetItem(out, 1))
 
 
 def _write_func(page: int, dtype: str) -> tirx.PrimFunc:
