@@ -67,3 +67,15 @@ def test_a_wrong_out_is_refused(out, message):
     q, k, v = random_inputs(SPEC, SIZES).values()
     with pytest.raises(tvmattn.TvmAttnError, match=message):
         compiled(SPEC)(q, k, v, out=out)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_a_tensor_comes_back_to_numpy_without_a_copy(dtype):
+    """``host_array`` (an imported model's outputs: a 16-bit cache's present_*) views a tensor's memory,
+    bf16 included, which NumPy's DLPack does not know."""
+    from tvmattn.compiler.kernel import host_array, host_tensor, numpy_dtype
+
+    x = np.random.default_rng(0).standard_normal((3, 5, 7)).astype(numpy_dtype(dtype))
+    back = host_array(host_tensor(x))
+    assert back.dtype == x.dtype and back.shape == x.shape and np.shares_memory(back, x)
+    assert np.array_equal(back.view(np.uint8), x.view(np.uint8))

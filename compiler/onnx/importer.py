@@ -30,7 +30,7 @@ from tvmattn.compiler import concurrency
 from tvmattn.compiler.build import compile_model
 from tvmattn.compiler.cross import emulate
 from tvmattn.compiler.errors import TvmAttnError, first_line, tvm_reason
-from tvmattn.compiler.kernel import host_argument, host_tensor, numpy_dtype
+from tvmattn.compiler.kernel import host_argument, host_array, host_tensor, numpy_dtype
 from tvmattn.compiler.logs import tvm_logs_to_logging
 from tvmattn.compiler.onnx import cache16, graph, patterns, registry
 from tvmattn.compiler.onnx.converters import Node
@@ -425,10 +425,11 @@ def load(model: Any) -> graph.Checked:
 
 def _host_view(out: tvm.runtime.Tensor, inputs: list[np.ndarray]) -> np.ndarray:
     """A CPU output as NumPy without a copy (an LM head's logits at n = 1024 are 206 MB: 28 ms to copy);
-    the array keeps the VM's buffer alive. Dtypes DLPack cannot give NumPy (bfloat16) are copied, and so
-    is an output on an input's memory (an Identity, a Reshape of one), as ONNX Runtime's never is."""
+    the array keeps the VM's buffer alive (bfloat16 too: a 16-bit KV cache's present_* outputs). Dtypes
+    DLPack cannot give NumPy are copied, and so is an output on an input's memory (an Identity, a Reshape
+    of one), as ONNX Runtime's never is."""
     try:
-        view = np.from_dlpack(out)
+        view = host_array(out)
     except (BufferError, TypeError, ValueError, RuntimeError):
         return out.numpy()
     return view.copy() if any(np.may_share_memory(view, a) for a in inputs) else view

@@ -92,12 +92,18 @@ class _Matmuls(relax.PyExprMutator):
         return self.casts[x]
 
     def _round_trip(self, call: relax.Call) -> relax.Expr:
-        """astype(astype(z, float32), dtype) of a ``dtype`` z is z (exact): a 16-bit KV cache the graph
-        reads widened (`onnx.cache16`) and the 16-bit attention kernel narrows again."""
-        x = call.args[0]
+        """astype(astype(z, float32), dtype) of a ``dtype`` z is z (exact), through any reshapes between
+        them (views): a 16-bit KV cache the graph reads widened (`onnx.cache16`), reshaped by the
+        exporter (BLOOM's (h, n, d) ↔ (1, h, n, d)), and the 16-bit attention kernel narrows again."""
+        x, shape = call.args[0], None
         inner = self.lookup_binding(x) if isinstance(x, relax.Var) else None
+        while isinstance(inner, relax.Call) and getattr(inner.op, "name", "") == "relax.reshape":
+            shape = shape or inner.args[1]  # the last reshape's is the one the cast's result has
+            x = inner.args[0]
+            inner = self.lookup_binding(x) if isinstance(x, relax.Var) else None
         if isinstance(inner, relax.Call) and getattr(inner.op, "name", "") == "relax.astype" \
                 and str(call.ty.dtype) == self.dtype == str(inner.args[0].ty.dtype) \
                 and str(x.ty.dtype) == "float32":
-            return inner.args[0]
+            z = inner.args[0]
+            return z if shape is None else self.builder_.emit(relax.op.reshape(z, shape))
         return call
