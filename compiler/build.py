@@ -22,7 +22,7 @@ from tvmattn.compiler.layer import layer_around
 from tvmattn.compiler.logs import tvm_logs_to_logging
 from tvmattn.compiler.paged import CompiledPaged, PagedSpec
 from tvmattn.compiler.spec import AttentionSpec
-from tvmattn.compiler.target import host_target, is_cpu, resolve_target
+from tvmattn.compiler.target import host_target, is_cpu, isa_of, resolve_target
 from tvmattn.compiler.te_attention import attention_te
 from tvmattn.compiler.tuning.lookup import tuned_knobs, tuned_schedule
 from tvmattn.schedules.cpu.paged_decode import buffer_kernel, paged_kernel
@@ -183,7 +183,8 @@ def until_scheduling(target: Target, dtype: str | None = None) -> list[tvm.trans
     legalize = legalize[:fuse] + [_producers_unfused] + legalize[fuse:]
     rewrites = list(BEFORE_LEGALIZE) if is_cpu(target) else []
     if dtype is not None:
-        rewrites.append(matmuls_in(dtype))
+        dot = isa_of(target).dot if is_cpu(target) and isa_of(target) is not None else None
+        rewrites.append(matmuls_in(dtype, dot.lanes if dot is not None else None))
     return backend.library_dispatch_passes(target) + rewrites + legalize
 
 

@@ -71,6 +71,59 @@ def test_bf16_gemm_matches_float64(rows, k, n):
     assert errors(out, want)[1] <= 1e-5  # fp32 accumulation of exact bf16 products
 
 
+def bf16_products(heads: int, rows, k: int, n: int) -> tirx.PrimFunc:
+    """y[h] = x[h] · b[h] with bf16 activations on both sides (no constant): DeBERTa's query × positional
+    keys as the bf16 import writes it."""
+    x = te.placeholder((i64(heads), rows, i64(k)), "bfloat16", name="x")
+    b = te.placeholder((i64(heads), i64(k), i64(n)), "bfloat16", name="b")
+    r = te.reduce_axis((i64(0), i64(k)), name="c")
+    return te.create_prim_func([x, b, te.compute(
+        (i64(heads), rows, i64(n)), lambda h, i, j: te.sum(x[h, i, r].astype("float32") * b[h, r, j].astype("float32"),
+                                                           axis=r), name="matmul")])
+
+
+@pytest.mark.parametrize("rows", [48, "symbolic"])
+def test_bf16_activation_products_match_float64(rows):
+    """Both operands activations: B's pairs of rows interleaved in the kernel, each call (`matmul_bf16`)."""
+    m = tirx.Var("m", "int64") if rows == "symbolic" else i64(rows)
+    rule, mod = schedule(bf16_products(3, m, 64, 80), HOST)
+    assert rule == ("matmul-bf16" if HAS_DOT else "matmul")
+    count = 37 if rows == "symbolic" else rows
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, count, 64)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal((3, 64, 80)).astype(ml_dtypes.bfloat16)
+    out = np.zeros((3, count, 80), np.float32)
+    tvm.compile(mod, HOST, tir_pipeline=build.CPU_PIPELINE)["main"](host_tensor(x), host_tensor(b), host_tensor(out))
+    assert errors(out, x.astype(np.float64) @ b.astype(np.float64))[1] <= 1e-5
+
+
+def test_activation_products_in_16_bits():
+    """A bf16 import runs an activation × activation MatMul of the dot product's shape on it (queries ×
+    positional keys, transposed in the graph), one of another shape in fp32; against ONNX Runtime."""
+    rng = np.random.default_rng(5)
+    inits = [oh.make_tensor(name, TP.FLOAT, shape, rng.standard_normal(shape).astype(np.float32).ravel() / 8)
+             for name, shape in {"wq": (64, 64), "pos": (4, 96, 16)}.items()]
+    nodes = [oh.make_node("MatMul", ["x", "wq"], ["q"]),
+             oh.make_node("Reshape", ["q", "heads"], ["qh"]),
+             oh.make_node("Transpose", ["qh"], ["qt"], perm=[0, 2, 1, 3]),
+             oh.make_node("Relu", ["pos"], ["p"]), oh.make_node("Transpose", ["p"], ["pt"], perm=[0, 2, 1]),
+             oh.make_node("MatMul", ["qt", "pt"], ["c2p"]),  # (b, 4, n, 16) · (4, 16, 96): the dot's shape
+             oh.make_node("Transpose", ["qt"], ["qt_t"], perm=[0, 1, 3, 2]),
+             oh.make_node("MatMul", ["qt", "qt_t"], ["scores"])]  # (b, 4, n, 16) · (b, 4, 16, n): n symbolic
+    heads = oh.make_tensor("heads", TP.INT64, (4,), [0, 0, 4, 16])
+    graph = oh.make_graph(nodes, "c2p", [oh.make_tensor_value_info("x", TP.FLOAT, ["b", "n", 64])],
+                          [oh.make_tensor_value_info("c2p", TP.FLOAT, ["b", 4, "n", 96]),
+                           oh.make_tensor_value_info("scores", TP.FLOAT, ["b", 4, "n", "n"])],
+                          initializer=[*inits, heads])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 20)])
+    imported = tvmattn.import_onnx(model, dtype="bfloat16")
+    if HAS_DOT:
+        assert list(imported.report.rule_of.values()).count("matmul-bf16") == 2  # x · wq and q · posᵀ
+    x = rng.standard_normal((2, 40, 64)).astype(np.float32)
+    for got, want in zip(imported.run({"x": x}), ort_run(model, {"x": x})):
+        assert errors(got, want)[1] <= TOLERANCE["bfloat16"]
+
+
 @pytest.mark.parametrize("target, instruction", [(ZEN4, True), (ZEN3, False)])
 def test_bf16_gemm_assembly(target, instruction):
     """On AVX512-BF16 the GEMM's inner loop is vdpbf16ps; on AVX2 it widens to FMAs (none)."""

@@ -195,7 +195,7 @@ def tensorize_parts(sch: Schedule, isa: Isa, panels: tuple[list[str], list[str]]
     (rounded, and the residual), V's as the tiles' transposed values, in one pass."""
     p_names, v_names = panels
     for part, p_name in enumerate(p_names):
-        _in_pairs(sch, isa.dot, p_name, -2, q_tile, "float32", part=part)
+        in_pairs(sch, isa.dot, p_name, -2, q_tile, "float32", part=part)
         _pairs_of_keys(sch, p_name, q_tile, key_major=True)
     for v_name in v_names:
         _transposed_values(sch, isa.tiles, v_name, False)
@@ -210,12 +210,12 @@ def tensorize_pairs(sch: Schedule, isa: Isa, spec: AttentionSpec, panels: tuple[
     p_name, v_name = panels
     # V's loops (b, t, h, c), else (…, t, c) (v_rows is BHSD)
     bshd = not spec.projections and spec.layout == "BSHD" and not has_block(sch, "v_rows")
-    _in_pairs(sch, isa.dot, p_name, -2, q_tile, "float32")
+    in_pairs(sch, isa.dot, p_name, -2, q_tile, "float32")
     if on_tiles:
         _transposed_values(sch, isa.tiles, v_name, bshd)
     else:
         # (a layer's v_proj: a head at a time)
-        _in_pairs(sch, isa.dot, v_name, -3 if bshd else -2, spec.d_v, "bfloat16", bshd)
+        in_pairs(sch, isa.dot, v_name, -3 if bshd else -2, spec.d_v, "bfloat16", bshd)
     if not per_head:  # V's panel: a pass before the tasks
         sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock(v_name + "_o"))))
     _pairs_of_keys(sch, p_name, q_tile, key_major=False)
@@ -243,7 +243,7 @@ def _transposed_values(sch: Schedule, tiles: Tiles, v_name: str, heads_between: 
     tensorize(sch, t_in, tiles.transposed_values(heads_between))
 
 
-def _in_pairs(sch: Schedule, dot: Dot, name: str, row_at: int, width: int, source: str, heads_between: bool = False,
+def in_pairs(sch: Schedule, dot: Dot, name: str, row_at: int, width: int, source: str, heads_between: bool = False,
               part: int | None = None):
     """The copy ``name`` as ``dot.pairs`` (of P's ``part``, if given): its row loop
     (``row_at``) split into pairs, the pair innermost, ``width`` columns per block. Returns the loop
@@ -258,6 +258,6 @@ def _in_pairs(sch: Schedule, dot: Dot, name: str, row_at: int, width: int, sourc
 def tensorize_weight_pairs(sch: Schedule, dot: Dot, panels: list[str], source: str) -> None:
     """W's pair panels (d/2, width, 2), packed 16 columns at a time in one parallel pass over pairs
     of rows: bf16 W's, or the two bf16 parts of an fp16 W (``source``)."""
-    rows = [_in_pairs(sch, dot, panel, -2, dot.lanes, source, part=part if len(panels) > 1 else None)
+    rows = [in_pairs(sch, dot, panel, -2, dot.lanes, source, part=part if len(panels) > 1 else None)
             for part, panel in enumerate(panels)]
     sch.parallel(sch.merge(*rows) if len(rows) > 1 else rows[0])

@@ -43,8 +43,7 @@ def spatial(sch: Schedule, block: s_tir.schedule.SBlockRV, target: Target) -> No
     lanes = vector_lanes(target, str(dtype)) if dtype.bits in (16, 32, 64) else 1
     *outer, inner = loops
     extent = sch.get(inner).extent
-    static = isinstance(extent, tirx.IntImm) and extent.value % lanes == 0
-    if not static and _transposed_tiles(sch, block, lanes):  # (along a static one, whole vectors do as well)
+    if _transposed_tiles(sch, block, lanes):
         return
     if isinstance(extent, tirx.IntImm) and extent.value > 0 and extent.value % lanes == 0 and lanes > 1:
         if extent.value > lanes:

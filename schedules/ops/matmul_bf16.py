@@ -17,8 +17,9 @@ from tvm.s_tir import Schedule
 from tvm.target import Target
 
 from tvmattn.compiler.isa import RECORDS
-from tvmattn.compiler.passes import keep_operands_16bit
+from tvmattn.compiler.passes import KEEP_16BIT, keep_operands_16bit
 from tvmattn.compiler.target import isa_of
+from tvmattn.schedules.cpu.packing import in_pairs
 from tvmattn.schedules.cpu.plan import MIN_PAIR_ROWS
 from tvmattn.schedules.knobs import resolve
 from tvmattn.schedules.micro_kernels import PADDED_ROW_BLOCK, gemm
@@ -49,8 +50,8 @@ class MatmulPairs(Matmul):
             return None  # a prologue (a cast of x inside the function) leaves no bf16 pairs to read
         *_, rows, width, depth = [iv.dom.extent for iv in stmt.iter_vars]
         constants = func.attrs.get(CONSTANT_PARAMS, []) if func.attrs else []
-        if not (any(weight.same_as(func.params[int(i)]) for i in constants) and len(weight.ty.shape) == 2
-                and int(depth) % dot.pair == 0 and int(width) % dot.lanes == 0):
+        constant = any(weight.same_as(func.params[int(i)]) for i in constants) and len(weight.ty.shape) == 2
+        if not (isinstance(depth, tirx.IntImm) and int(depth) % dot.pair == 0 and int(width) % dot.lanes == 0):
             return None
         if isinstance(rows, tirx.IntImm) and rows.value < MIN_PAIR_ROWS:
             return None  # a few rows: the widened tiles read the weight once, as fast
@@ -60,13 +61,18 @@ class MatmulPairs(Matmul):
         if not static or divisor_at_most(rows.value, tile) < tile:
             # symbolic rows, or static ones without the tile's rows as a divisor (ViT's 2·197): padded
             _whole_row_blocks(sch, block, len(stmt.iter_vars), lanes)
+        pair = dot.pair
+        packing = None if constant else _pair_panel(sch, block, weight, dot, lanes)
+        panel = weight if packing is None else packing[0]
         steps: list = []
         epilogue = _chain(sch, [info.block_rv for info in infos[at + 1:]])
         for rest in gemm(sch, block, lanes, knobs, epilogue, dot=dot, later=steps):
             spatial(sch, rest, target)
-        index = next(i for i, r in enumerate(sch.get(block).reads) if r.source.same_as(weight))
-        pair = dot.pair
-        sch.transform_layout(block, ("read", index), lambda c, m: (c // pair, m, c % pair))
+        # the weight packed at compile time; an activation (DeBERTa's positional keys) by `_pair_panel`
+        index = next(i for i, r in enumerate(sch.get(block).reads) if r.source.same_as(panel))
+        sch.transform_layout(block, ("read", index), lambda *i: (*i[:-2], i[-2] // pair, i[-1], i[-2] % pair))
+        if packing is not None:
+            packing[1]()
         sch.annotate(sch.get_loops(block)[0], "pragma_import_llvm", dot.llvm)  # the instruction's definition
         for step in steps:  # last: a tensorized stage leaves the others no stage pipeline
             step()
@@ -89,3 +95,19 @@ def _whole_row_blocks(sch: Schedule, block, axes: int, lanes: int) -> None:
             *outer, inner = sch.get_loops(copy)
             sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
             sch.vectorize(sch.split(inner, [None, lanes])[1])
+
+
+def _pair_panel(sch: Schedule, block, b: tirx.Buffer, dot, lanes: int):
+    """An activation B (…, c, m) read through a copy the GEMM's layout makes (…, c/pair, m, pair): each
+    pair of B's rows interleaved, once a call, before the GEMM (its reads of pairs are then contiguous).
+    Returns the copy's buffer and its schedule, to run after the layout is set."""
+    index = next(i for i, r in enumerate(sch.get(block).reads) if r.source.same_as(b))
+    copy = sch.cache_read(block, index, "global")
+    sch.annotate(copy, KEEP_16BIT, 1)
+
+    def schedule() -> None:  # tensorized as the attention's V panels are: two rows' words at a time
+        outer = sch.get_loops(copy)[:-2]
+        rows = in_pairs(sch, dot, sch.get(copy).name_hint, -2, lanes, "bfloat16")
+        sch.parallel(sch.fuse(*outer, rows) if outer else rows)
+
+    return sch.get(copy).writes[0].source, schedule

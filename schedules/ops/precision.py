@@ -15,6 +15,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from tvmattn.schedules.cpu.plan import MIN_PAIR_ROWS
 from tvmattn.schedules.ops.rewrite import rewrite_functions
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -31,21 +32,36 @@ def _cache_resident_gemv(x: relax.Expr, w: np.ndarray) -> bool:
     return int(np.prod([int(d) for d in dims[:-1]])) == 1 and w.nbytes <= CACHE_RESIDENT
 
 
-def matmuls_in(dtype: str) -> tvm.transform.Pass:
-    """The pass converting a module's constant-weight matmuls to ``dtype`` operands, fp32 results."""
+def matmuls_in(dtype: str, dot_lanes: int | None = None) -> tvm.transform.Pass:
+    """The pass converting a module's constant-weight matmuls to ``dtype`` operands, fp32 results; and,
+    in bf16 on a target with a bf16 dot product of ``dot_lanes`` lanes, activation × activation ones
+    the `matmul_bf16` rule takes (`_dot_shaped`)."""
 
     @tvm.transform.module_pass(opt_level=0, name=f"tvmattn.MatmulsIn_{dtype}")
     def transform(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return _Matmuls(mod, dtype).run()
+        return _Matmuls(mod, dtype, dot_lanes if dtype == "bfloat16" else None).run()
 
     return transform
 
 
+def _dot_shaped(x: relax.Expr, y: relax.Expr, lanes: int) -> bool:
+    """x (…, s, c) · y (…, c, m) with c even, m whole vectors of ``lanes`` and s symbolic or at least
+    `MIN_PAIR_ROWS`: the bf16 dot product's shape (DeBERTa's query × positional keys). Elsewhere a
+    bf16 product would be widened back to fp32 FMAs: the rounding without the speed."""
+    dims = [getattr(getattr(e.ty, "shape", None), "values", None) for e in (x, y)]
+    if any(d is None or len(d) < 2 for d in dims) or str(getattr(y.ty, "dtype", "")) != "float32":
+        return False
+    (s, c), (c2, m) = dims[0][-2:], dims[1][-2:]
+    static = all(isinstance(d, tvm.tirx.IntImm) for d in (c, c2, m))
+    return static and int(c) % 2 == 0 and int(m) % lanes == 0 and \
+        not (isinstance(s, tvm.tirx.IntImm) and int(s) < MIN_PAIR_ROWS)
+
+
 @relax.expr_functor.mutator
 class _Matmuls(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, dtype: str) -> None:
+    def __init__(self, mod: tvm.IRModule, dtype: str, dot_lanes: int | None) -> None:
         super().__init__(mod)
-        self.mod_, self.dtype = mod, dtype
+        self.mod_, self.dtype, self.dot_lanes = mod, dtype, dot_lanes
         self.casts: dict = {}  # an activation → its one cast (Q, K and V read one normed x)
 
     def run(self) -> tvm.IRModule:
@@ -59,6 +75,9 @@ class _Matmuls(relax.PyExprMutator):
             return call
         x, w = call.args
         value = self._constant(w)
+        if value is None and self.dot_lanes and str(getattr(x.ty, "dtype", "")) == "float32" \
+                and _dot_shaped(x, w, self.dot_lanes):
+            return relax.op.matmul(self._cast(x), self._cast(w), out_dtype="float32")
         if value is None or value.dtype != np.float32 or value.ndim < 2 \
                 or str(getattr(x.ty, "dtype", "")) != "float32" or _cache_resident_gemv(x, value):
             return call
