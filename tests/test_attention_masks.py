@@ -27,6 +27,13 @@ def test_kernel_matches_oracle(fields):
     assert_matches_oracle(compiled(tvmattn.AttentionSpec(**{**BASE, **fields})))
 
 
+# whole blocks of 16 × 16: the mask tile is transposed in registers (`packing.pack_mask`)
+@pytest.mark.parametrize("dtype, dims", [("float32", "bhst"), ("bfloat16", "bst"), ("float32", "st")])
+def test_a_static_mask_in_whole_blocks(dtype, dims):
+    assert_matches_oracle(compiled(tvmattn.AttentionSpec(**{**BASE, "seq_len": 64, "kv_seq_len": 48, "dtype": dtype,
+                                                           "attn_mask": "additive", "attn_mask_dims": dims})))
+
+
 def test_symbolic_lengths_with_an_additive_mask():
     spec = tvmattn.AttentionSpec(**{**BASE, "seq_len": "n", "kv_seq_len": "m", "attn_mask": "additive"})
     kernel = compiled(spec)
