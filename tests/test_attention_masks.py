@@ -27,11 +27,14 @@ def test_kernel_matches_oracle(fields):
     assert_matches_oracle(compiled(tvmattn.AttentionSpec(**{**BASE, **fields})))
 
 
-# whole blocks of 16 × 16: the mask tile is transposed in registers (`packing.pack_mask`)
-@pytest.mark.parametrize("dtype, dims", [("float32", "bhst"), ("bfloat16", "bst"), ("float32", "st")])
-def test_a_static_mask_in_whole_blocks(dtype, dims):
-    assert_matches_oracle(compiled(tvmattn.AttentionSpec(**{**BASE, "seq_len": 64, "kv_seq_len": 48, "dtype": dtype,
-                                                           "attn_mask": "additive", "attn_mask_dims": dims})))
+# the mask's tile transposed in registers in blocks of 16 × 16 (`packing.pack_mask`): static lengths in
+# whole blocks, or symbolic ones (rows padded to whole blocks, copied first)
+@pytest.mark.parametrize("dtype, dims, lengths", [("float32", "bhst", (64, 48)), ("bfloat16", "bst", (64, 48)),
+                                                  ("float32", "st", (64, 48)), ("bfloat16", "bhst", ("n", "m"))])
+def test_a_mask_tile_in_registers(dtype, dims, lengths):
+    kernel = compiled(tvmattn.AttentionSpec(**{**BASE, "seq_len": lengths[0], "kv_seq_len": lengths[1], "dtype": dtype,
+                                               "head_dim": 16, "attn_mask": "additive", "attn_mask_dims": dims}))
+    assert_matches_oracle(kernel, {"n": 37, "m": 50} if lengths[0] == "n" else None)
 
 
 def test_symbolic_lengths_with_an_additive_mask():

@@ -68,24 +68,31 @@ def tensorize_queries(sch: Schedule, name: str, intrinsic: str, lanes: int, widt
     tensorize(sch, s_in, intrinsic)
 
 
-def pack_mask(sch: Schedule, spec: AttentionSpec, task, q_tile: int, lanes: int, later: list) -> None:
+def pack_mask(sch: Schedule, spec: AttentionSpec, task, q_tile: int, lanes: int, later: list,
+              per_head: bool = False) -> None:
     """Copy the task's rows of a per-query attn_mask into a (key, query) tile, once: the stages that
     read it (row max, probabilities) run along queries, and would otherwise gather the mask with a
-    stride of n_kv, twice. A static fp32 mask in whole blocks of lanes × lanes is transposed in
-    registers, as the query panel is (`tensorize_queries`, a step for ``later``); copied element by
-    element, each store went to a cache line of its own (T5's position bias at 512 tokens: 0.45 ms of
-    a 1.27 ms bf16 call, 0.2 ms so)."""
+    stride of n_kv, twice. An fp32 mask in whole blocks of lanes × lanes is transposed in registers, as
+    the query panel is (`tensorize_queries`, a step for ``later``); copied element by element, each
+    store went to a cache line of its own. Padded rows (symbolic lengths) are copied as they are first,
+    contiguous along keys, and the tile transposed from them; not in a head task's serial loop
+    (``per_head``), whose offsets into that copy TVM cannot match to the intrinsic's."""
     readers = [sch.get_sblock(name) for name in ("row_max", "probs")]
-    padded = has_block(sch, "mask_rows")  # the mask in whole blocks (`te_attention._core`): the tile is of it
-    tile = sch.get_sblock("mask_rows") if padded else copy_of(sch, readers[0], ("attn_mask",), readers)
-    sch.compute_at(tile, task, preserve_unit_loops=True)
+    padded = has_block(sch, "mask_rows")  # the mask's rows in whole blocks, clamped (`te_attention._core`)
+    rows_first = padded and not per_head
+    if rows_first:  # (the tile's copy is then made in the task, under them)
+        sch.compute_at(sch.get_sblock("mask_rows"), task, preserve_unit_loops=True)
+        tile = copy_of(sch, readers[0], ("mask_rows",), readers)
+    else:  # the tile is the padded rows' stage itself, or a copy of the mask
+        tile = sch.get_sblock("mask_rows") if padded else copy_of(sch, readers[0], ("attn_mask",), readers)
+        sch.compute_at(tile, task, preserve_unit_loops=True)
     sch.transform_layout(tile, ("write", 0), lambda b, h, s, t: (b, h, s // q_tile, t, s % q_tile),
                          assume_injective_transform=True)
     *_, queries, keys = (sch.get(loop).extent for loop in sch.get_loops(tile))
-    # (a padded tile reads the mask's rows clamped: no block of it is a plain strided one)
-    whole_tiles = isinstance(spec.n_q, int) and spec.n_q % q_tile == 0  # (else the last task's is cut)
-    if not padded and whole_tiles and lanes > 1 and str(sch.get(tile).writes[0].source.dtype) == "float32" and \
-            all(isinstance(e, tirx.IntImm) and int(e) % lanes == 0 for e in (queries, keys)):
+    whole = isinstance(queries, tirx.IntImm) and int(queries) % lanes == 0 and (rows_first or not padded and (
+        isinstance(spec.n_q, int) and spec.n_q % q_tile == 0  # (else the last task's tile is cut)
+        and isinstance(keys, tirx.IntImm) and int(keys) % lanes == 0))
+    if whole and lanes > 1 and str(sch.get(tile).writes[0].source.dtype) == "float32":
         later.append(functools.partial(tensorize_queries, sch, sch.get(tile).name_hint,
                                        query_panel_intrinsic("float32", lanes, False, True, False), lanes, lanes,
                                        False))

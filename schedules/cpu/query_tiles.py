@@ -182,7 +182,8 @@ def _scores_and_row_max(sch: Schedule, plan: CpuPlan, task, head, qk_keys: KnobV
         widen = spec.dtype != "float32" and not plan.qk_pairs and not plan.widen_k
         tile_keys = _scores(sch, s_lanes, qk_keys, plan.isa.dot if plan.qk_pairs else None, later, widen=widen)
     if spec.attn_mask is not None and {"s", "t"} <= set(spec.attn_mask_dims):
-        pack_mask(sch, spec, task, q_tile, lanes, later)  # (row_max then reads the mask's tile: a pass of its own)
+        # (row_max then reads the mask's tile: a pass of its own)
+        pack_mask(sch, spec, task, q_tile, lanes, later, per_head=head is not None)
         _row_reduction(sch, "row_max", s_lanes)
     else:  # of each register tile as it is stored
         _row_reduction(sch, "row_max", s_lanes, tile_keys)
