@@ -89,9 +89,9 @@ def pack_mask(sch: Schedule, spec: AttentionSpec, task, q_tile: int, lanes: int,
     sch.transform_layout(tile, ("write", 0), lambda b, h, s, t: (b, h, s // q_tile, t, s % q_tile),
                          assume_injective_transform=True)
     *_, queries, keys = (sch.get(loop).extent for loop in sch.get_loops(tile))
-    whole = isinstance(queries, tirx.IntImm) and int(queries) % lanes == 0 and (rows_first or not padded and (
-        isinstance(spec.n_q, int) and spec.n_q % q_tile == 0  # (else the last task's tile is cut)
-        and isinstance(keys, tirx.IntImm) and int(keys) % lanes == 0))
+    static_blocks = not padded and isinstance(spec.n_q, int) and spec.n_q % q_tile == 0 and \
+        isinstance(keys, tirx.IntImm) and int(keys) % lanes == 0  # (else the last task's tile is cut)
+    whole = isinstance(queries, tirx.IntImm) and int(queries) % lanes == 0 and (rows_first or static_blocks)
     if whole and lanes > 1 and str(sch.get(tile).writes[0].source.dtype) == "float32":
         later.append(functools.partial(tensorize_queries, sch, sch.get(tile).name_hint,
                                        query_panel_intrinsic("float32", lanes, False, True, False), lanes, lanes,
@@ -263,7 +263,7 @@ def _transposed_values(sch: Schedule, tiles: Tiles, v_name: str, heads_between: 
 
 
 def in_pairs(sch: Schedule, dot: Dot, name: str, row_at: int, width: int, source: str, heads_between: bool = False,
-              part: int | None = None):
+             part: int | None = None):
     """The copy ``name`` as ``dot.pairs`` (of P's ``part``, if given): its row loop
     (``row_at``) split into pairs, the pair innermost, ``width`` columns per block. Returns the loop
     over pairs of rows."""

@@ -2,10 +2,11 @@
 on the target's bf16 dot product (its record's `Isa.dot`: AVX512-BF16's ``vdpbf16ps``, two products per
 fp32 lane), in the register tiles of `micro_kernels.gemm` as the attention layer's projections run them: the weight, a
 constant, packed at compile time into pairs of its rows (c/2, m, 2), each step broadcasting a pair of
-x's reduction. The instruction takes no tail predicate: symbolic rows run in whole blocks of 16
-(``pad_einsum``: x copied with zero rows past its end); the reduction must be whole pairs and the
-width whole vectors. Elsewhere (a record without a dot product, odd sizes, an activation cast inside the
-function) the `matmul` rule widens the operands to fp32 FMAs.
+x's reduction; an activation B (DeBERTa's positional keys) packed so in the kernel, once a call. The
+instruction takes no tail predicate: symbolic rows run in whole blocks of 16 (``pad_einsum``: x copied
+with zero rows past its end); the reduction must be whole pairs and the width whole vectors. Elsewhere
+(a record without a dot product, odd sizes, an activation cast inside the function) the `matmul` rule
+widens the operands to fp32 FMAs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tvm.s_tir import Schedule
 from tvm.target import Target
 
 from tvmattn.compiler.isa import RECORDS
+from tvmattn.compiler.isa.record import Dot
 from tvmattn.compiler.passes import KEEP_16BIT, keep_operands_16bit
 from tvmattn.compiler.target import isa_of
 from tvmattn.schedules.cpu.packing import in_pairs
@@ -97,7 +99,7 @@ def _whole_row_blocks(sch: Schedule, block, axes: int, lanes: int) -> None:
             sch.vectorize(sch.split(inner, [None, lanes])[1])
 
 
-def _pair_panel(sch: Schedule, block, b: tirx.Buffer, dot, lanes: int):
+def _pair_panel(sch: Schedule, block, b: tirx.Buffer, dot: Dot, lanes: int):
     """An activation B (…, c, m) read through a copy the GEMM's layout makes (…, c/pair, m, pair): each
     pair of B's rows interleaved, once a call, before the GEMM (its reads of pairs are then contiguous).
     Returns the copy's buffer and its schedule, to run after the layout is set."""
