@@ -251,6 +251,18 @@ def test_injective_transpose_large_is_parallel_and_vectorised():
     assert rule == "injective" and "T.parallel" in mod.script() and "T.vectorized" in mod.script()
 
 
+@pytest.mark.parametrize("n", [5, 32, 37])
+def test_injective_symbolic_transpose_with_a_tail(n):
+    """x + yᵀ over (3, n, n), n symbolic (DeBERTa's c2p + p2cᵀ): tiles of lanes × lanes, the tail's
+    test peeled off the whole tiles (`passes.peel_key_tails`)."""
+    m = tirx.Var("n", "int64")
+    x, y = (te.placeholder((i64(3), m, m), name=name) for name in "xy")
+    out = te.compute((i64(3), m, m), lambda b, i, j: x[b, i, j] + y[b, j, i], name="add")
+    rng = np.random.default_rng(8)
+    a, b = randn(rng, 3, n, n), randn(rng, 3, n, n)
+    assert check([x, y, out], (a + b.transpose(0, 2, 1)).astype(np.float64), a, b, tol=0)[0] == "injective"
+
+
 @pytest.mark.parametrize("n", [1, 1000])
 def test_injective_symbolic_length(n):
     x = te.placeholder((tirx.Var("n", "int64"),), name="x")  # x (n,) · 2 + 1

@@ -11,7 +11,7 @@ from tvm.s_tir import Schedule
 from tvm.s_tir.dlight import ScheduleRule, normalize_prim_func, try_inline
 from tvm.target import Target
 
-from tvmattn.compiler.passes import uses
+from tvmattn.compiler.passes import peel_key_tails, uses
 from tvmattn.compiler.target import vector_lanes
 
 PARALLEL_GRAIN = 4096  # elements per parallel task at least: below it a thread's start costs more than its work
@@ -20,6 +20,8 @@ SYMBOLIC_TASKS = 8  # what a symbolic extent (a batch, a sequence) is assumed to
 
 
 class Injective(ScheduleRule):
+    passes = (peel_key_tails(),)  # a symbolic transposition's tiles: the tail's test off their vectors
+
     def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> Schedule | None:
         if target.kind.name != "llvm":
             return None
