@@ -115,6 +115,31 @@ def test_bf16_runs_on_bfdot_where_the_cpu_has_it(mcpu, bfdot):
     assert "bfdot" not in tvmattn.compile(spec, "aarch64", mcpu="cortex-a76", tuned=False).source()  # no FEAT_BF16
 
 
+@needs_tools
+@pytest.mark.parametrize("mcpu", ["neoverse-v2", "neoverse-v1"])
+def test_emulated_bf16_activation_products(mcpu, tmp_path):
+    """A bf16 import's activation × activation product (`matmul_bf16`: B's pairs of rows interleaved in
+    the kernel) on NEON's and SVE's bfdot, under qemu, against float64 (exact bf16 products)."""
+    import ml_dtypes
+    import tvm
+    from test_onnx_bf16 import bf16_products, i64, schedule
+
+    from tvmattn.compiler import build
+    from tvmattn.compiler.cross import emulate
+
+    target = resolve_target("aarch64", None, mcpu)
+    rule, mod = schedule(bf16_products(3, i64(48), 64, 80), target)
+    assert rule == "matmul-bf16"
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 48, 64)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal((3, 64, 80)).astype(ml_dtypes.bfloat16)
+    out = np.zeros((3, 48, 80), np.float32)
+    harness = emulate.build_harness(tvm.compile(mod, target, tir_pipeline=build.CPU_PIPELINE), target, tmp_path)
+    emulate.run(harness, target, [x, b], out)
+    want = x.astype(np.float64) @ b.astype(np.float64)
+    assert np.abs(out - want).max() <= 1e-5 * np.abs(want).max()
+
+
 def test_cpu_names_choose_records():
     assert [isa_of(resolve_target(a, mcpu=m)).name for a, m in
             [("aarch64", None), ("aarch64", "neoverse-v1"), ("aarch64", "neoverse-v2"), ("aarch64", "apple-m2"),
