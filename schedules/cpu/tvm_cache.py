@@ -31,6 +31,13 @@ def _views(plan: PagedPlan):
     return stride, spec.h_kv * spec.page_size * spec.head_dim  # the V rows' offset in a page
 
 
+def _csr_table(INDPTR, VALUES, LAST, nnz_pages, P: int):
+    """TVM's CSR page table as the bodies' hooks: a sequence's j-th page (its index clamped into the
+    values) and its keys, (pages − 1)·P + last_page_len (clamped into its pages)."""
+    return (lambda b, j: VALUES[T.max(T.min(INDPTR[b] + j, nnz_pages - 1), 0)],
+            lambda b: T.max(T.min((INDPTR[b + 1] - INDPTR[b] - 1) * P + LAST[b], (INDPTR[b + 1] - INDPTR[b]) * P), 0))
+
+
 def _by_mask(causal: PagedPlan, full: PagedPlan):
     """The prefill body of the ``causal`` plan or of the ``full`` one, as the run-time flag says; lse kept."""
     masked, unmasked = bodies(causal), bodies(full)
@@ -75,10 +82,8 @@ def decode_kernel(plan: PagedPlan) -> tirx.PrimFunc:
         K = T.decl_buffer((max_num_pages, HKV, P, D), dt, data=PAGES.data, strides=stride)
         V = T.decl_buffer((max_num_pages, HKV, P, D), dt, data=PAGES.data, elem_offset=v_rows, strides=stride)
         O = T.decl_buffer((B, 1, H, D), dt, data=OUT.data)
-        decode_body(lambda b, s, head, e: T.Cast("float32", Q[b, head, e]) * sm_scale, K, V,
-                    lambda b, j: VALUES[T.max(T.min(INDPTR[b] + j, nnz_pages - 1), 0)],
-                    lambda b: T.max(T.min((INDPTR[b + 1] - INDPTR[b] - 1) * P + LAST[b],
-                                          (INDPTR[b + 1] - INDPTR[b]) * P), 0),
+        page_at, length_of = T.meta_var(_csr_table(INDPTR, VALUES, LAST, nnz_pages, P))
+        decode_body(lambda b, s, head, e: T.Cast("float32", Q[b, head, e]) * sm_scale, K, V, page_at, length_of,
                     LSE, LSE, O, LSE, True, B, max_num_pages)
 
     return batch_decode_paged_kv
@@ -115,10 +120,9 @@ def prefill_kernel(causal: PagedPlan, full: PagedPlan) -> tirx.PrimFunc:
         assert rotary_mode != 1, INLINE_ROPE
         K = T.decl_buffer((max_num_pages, HKV, P, D), dt, data=PAGES.data, strides=stride)
         V = T.decl_buffer((max_num_pages, HKV, P, D), dt, data=PAGES.data, elem_offset=v_rows, strides=stride)
-        prefill(causal, lambda t, head, e: T.Cast("float32", Q[t, head, e]) * sm_scale, K, V,
-                lambda b, j: VALUES[T.max(T.min(INDPTR[b] + j, nnz_pages - 1), 0)],
-                lambda b: T.max(T.min((INDPTR[b + 1] - INDPTR[b] - 1) * P + LAST[b],
-                                      (INDPTR[b + 1] - INDPTR[b]) * P), 0), CU, O, LSE, B, max_num_pages, total)
+        page_at, length_of = T.meta_var(_csr_table(INDPTR, VALUES, LAST, nnz_pages, P))
+        prefill(causal, lambda t, head, e: T.Cast("float32", Q[t, head, e]) * sm_scale, K, V, page_at, length_of,
+                CU, O, LSE, B, max_num_pages, total)
 
     return batch_prefill_paged_kv_cpu
 
