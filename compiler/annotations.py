@@ -4,6 +4,7 @@ the builders that write them and the passes and rules that read them import them
 # ---- tvmattn's own ------------------------------------------------------------------------------------
 KEY_STAGE = "tvmattn.key_stage"  # block: a stage of the tensor expression that ranges over keys (tile skipping)
 PADDED_AXES = "tvmattn.padded_axes"  # block: iterators whose tail its inputs are padded for
+QUERY_AXIS = "tvmattn.query_axis"  # block: its iterator over queries (a copy into a query tile: `pad_query_tiles`)
 # Block: a key stage whose iterators run over blocks of queries or keys (a tensorized block):
 # "b=v_b_o,s=v_s_o*16,t=v_t_o*2" — batch v_b_o, queries 16·v_s_o + [0, 16), keys 2·v_t_o + [0, 2).
 # Keys in blocks make every key stage compute whole blocks (the other keys of a block are hidden: 0).

@@ -158,6 +158,57 @@ def test_symbolic_window_and_padding_build():
     assert_matches_oracle(compiled(spec), {"n": 37})
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_symbolic_per_query_mask_at_tail_lengths(dtype):
+    """A (b, h, s, t) mask's tile of a symbolic kernel: its rows past n read row n - 1
+    (`pad_query_tiles`), whole vectors of padded keys read unclamped (`unclamp_whole_vectors`)."""
+    spec = AttentionSpec(batch="b", seq_len="n", kv_seq_len="m", num_heads=2, head_dim=32, projections=False,
+                         layout="BSHD", dtype=dtype, attn_mask="additive", attn_mask_dims="bhst")
+    kernel = compiled(spec)
+    for n, m in ((1, 1), (5, 37), (16, 16), (37, 50), (64, 33)):
+        assert_matches_oracle(kernel, {"b": 2, "n": n, "m": m})
+
+
+def test_a_mask_tile_copy_keeps_no_query_test():
+    """The symbolic fp32 mask tile is copied a vector of queries at a time, with no per-row test."""
+    spec = AttentionSpec(seq_len="n", num_heads=2, head_dim=32, projections=False, attn_mask="additive",
+                         attn_mask_dims="bhst")
+    mod, _ = schedule_attention(spec, CPU)
+    copies = []
+    visit = lambda realize, loops: copies.append((realize, list(loops))) if realize.block.name_hint.startswith(  # noqa: E731
+        "attn_mask") else None
+    passes.visit_blocks(mod["main"].body, visit)
+    assert copies
+    for realize, loops in copies:
+        assert isinstance(realize.predicate, tvm.tirx.IntImm) and realize.predicate.value == 1
+        assert loops[-1].kind == tvm.tirx.ForKind.VECTORIZED
+
+
+def _clamped_copy() -> tvm.IRModule:
+    """B (n padded to whole vectors of 16) = A[min(v, n - 1)], a vector at a time."""
+    n = tvm.tirx.Var("n", "int32")
+    a = tvm.te.placeholder((n,), "float32", "A")
+    b = tvm.te.compute(((n + 15) // 16 * 16,), lambda v: a[tvm.tirx.min(v, n - 1)], name="B")
+    sch = tvm.s_tir.Schedule(tvm.te.create_prim_func([a, b]))
+    sch.vectorize(sch.split(sch.get_loops(sch.get_sblock("B"))[0], [None, 16])[1])
+    return sch.mod
+
+
+def test_whole_vectors_read_unclamped():
+    """`unclamp_whole_vectors` on a padded copy: the whole vectors read A[v] (no min), the last one
+    still clamps, and the copy equals NumPy's at lengths on and off a vector."""
+    mod = passes.unclamp_whole_vectors()(_clamped_copy())
+    lines = mod["main"].script().splitlines()
+    loads = [line.split("=", 1)[1].strip() for line in lines if "B[v" in line and "] = " in line]
+    assert len(loads) == 2 and sum("T.min" in x for x in loads) == 1  # the whole vectors' copy, the last one's
+    run = tvm_compile(mod, CPU)
+    for n in (1, 15, 16, 37):
+        a = np.arange(n, dtype="float32")
+        b = tvm.runtime.tensor(np.zeros(-(-n // 16) * 16, "float32"))
+        run["main"](tvm.runtime.tensor(a), b)
+        np.testing.assert_array_equal(b.numpy(), a[np.minimum(np.arange(b.shape[0]), n - 1)])
+
+
 ONE_LAUNCH = [AttentionSpec(batch=2, seq_len=40, num_heads=4, d_model=64, causal=True, dtype="float16"),
               AttentionSpec(batch=2, seq_len="n", num_heads=4, num_kv_heads=2, d_model=64, dtype="bfloat16"),
               AttentionSpec(batch=2, seq_len=64, num_heads=4, head_dim=32, projections=False, dtype="bfloat16")]

@@ -12,6 +12,8 @@ clamp_row_tails        For a register tile of a GEMM with a row tail (``row < M`
                        store of the tile keeps the full test.
 peel_key_tails         In a loop of symbolic extent whose blocks test a tail (``t < n_kv``, from a split by
                        a constant factor), run the iterations before the tail without the tests.
+unclamp_whole_vectors  A vectorised loop reading at a clamped index along the vector (``min(t, n_kv - 1)``,
+                       a padded copy) runs its whole vectors unclamped: plain loads, not gathers.
 element_aligned_arguments
                        Declare the arguments aligned to their elements, not to TVM's 64 bytes: NumPy
                        arrays (16-byte aligned) and views at any element offset then cross without a
@@ -29,9 +31,10 @@ keep_operands_16bit    Keep a kernel's own bf16 buffers 16 bits wide (TVM's lega
                        where an instruction reads them as bits or the schedule asks for it.
 
 By module: `key_tiles` (skip_masked_key_tiles, tighten_guarded_loops), `tails` (pad_query_tiles,
-clamp_row_tails, peel_key_tails), `launch` (element_aligned_arguments, one_parallel_launch, stack_tiles),
-`polynomials` (polynomial_math, vector_exp2), `storage16` (exact_widenings, keep_operands_16bit), and
-`ir`, the helpers they share. A schedule rule declares which of them its kernels need (`passes`).
+clamp_row_tails, peel_key_tails, unclamp_whole_vectors), `launch` (element_aligned_arguments,
+one_parallel_launch, stack_tiles), `polynomials` (polynomial_math, vector_exp2), `storage16` (exact_widenings,
+keep_operands_16bit), and `ir`, the helpers they share. A schedule rule declares which of them its kernels
+need (`passes`).
 """
 
 from tvmattn.compiler.passes.ir import conjuncts, element_dtype, substitute, uses, visit_blocks
@@ -46,12 +49,18 @@ from tvmattn.compiler.passes.polynomials import (
     vector_exp2,
 )
 from tvmattn.compiler.passes.storage16 import KEEP_16BIT, exact_widenings, keep_operands_16bit
-from tvmattn.compiler.passes.tails import PADDED_AXES, clamp_row_tails, pad_query_tiles, peel_key_tails
+from tvmattn.compiler.passes.tails import (
+    PADDED_AXES,
+    clamp_row_tails,
+    pad_query_tiles,
+    peel_key_tails,
+    unclamp_whole_vectors,
+)
 
 __all__ = [
     "EXP2_COEFFICIENTS", "EXP2_P", "EXP2_P_BF16", "GUARD_NAME", "KEEP_16BIT", "KEY_BLOCKS", "PADDED_AXES",
     "SMALL_POWER", "clamp_row_tails", "conjuncts", "element_aligned_arguments", "element_dtype", "exact_widenings",
     "keep_operands_16bit", "one_parallel_launch", "pad_query_tiles", "peel_key_tails", "polynomial_math",
-    "skip_masked_key_tiles", "stack_tiles", "substitute", "tighten_guarded_loops", "uses", "vector_exp2",
-    "visit_blocks",
+    "skip_masked_key_tiles", "stack_tiles", "substitute", "tighten_guarded_loops", "unclamp_whole_vectors", "uses",
+    "vector_exp2", "visit_blocks",
 ]

@@ -1,5 +1,6 @@
 """Tail predicates kept off the micro-kernels: query tiles computed whole (`pad_query_tiles`), a GEMM's
-row tail clamped (`clamp_row_tails`), symbolic loops' tails peeled (`peel_key_tails`)."""
+row tail clamped (`clamp_row_tails`), symbolic loops' tails peeled (`peel_key_tails`), clamped reads
+along a vector unclamped where the vector is whole (`unclamp_whole_vectors`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tvm.sym import Analyzer, IntervalSet
 from tvm.sym.pattern import detect_linear_equation
 from tvm.tirx import For, ForKind, PrimFunc
 
-from tvmattn.compiler.annotations import PADDED_AXES, STACK_TILES
+from tvmattn.compiler.annotations import PADDED_AXES, QUERY_AXIS, STACK_TILES
 from tvmattn.compiler.passes.ir import conjuncts, substitute, uses, visit_blocks
 from tvmattn.compiler.passes.key_tiles import GUARD_NAME
 
@@ -26,11 +27,13 @@ def pad_query_tiles() -> tvm.transform.Pass:
     vectorised loops over queries it is a per-lane condition, so TVM scalarises each micro-kernel
     (per element branches, no register tiles). For a symbolic n every tile pays it, for a static n
     the tail tile does. The rows past n only feed rows past n, and every stage is row-wise, so a
-    block may compute them if each buffer it accesses at a query index is task-local (read and
-    written only inside the same outermost loop, not a parameter, so sized by the tile): the packed queries, the
-    score, probability and accumulator tiles. Blocks reading parameters or global intermediates by
-    query (the query pack, an attn_mask, q_proj) and the stores of the output or of an intermediate
-    that a later loop reads (attn before W_O) keep their predicate.
+    block may compute them if each buffer it writes at a query index is task-local (read and
+    written only inside the same outermost loop, not a parameter, so sized by the tile): the packed
+    queries, the score, probability and accumulator tiles. A copy into such a tile that its schedule
+    marks (`QUERY_AXIS`: an attn_mask's tile) reads row n - 1 of its source for the rows past n;
+    other blocks reading a parameter or a global intermediate by query (the query pack, q_proj) and
+    the stores of the output or of an intermediate that a later loop reads (attn before W_O) keep
+    their predicate.
     """
 
     @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.PadQueryTiles")
@@ -54,22 +57,44 @@ def pad_query_tiles() -> tvm.transform.Pass:
 
         def on_realize_map(node: SBlockRealize):
             block = node.block
-            s_iter = next((i for i, iv in enumerate(block.iter_vars) if iv.var.name == "v_s"), None)
+            s_iter = next((i for i, iv in enumerate(block.iter_vars) if iv.var.name == "v_s"),
+                          None if QUERY_AXIS not in block.annotations else int(block.annotations[QUERY_AXIS]))
             if s_iter is None or isinstance(node.predicate, tirx.IntImm):
                 return node
             s_var, s_value = block.iter_vars[s_iter].var, node.iter_values[s_iter]
             top = next((t for b, t in tops.items() if b.same_as(block) or b.name_hint == block.name_hint), None)
-            for region in list(block.reads) + list(block.writes):
-                by_query = any(uses(r.min, s_var) or uses(r.extent, s_var) for r in region.region)
-                if by_query and not local(region.source, top):
-                    return node
+            by_query = lambda region: any(uses(r.min, s_var) or uses(r.extent, s_var)  # noqa: E731
+                                          for r in region.region)
+            if any(by_query(w) and not local(w.source, top) for w in block.writes):
+                return node
+            outside = [r.source for r in block.reads if by_query(r) and not local(r.source, top)]
+            bounds = [c for c in conjuncts(node.predicate) if _bounds(analyzer, c, s_value)]
+            copy = QUERY_AXIS in block.annotations  # (a copy into the tile, marked by its schedule)
+            if outside and not (copy and len(bounds) == 1 and isinstance(bounds[0], tirx.LT)):
+                return node
             kept = [c for c in conjuncts(node.predicate) if not _bounds(analyzer, c, s_value)]
             predicate = tirx.all(*kept) if kept else tirx.const(True, "bool")
+            if outside:  # (a copy into the tile: its rows past n read row n - 1)
+                block = _rows_clamped(block, outside, {s_var: tirx.min(s_var, bounds[0].b - 1)})
             return SBlockRealize(node.iter_values, predicate, block, node.span)
 
         return func.with_body(tvm_ffi.structural_map(func.body, [(SBlockRealize, on_realize_map)]))
 
     return transform
+
+
+def _rows_clamped(block: SBlock, buffers: list, clamp: dict) -> SBlock:
+    """``block`` reading ``buffers`` at the ``clamp``ed indices."""
+    ours = lambda buffer: any(buffer.same_as(b) for b in buffers)  # noqa: E731
+
+    def on_load(load):
+        return tirx.BufferLoad(load.source, [substitute(i, clamp) for i in load.indices]) if ours(load.source) else load
+
+    reads = [tirx.BufferRegion(r.source, [tvm.ir.Range.from_min_extent(substitute(x.min, clamp), x.extent)
+                                          for x in r.region]) if ours(r.source) else r for r in block.reads]
+    body = tvm_ffi.structural_map(block.body, [(TensorLoad, on_load)])
+    return SBlock(block.iter_vars, reads, block.writes, block.name_hint, body, block.init, block.alloc_buffers,
+                  block.match_buffers, block.annotations)
 
 
 def clamp_row_tails() -> tvm.transform.Pass:
@@ -284,3 +309,66 @@ def _drop_conjuncts(body, tests: list):
         return SBlockRealize(node.iter_values, predicate, node.block, node.span)
 
     return tvm_ffi.structural_map(body, [(SBlockRealize, on_realize)])
+
+
+# ---- clamped reads along a vector ------------------------------------------------------------------
+def unclamp_whole_vectors() -> tvm.transform.Pass:
+    """A PrimFunc pass: a vectorised loop whose blocks read at a clamped index ``min(x, B)`` with x
+    running along the vector (a padded copy of a symbolic length: `te_attention._core`'s mask_rows)
+    runs, where every lane has x <= B, a copy of itself without the clamp. LLVM makes a clamp along a
+    vector a gather per vector (vgatherdps: 15 % of a symbolic bf16 kernel with a (b, h, s, t) mask);
+    the copy's loads are plain vector loads, and only a length's last vector keeps the gather."""
+
+    @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvmattn.UnclampWholeVectors")
+    def transform(func: PrimFunc, _mod, _ctx) -> PrimFunc:
+        analyzer = Analyzer()
+
+        def on_for(node: For):
+            if node.kind != ForKind.VECTORIZED or not isinstance(node.extent, tirx.IntImm):
+                return node
+            loops: list[For] = [node]
+            realizes: list[SBlockRealize] = []
+            tvm_ffi.structural_walk(node.body, [(For, loops.append), (SBlockRealize, realizes.append)])
+            relax = {lp.loop_var: IntervalSet(lp.min, lp.min + lp.extent - 1) for lp in loops}
+            clamps, tests = [], []
+            for realize in realizes:
+                binding = {iv.var: v for iv, v in zip(realize.block.iter_vars, realize.iter_values)}
+                for clamp in _clamped_indices(realize.block.body):
+                    x, bound = substitute(clamp.a, binding), substitute(clamp.b, binding)
+                    if not uses(x, node.loop_var) or any(uses(bound, lp.loop_var) for lp in loops):
+                        continue
+                    top = analyzer.int_set(x, relax).max_value
+                    if isinstance(top, tirx.Var) and top.name in ("pos_inf", "neg_inf"):
+                        continue
+                    clamps.append(clamp)
+                    tests.append(analyzer.simplify(top <= bound))
+
+            if not clamps:
+                return node
+
+            def unclamped(expr):
+                return expr.a if any(tvm_ffi.structural_equal(expr, c) for c in clamps) else expr
+
+            whole = tvm_ffi.structural_map(node, [(SBlock, lambda b: tvm_ffi.structural_map(
+                b, [(tirx.Min, unclamped)]))])
+            return tirx.IfThenElse(tirx.all(*tests), whole, node)
+
+        body = tvm_ffi.structural_map(func.body, [(For, on_for)])
+        if body.same_as(func.body):
+            return func
+        fresh = tvm.tirx.transform.ConvertSSA()(tvm.IRModule({"main": func.with_body(body)}))  # (two copies)
+        return fresh["main"]
+
+    return transform
+
+
+def _clamped_indices(body) -> list:
+    """The ``min(x, B)`` of ``body``'s loads' indices."""
+    found: list = []
+
+    def on_load(load):
+        for index in load.indices:
+            tvm_ffi.structural_walk(index, [(tirx.Min, found.append)])
+
+    tvm_ffi.structural_walk(body, [(TensorLoad, on_load)])
+    return found

@@ -39,12 +39,13 @@ INLINED = ("q_heads", "k_heads", "v_heads", "logits", "merged")
 
 def lowering(spec: AttentionSpec, target: Target) -> list[tvm.transform.Pass]:
     """The passes a CPU attention kernel leaves to lowering: query tiles computed whole, symbolic
-    tails peeled, maths as polynomials, widened copies read as they are, 16-bit buffers kept 16 bits
-    wide, and the instruction set's own (`Isa.passes`)."""
+    tails peeled, a padded copy's whole vectors unclamped, maths as polynomials, widened copies read
+    as they are, 16-bit buffers kept 16 bits wide, and the instruction set's own (`Isa.passes`)."""
     isa = isa_of(target)
     exp2 = passes.EXP2_P_BF16 if spec.dtype == "bfloat16" else passes.EXP2_P
-    return [passes.pad_query_tiles(), passes.peel_key_tails(), passes.polynomial_math(exp2),
-            passes.exact_widenings(), passes.keep_operands_16bit(isa.packed_readers), *isa.passes]
+    return [passes.pad_query_tiles(), passes.peel_key_tails(), passes.unclamp_whole_vectors(),
+            passes.polynomial_math(exp2), passes.exact_widenings(), passes.keep_operands_16bit(isa.packed_readers),
+            *isa.passes]
 
 
 class CpuAttention(AttentionRule):

@@ -10,11 +10,13 @@ import functools
 from tvm import tirx
 from tvm.s_tir import Schedule
 
+from tvmattn.compiler.annotations import QUERY_AXIS
 from tvmattn.compiler.isa.panels import PAIR, query_panel_intrinsic
 from tvmattn.compiler.isa.record import Dot, Isa, Tiles
 from tvmattn.compiler.passes import KEY_BLOCKS
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.te_attention import KEY_STAGE
+from tvmattn.compiler.variant import MASK_AXES
 from tvmattn.schedules.primitives import copy_of, has_block, tensorize, vectorize
 
 
@@ -76,12 +78,16 @@ def pack_mask(sch: Schedule, spec: AttentionSpec, task, q_tile: int, lanes: int,
     the query panel is (`tensorize_queries`, a step for ``later``); copied element by element, each
     store went to a cache line of its own. Padded rows (symbolic lengths) are copied as they are first,
     contiguous along keys, and the tile transposed from them; not in a head task's serial loop
-    (``per_head``), whose offsets into that copy TVM cannot match to the intrinsic's."""
+    (``per_head``), whose offsets into that copy TVM cannot match to the intrinsic's. Other fp32 tiles
+    are copied a key at a time, a vector of queries gathered."""
     readers = [sch.get_sblock(name) for name in ("row_max", "probs")]
     padded = has_block(sch, "mask_rows")  # the mask's rows in whole blocks, clamped (`te_attention._core`)
     rows_first = padded and not per_head
     if rows_first:  # (the tile's copy is then made in the task, under them)
-        sch.compute_at(sch.get_sblock("mask_rows"), task, preserve_unit_loops=True)
+        rows = sch.get_sblock("mask_rows")
+        sch.compute_at(rows, task, preserve_unit_loops=True)
+        if str(sch.get(rows).writes[0].source.dtype) != "bool":  # (TVM 0.27 cannot vectorise a bool copy)
+            vectorize(sch, sch.get_loops(rows)[-1], None, lanes)  # (whole vectors unclamped: `unclamp_whole_vectors`)
         tile = copy_of(sch, readers[0], ("mask_rows",), readers)
     else:  # the tile is the padded rows' stage itself, or a copy of the mask
         tile = sch.get_sblock("mask_rows") if padded else copy_of(sch, readers[0], ("attn_mask",), readers)
@@ -92,10 +98,18 @@ def pack_mask(sch: Schedule, spec: AttentionSpec, task, q_tile: int, lanes: int,
     static_blocks = not padded and isinstance(spec.n_q, int) and spec.n_q % q_tile == 0 and \
         isinstance(keys, tirx.IntImm) and int(keys) % lanes == 0  # (else the last task's tile is cut)
     whole = isinstance(queries, tirx.IntImm) and int(queries) % lanes == 0 and (rows_first or static_blocks)
-    if whole and lanes > 1 and str(sch.get(tile).writes[0].source.dtype) == "float32":
+    fp32 = str(sch.get(tile).writes[0].source.dtype) == "float32"
+    if whole and lanes > 1 and fp32:
         later.append(functools.partial(tensorize_queries, sch, sch.get(tile).name_hint,
                                        query_panel_intrinsic("float32", lanes, False, True, False), lanes, lanes,
                                        False))
+    elif fp32 and lanes > 1 and isinstance(queries, tirx.IntImm) and int(queries) % lanes == 0:
+        # (the tile's rows past n read row n - 1: `passes.pad_query_tiles`); copied along keys, each
+        # query's store went to a cache line of its own, a scatter per vector
+        s, t = sch.get_loops(tile)[-2:]
+        sch.reorder(t, s)
+        vectorize(sch, s, int(queries), lanes)
+        sch.annotate(tile, QUERY_AXIS, MASK_AXES.index("s"))
 
 
 def pack_pairs(sch: Schedule, spec: AttentionSpec, pair_loop, step: int | None = None, head=None) -> tuple[str, str]:

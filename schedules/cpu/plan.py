@@ -150,7 +150,7 @@ def _plan(spec: AttentionSpec, target: Target, given: Mapping[str, KnobValue] | 
     parts = frozenset((["core"] if parts_core else []) + [p.name for p in projections if p.path == "tiles"]) \
         if spec.dtype == "float16" else frozenset()
     head_tasks = (spec.batch if isinstance(spec.batch, int) else 1) * spec.h_kv % cores == 0
-    defaults = _defaults(spec, isa, cores, parts_core)
+    defaults = _defaults(spec, isa, cores, parts_core, padding)
     knobs = resolve(KNOBS, {**defaults, **(given or {})})
     chunks = divisor_at_most(spec.n_kv, knobs["key_chunks"]) if _few_tasks_of_one_query(spec, isa, cores) else 1
 
@@ -287,7 +287,7 @@ def _projection(spec: AttentionSpec, isa: Isa, name: str, weight: str) -> Projec
     return Projection(name, weight, path, tiles and spec.dtype == "float16", padded, panels)
 
 
-def _defaults(spec: AttentionSpec, isa: Isa, cores: int, parts: bool) -> dict[str, int]:
+def _defaults(spec: AttentionSpec, isa: Isa, cores: int, parts: bool, padding: int = 1) -> dict[str, int]:
     """Knob defaults (the measurements behind them: the README's "Default tiles"). With 32 registers
     and 16-bit inputs (or fp32 on full-width FMAs): 64-query tiles (32 where a mask bounds a tile's
     keys; 16 for a masked fp16 core widened on half-width FMAs) and P·V tiles of 4 vectors, 8 rows
@@ -307,6 +307,10 @@ def _defaults(spec: AttentionSpec, isa: Isa, cores: int, parts: bool) -> dict[st
         core["pv_rows"] = 8
     if spec.n_q == 1:
         core["pv_vecs"] = _one_pass_vecs(spec, lanes) if spec.dtype != "float32" else 4
+    if isinstance(spec.n_q, str) and padding == lanes and isa.tiles is None:
+        # a symbolic length on the dot products: query tiles of the padding's one vector, so 8 keys a
+        # register tile make 8 accumulators (4 leave the dot product's latency exposed)
+        core["qk_keys"] = 8
     if not spec.projections:
         return core
     d_in = max(spec.d, spec.h * spec.d_v)  # W_O's rows are the merged heads
