@@ -4,7 +4,10 @@ Apple M2), as a TVM tensor intrinsic (`dots`: how it is described, packed and li
     bfdot acc.4s, a.8h, b.2h[i]     acc[i] += a[2i]·b[2i] + a[2i+1]·b[2i+1]     i < 4, fp32 lanes
 
 what ``vdpbf16ps`` is to AVX512-BF16, on 128 bits: two bf16 products per fp32 lane and instruction,
-twice an fp32 FMA's work. The broadcast pair is taken by element, as NEON's FMA takes a query's score.
+twice an fp32 FMA's work. The broadcast pair is taken by element, as NEON's FMA takes a query's score,
+from a 32-bit load: written as the intrinsic's vector form, LLVM loaded it by ``ld1r``, whose replicate
+takes a vector pipe on Neoverse V2 (a fifth of the loop's issue), so the instruction is inline assembly
+(no memory, no side effects: the accumulators stay in registers).
 P's pairs are rounded by LLVM's ``fptrunc`` to bfloat (``bfcvtn``) and interleaved by one shuffle.
 (``bfmmla``, a 2×4 by 4×2 block product, would need the panels in 2×4 blocks instead of pairs.)
 
@@ -31,12 +34,12 @@ PAIRS_FUNCTION = "tvmattn_bfcvt_pairs"  # two fp32 rows → their bf16 pairs, ro
 _INTERLEAVE = ", ".join(f"i32 {i // 2 + (i % 2) * LANES}" for i in range(2 * LANES))
 DOT_LLVM = f"""
 define <4 x float> @{DOT_FUNCTION}(<4 x float> %acc, <4 x i32> %a, <4 x i32> %b) alwaysinline {{
-  %x = bitcast <4 x i32> %a to <8 x bfloat>
-  %y = bitcast <4 x i32> %b to <8 x bfloat>
-  %r = call <4 x float> @llvm.aarch64.neon.bfdot.v4f32.v8bf16(<4 x float> %acc, <8 x bfloat> %x, <8 x bfloat> %y)
+  %pair = extractelement <4 x i32> %b, i64 0
+  %y = bitcast i32 %pair to <2 x i16>
+  %r = call <4 x float> asm "bfdot $0.4s, $1.8h, $2.2h[0]", "=w,w,w,0"(<4 x i32> %a, <2 x i16> %y, <4 x float> %acc) #0
   ret <4 x float> %r
 }}
-declare <4 x float> @llvm.aarch64.neon.bfdot.v4f32.v8bf16(<4 x float>, <8 x bfloat>, <8 x bfloat>)
+attributes #0 = {{ nounwind willreturn nosync memory(none) }}
 
 define <4 x i32> @{PAIRS_FUNCTION}(<4 x float> %lo, <4 x float> %hi) alwaysinline {{
   %a = fptrunc <4 x float> %lo to <4 x bfloat>
