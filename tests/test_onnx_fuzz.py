@@ -159,6 +159,23 @@ def test_an_out_of_range_gather_index_is_an_error_not_a_read_out_of_bounds():
             model.run({"ids": np.array(ids)})
 
 
+def test_an_out_of_range_gather_elements_index_is_an_error_not_a_read_out_of_bounds():
+    """GatherElements (DeBERTa's relative positions, torch.gather): TVM's kernel read past the axis (a
+    segfault); the index is checked, negative ones counted from the end, as ONNX Runtime does."""
+    graph = onnx.helper.make_graph([onnx.helper.make_node("GatherElements", ["x", "i"], ["y"], axis=1)], "g",
+                              [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 4]),
+                               onnx.helper.make_tensor_value_info("i", onnx.TensorProto.INT64, [2, "k"])],
+                              [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, "k"])])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    imported = tvmattn.import_onnx(model)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    index = np.array([[0, 3, -1], [-4, 2, 1]])
+    assert np.array_equal(imported.run({"x": x, "i": index})[0], np.take_along_axis(x, index % 4, axis=1))
+    for bad in (4, -5, 2**40):
+        with pytest.raises(tvmattn.TvmAttnError, match=r"GatherElements.*\[-4, 3\]"):
+            imported.run({"x": x, "i": np.array([[0, 1, bad], [0, 0, 0]])})
+
+
 @pytest.mark.parametrize("feed, message", [
     (None, "mapping"), ({"ids": np.zeros((1, 0), np.int64)}, "empty dimension"),
     ({"ids": np.zeros((1, 2), np.int32)}, "int32; the model takes int64"),

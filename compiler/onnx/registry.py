@@ -74,6 +74,7 @@ OPS: dict[tuple[str, str], Op] = {
     ("", "Slice"): Op(fix=shape_ops.slice_, check_after=run_checks.slice_bounds),
     ("", "Concat"): Op(before=lambda inputs, attrs: shape_ops.nonempty(inputs, int(attrs.get("axis", 0)))),
     ("", "Gather"): Op(fix=shape_ops.gather, checked=run_checks.gather),
+    ("", "GatherElements"): Op(checked=run_checks.gather_elements),
     **{("", name): Op(broadcasting=True) for name in _BROADCASTING},
 }
 

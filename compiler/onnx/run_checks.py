@@ -4,7 +4,8 @@ Gather   TVM's ``take`` reads out of bounds for an index outside [-extent, exten
          a token id past the vocabulary, a position past BERT's table segfaults or returns garbage).
          Indices that are constants are checked here; the others go through a small TIR function
          that asserts the range (naming the node) and maps negative indices, before the take. The
-         check is a serial CPU loop: the importer asks for it on CPU targets.
+         check is a serial CPU loop: the importer asks for it on CPU targets. GatherElements (TVM's
+         ``gather_elements`` segfaulted too) gets the same check.
 Ranges   an index input of ONNX Runtime's attention ops (GroupQueryAttention's seqlens_k and
          total_sequence_length, RotaryEmbedding's position_ids) checked at run time against the buffer it
          indexes, as ONNX Runtime checks it (`in_range`, asked for on CPU targets by the converters).
@@ -58,9 +59,38 @@ def gather(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict) -> rela
     return relax.op.take(data, bb.normalize(relax.op.reshape(checked, indices.ty.shape)), axis, mode="clip")
 
 
-def _checked_indices(dtype: str, extent: int, node: str) -> tirx.PrimFunc:
+def gather_elements(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict) -> relax.Expr | None:
+    """A bounds-checked ONNX GatherElements (TVM's read out of bounds: a segfault), or None where the
+    gathered axis is symbolic (TVM's converter)."""
+    data, indices = inputs[0], inputs[1]
+    if not isinstance(data.ty, relax.TensorType) or not isinstance(data.ty.shape, relax.ShapeExpr):
+        return None
+    dims = list(data.ty.shape.values)
+    axis = int(attrs.get("axis", 0))
+    if not -len(dims) <= axis < len(dims):
+        raise TvmAttnError(f"axis={axis} is out of range for data of rank {len(dims)}")
+    axis %= len(dims)
+    if not isinstance(dims[axis], tirx.IntImm) or not isinstance(indices.ty, relax.TensorType) \
+            or not isinstance(indices.ty.shape, relax.ShapeExpr) or str(indices.ty.dtype) not in ("int32", "int64"):
+        return None
+    extent = int(dims[axis].value)
+    if isinstance(indices, tvm.ir.GenericConst):
+        values = indices.value.numpy()
+        if values.size and (values.min() < -extent or values.max() >= extent):
+            bad = values[(values < -extent) | (values >= extent)].reshape(-1)[0]
+            raise TvmAttnError(f"node {node!r} (GatherElements): index {bad} is out of range: axis {axis} has "
+                               f"{extent} entries, so indices lie in [{-extent}, {extent - 1}]")
+        return relax.op.gather_elements(data, relax.const(np.where(values < 0, values + extent, values)), axis)
+    flat = bb.normalize(relax.op.reshape(indices, [-1]))
+    checker = bb.add_func(_checked_indices(str(indices.ty.dtype), extent, node, "GatherElements"),
+                          "check_gather_indices")
+    checked = bb.normalize(relax.call_tir(checker, [flat], relax.TensorType(flat.ty.shape, indices.ty.dtype)))
+    return relax.op.gather_elements(data, bb.normalize(relax.op.reshape(checked, indices.ty.shape)), axis)
+
+
+def _checked_indices(dtype: str, extent: int, node: str, op: str = "Gather") -> tirx.PrimFunc:
     """out[i] = idx[i] (+ extent if negative), asserting -extent <= idx[i] < extent."""
-    message = (f"node {node!r} (Gather): an index is out of range: the gathered axis has {extent} entries, so "
+    message = (f"node {node!r} ({op}): an index is out of range: the gathered axis has {extent} entries, so "
                f"indices lie in [{-extent}, {extent - 1}]")
 
     @T.prim_func(private=True, s_tir=True)
