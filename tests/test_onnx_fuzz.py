@@ -176,6 +176,25 @@ def test_an_out_of_range_gather_elements_index_is_an_error_not_a_read_out_of_bou
             imported.run({"x": x, "i": np.array([[0, 1, bad], [0, 0, 0]])})
 
 
+def test_gather_elements_of_broadcast_indices_checks_them_before_the_broadcast():
+    """Indices expanded over a batch (DeBERTa's relative positions): checked as given, then broadcast."""
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Expand", ["i", "shape"], ["wide"]),
+         onnx.helper.make_node("GatherElements", ["x", "wide"], ["y"], axis=2)], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3, 4]),
+         onnx.helper.make_tensor_value_info("i", onnx.TensorProto.INT64, [1, 3, 4])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3, 4])],
+        initializer=[onnx.helper.make_tensor("shape", onnx.TensorProto.INT64, [3], [2, 3, 4])])
+    imported = tvmattn.import_onnx(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]))
+    x = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
+    index = np.random.default_rng(1).integers(-4, 4, (1, 3, 4))
+    expected = np.take_along_axis(x, np.broadcast_to(index % 4, (2, 3, 4)), axis=2)
+    assert np.array_equal(imported.run({"x": x, "i": index})[0], expected)
+    index[0, 2, 3] = 4
+    with pytest.raises(tvmattn.TvmAttnError, match=r"GatherElements.*\[-4, 3\]"):
+        imported.run({"x": x, "i": index})
+
+
 @pytest.mark.parametrize("feed, message", [
     (None, "mapping"), ({"ids": np.zeros((1, 0), np.int64)}, "empty dimension"),
     ({"ids": np.zeros((1, 2), np.int32)}, "int32; the model takes int64"),

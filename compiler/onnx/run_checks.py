@@ -5,7 +5,7 @@ Gather   TVM's ``take`` reads out of bounds for an index outside [-extent, exten
          Indices that are constants are checked here; the others go through a small TIR function
          that asserts the range (naming the node) and maps negative indices, before the take. The
          check is a serial CPU loop: the importer asks for it on CPU targets. GatherElements (TVM's
-         ``gather_elements`` segfaulted too) gets the same check.
+         ``gather_elements`` segfaulted too) gets the same check, before a broadcast of its indices.
 Ranges   an index input of ONNX Runtime's attention ops (GroupQueryAttention's seqlens_k and
          total_sequence_length, RotaryEmbedding's position_ids) checked at run time against the buffer it
          indexes, as ONNX Runtime checks it (`in_range`, asked for on CPU targets by the converters).
@@ -61,7 +61,9 @@ def gather(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict) -> rela
 
 def gather_elements(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict) -> relax.Expr | None:
     """A bounds-checked ONNX GatherElements (TVM's read out of bounds: a segfault), or None where the
-    gathered axis is symbolic (TVM's converter)."""
+    gathered axis is symbolic (TVM's converter). Indices broadcast from a smaller tensor are checked
+    before the broadcast: DeBERTa's (n, n) relative positions, expanded over batch and heads, checked
+    after it cost a pass over 25 MB per gather (its 512-token bf16 run 28.6 → 40.5 ms)."""
     data, indices = inputs[0], inputs[1]
     if not isinstance(data.ty, relax.TensorType) or not isinstance(data.ty.shape, relax.ShapeExpr):
         return None
@@ -81,11 +83,22 @@ def gather_elements(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict
             raise TvmAttnError(f"node {node!r} (GatherElements): index {bad} is out of range: axis {axis} has "
                                f"{extent} entries, so indices lie in [{-extent}, {extent - 1}]")
         return relax.op.gather_elements(data, relax.const(np.where(values < 0, values + extent, values)), axis)
-    flat = bb.normalize(relax.op.reshape(indices, [-1]))
-    checker = bb.add_func(_checked_indices(str(indices.ty.dtype), extent, node, "GatherElements"),
+    source = bb.lookup_binding(indices) if isinstance(indices, relax.Var) else indices  # (TVM's: often a Call)
+    broadcast = isinstance(source, relax.Call) and source.op.same_as(_BROADCAST_TO)
+    small = source.args[0] if broadcast else indices
+    if not isinstance(small.ty, relax.TensorType) or not isinstance(small.ty.shape, relax.ShapeExpr):
+        small, broadcast = indices, False
+    flat = bb.normalize(relax.op.reshape(small, [-1]))
+    checker = bb.add_func(_checked_indices(str(small.ty.dtype), extent, node, "GatherElements"),
                           "check_gather_indices")
-    checked = bb.normalize(relax.call_tir(checker, [flat], relax.TensorType(flat.ty.shape, indices.ty.dtype)))
-    return relax.op.gather_elements(data, bb.normalize(relax.op.reshape(checked, indices.ty.shape)), axis)
+    checked = bb.normalize(relax.call_tir(checker, [flat], relax.TensorType(flat.ty.shape, small.ty.dtype)))
+    checked = bb.normalize(relax.op.reshape(checked, small.ty.shape))
+    if broadcast:
+        checked = bb.normalize(relax.op.broadcast_to(checked, source.args[1]))
+    return relax.op.gather_elements(data, checked, axis)
+
+
+_BROADCAST_TO = tvm.ir.Op.get("relax.broadcast_to")
 
 
 def _checked_indices(dtype: str, extent: int, node: str, op: str = "Gather") -> tirx.PrimFunc:
@@ -93,16 +106,22 @@ def _checked_indices(dtype: str, extent: int, node: str, op: str = "Gather") -> 
     message = (f"node {node!r} ({op}): an index is out of range: the gathered axis has {extent} entries, so "
                f"indices lie in [{-extent}, {extent - 1}]")
 
+    # Two loops without a branch, which LLVM vectorises: the indices out of range counted (then one
+    # assert), and the negative ones mapped. DeBERTa's relative positions are (n, n) indices per gather.
     @T.prim_func(private=True, s_tir=True)
     def check(idx_h: T.handle, out_h: T.handle):
         n = T.int64()
         idx = T.match_buffer(idx_h, (n,), dtype)
         out = T.match_buffer(out_h, (n,), dtype)
-        for i in range(n):
-            with T.sblock("check"):
-                vi = T.axis.spatial(n, i)
-                assert -extent <= idx[vi] and idx[vi] < extent, message
-                out[vi] = T.if_then_else(idx[vi] < 0, idx[vi] + T.Cast(dtype, extent), idx[vi])
+        with T.sblock("root"):
+            bad = T.sblock_alloc_buffer((1,), "int64", scope="local")
+            bad[0] = T.int64(0)
+            for i in range(n):
+                bad[0] = bad[0] + T.Cast("int64", T.Or(idx[i] < T.Cast(dtype, -extent),
+                                                       idx[i] >= T.Cast(dtype, extent)))
+            assert bad[0] == T.int64(0), message
+            for i in range(n):
+                out[i] = T.Select(idx[i] < T.Cast(dtype, 0), idx[i] + T.Cast(dtype, extent), idx[i])
 
     # opaque: Relax's fusion must not look into it (its op-pattern analysis wants block bodies)
     return check.with_attr(OP_PATTERN, OPAQUE).with_attr(IS_SCHEDULED, True)
