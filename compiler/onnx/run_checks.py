@@ -30,41 +30,43 @@ def gather(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict) -> rela
     """A bounds-checked ONNX Gather, or None where TVM's converter is right as it is (constants folded,
     shape values, a symbolic axis extent)."""
     data, indices = inputs[0], inputs[1]
-    if not isinstance(data.ty, relax.TensorType) or not isinstance(data.ty.shape, relax.ShapeExpr):
+    gathered = _gathered_axis(data, attrs)
+    if gathered is None:
         return None
-    dims = list(data.ty.shape.values)
-    axis = int(attrs.get("axis", 0))
-    if not -len(dims) <= axis < len(dims):
-        raise TvmAttnError(f"axis={axis} is out of range for data of rank {len(dims)}")
-    axis %= len(dims)
-    if not isinstance(dims[axis], tirx.IntImm):
-        return None
-    extent = int(dims[axis].value)
+    axis, extent = gathered
     if isinstance(indices, tvm.ir.GenericConst):
-        values = indices.value.numpy()
-        if values.size and (values.min() < -extent or values.max() >= extent):
-            bad = values[(values < -extent) | (values >= extent)].reshape(-1)[0]
-            raise TvmAttnError(f"index {bad} is out of range: axis {axis} has {extent} entries, so indices lie "
-                               f"in [{-extent}, {extent - 1}]")
+        values = _constant_in_range(indices, axis, extent, "")
         if isinstance(data, tvm.ir.GenericConst):
             return None  # TVM's converter folds it
-        return relax.op.take(data, relax.const(np.where(values < 0, values + extent, values)), axis, mode="clip")
-    if (not isinstance(indices.ty, relax.TensorType) or not isinstance(indices.ty.shape, relax.ShapeExpr)
-            or str(indices.ty.dtype) not in ("int32", "int64")):
+        return relax.op.take(data, relax.const(values), axis, mode="clip")
+    if not _index_tensor(indices):
         return None
-    flat = bb.normalize(relax.op.reshape(indices, [-1]))
-    checker = bb.add_func(_checked_indices(str(indices.ty.dtype), extent, node), "check_gather_indices")
-    checked = bb.normalize(relax.call_tir(checker, [flat], relax.TensorType(flat.ty.shape, indices.ty.dtype)))
     # in range now: "clip" reads the same elements as TVM's unchecked "fast" mode (and does not warn)
-    return relax.op.take(data, bb.normalize(relax.op.reshape(checked, indices.ty.shape)), axis, mode="clip")
+    return relax.op.take(data, _checked(bb, indices, extent, node, "Gather"), axis, mode="clip")
 
 
 def gather_elements(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict) -> relax.Expr | None:
     """A bounds-checked ONNX GatherElements (TVM's read out of bounds: a segfault), or None where the
-    gathered axis is symbolic (TVM's converter). Indices broadcast from a smaller tensor are checked
-    before the broadcast: DeBERTa's (n, n) relative positions, expanded over batch and heads, checked
-    after it cost a pass over 25 MB per gather (its 512-token bf16 run 28.6 → 40.5 ms)."""
+    gathered axis is symbolic (TVM's converter). Indices broadcast from a smaller tensor (DeBERTa's
+    (n, n) relative positions expanded over batch and heads) are checked before the broadcast: after
+    it, the check is a pass of its own over the expanded tensor."""
     data, indices = inputs[0], inputs[1]
+    gathered = _gathered_axis(data, attrs)
+    if gathered is None or not _index_tensor(indices):
+        return None
+    axis, extent = gathered
+    if isinstance(indices, tvm.ir.GenericConst):
+        return relax.op.gather_elements(data, relax.const(_constant_in_range(
+            indices, axis, extent, f"node {node!r} (GatherElements): ")), axis)
+    source = bb.lookup_binding(indices) if isinstance(indices, relax.Var) else indices  # (TVM's: often a Call)
+    if isinstance(source, relax.Call) and source.op.same_as(_BROADCAST_TO) and _index_tensor(source.args[0]):
+        checked = _checked(bb, source.args[0], extent, node, "GatherElements")
+        return relax.op.gather_elements(data, bb.normalize(relax.op.broadcast_to(checked, source.args[1])), axis)
+    return relax.op.gather_elements(data, _checked(bb, indices, extent, node, "GatherElements"), axis)
+
+
+def _gathered_axis(data: relax.Expr, attrs: dict) -> tuple[int, int] | None:
+    """(axis, its static extent) that a gather of ``data`` reads along; None where the extent is symbolic."""
     if not isinstance(data.ty, relax.TensorType) or not isinstance(data.ty.shape, relax.ShapeExpr):
         return None
     dims = list(data.ty.shape.values)
@@ -72,30 +74,30 @@ def gather_elements(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict
     if not -len(dims) <= axis < len(dims):
         raise TvmAttnError(f"axis={axis} is out of range for data of rank {len(dims)}")
     axis %= len(dims)
-    if not isinstance(dims[axis], tirx.IntImm) or not isinstance(indices.ty, relax.TensorType) \
-            or not isinstance(indices.ty.shape, relax.ShapeExpr) or str(indices.ty.dtype) not in ("int32", "int64"):
-        return None
-    extent = int(dims[axis].value)
-    if isinstance(indices, tvm.ir.GenericConst):
-        values = indices.value.numpy()
-        if values.size and (values.min() < -extent or values.max() >= extent):
-            bad = values[(values < -extent) | (values >= extent)].reshape(-1)[0]
-            raise TvmAttnError(f"node {node!r} (GatherElements): index {bad} is out of range: axis {axis} has "
-                               f"{extent} entries, so indices lie in [{-extent}, {extent - 1}]")
-        return relax.op.gather_elements(data, relax.const(np.where(values < 0, values + extent, values)), axis)
-    source = bb.lookup_binding(indices) if isinstance(indices, relax.Var) else indices  # (TVM's: often a Call)
-    broadcast = isinstance(source, relax.Call) and source.op.same_as(_BROADCAST_TO)
-    small = source.args[0] if broadcast else indices
-    if not isinstance(small.ty, relax.TensorType) or not isinstance(small.ty.shape, relax.ShapeExpr):
-        small, broadcast = indices, False
-    flat = bb.normalize(relax.op.reshape(small, [-1]))
-    checker = bb.add_func(_checked_indices(str(small.ty.dtype), extent, node, "GatherElements"),
-                          "check_gather_indices")
-    checked = bb.normalize(relax.call_tir(checker, [flat], relax.TensorType(flat.ty.shape, small.ty.dtype)))
-    checked = bb.normalize(relax.op.reshape(checked, small.ty.shape))
-    if broadcast:
-        checked = bb.normalize(relax.op.broadcast_to(checked, source.args[1]))
-    return relax.op.gather_elements(data, checked, axis)
+    return (axis, int(dims[axis].value)) if isinstance(dims[axis], tirx.IntImm) else None
+
+
+def _index_tensor(indices: relax.Expr) -> bool:
+    return (isinstance(indices.ty, relax.TensorType) and isinstance(indices.ty.shape, relax.ShapeExpr)
+            and str(indices.ty.dtype) in ("int32", "int64"))
+
+
+def _constant_in_range(indices: tvm.ir.GenericConst, axis: int, extent: int, where: str) -> np.ndarray:
+    """Constant indices, negative ones counted from the end; a TvmAttnError for one out of range."""
+    values = indices.value.numpy()
+    if values.size and (values.min() < -extent or values.max() >= extent):
+        bad = values[(values < -extent) | (values >= extent)].reshape(-1)[0]
+        raise TvmAttnError(f"{where}index {bad} is out of range: axis {axis} has {extent} entries, so indices lie "
+                           f"in [{-extent}, {extent - 1}]")
+    return np.where(values < 0, values + extent, values)
+
+
+def _checked(bb: relax.BlockBuilder, indices: relax.Expr, extent: int, node: str, op: str) -> relax.Expr:
+    """``indices`` through the run-time check (`_checked_indices`), in their shape."""
+    flat = bb.normalize(relax.op.reshape(indices, [-1]))
+    checker = bb.add_func(_checked_indices(str(indices.ty.dtype), extent, node, op), "check_gather_indices")
+    checked = bb.normalize(relax.call_tir(checker, [flat], relax.TensorType(flat.ty.shape, indices.ty.dtype)))
+    return bb.normalize(relax.op.reshape(checked, indices.ty.shape))
 
 
 _BROADCAST_TO = tvm.ir.Op.get("relax.broadcast_to")
@@ -107,7 +109,7 @@ def _checked_indices(dtype: str, extent: int, node: str, op: str = "Gather") -> 
                f"indices lie in [{-extent}, {extent - 1}]")
 
     # Two loops without a branch, which LLVM vectorises: the indices out of range counted (then one
-    # assert), and the negative ones mapped. DeBERTa's relative positions are (n, n) indices per gather.
+    # assert), and the negative ones mapped.
     @T.prim_func(private=True, s_tir=True)
     def check(idx_h: T.handle, out_h: T.handle):
         n = T.int64()
