@@ -176,6 +176,26 @@ def test_an_out_of_range_gather_elements_index_is_an_error_not_a_read_out_of_bou
             imported.run({"x": x, "i": np.array([[0, 1, bad], [0, 0, 0]])})
 
 
+@pytest.mark.parametrize("op", ["Gather", "GatherElements"])
+def test_a_gather_along_a_symbolic_axis_checks_its_indices(op):
+    """The gathered axis has the graph's length n: indices are checked against it when the model runs."""
+    index_shape = [2, "k"] if op == "GatherElements" else ["k"]
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node(op, ["x", "i"], ["y"], axis=1)], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, "n"]),
+         onnx.helper.make_tensor_value_info("i", onnx.TensorProto.INT64, index_shape)],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, "k"])])
+    imported = tvmattn.import_onnx(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]))
+    x = np.arange(10, dtype=np.float32).reshape(2, 5)
+    index = np.array([[0, 4, -1], [-5, 2, 1]]) if op == "GatherElements" else np.array([0, 4, -1, -5])
+    expected = np.take_along_axis(x, index % 5, axis=1) if op == "GatherElements" else np.take(x, index, axis=1)
+    assert np.array_equal(imported.run({"x": x, "i": index})[0], expected)
+    for bad in (5, -6, 2**40):
+        index.flat[1] = bad
+        with pytest.raises(tvmattn.TvmAttnError, match=rf"{op}_0' \({op}\).*outside \[-n, n\)"):
+            imported.run({"x": x, "i": index})
+
+
 def test_gather_elements_of_broadcast_indices_checks_them_before_the_broadcast():
     """Indices expanded over a batch (DeBERTa's relative positions): checked as given, then broadcast."""
     graph = onnx.helper.make_graph(

@@ -17,9 +17,12 @@ Slice    TVM's converter assumes a symbolic end (``seq``) within the sliced axis
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import tvm
 from tvm import relax, tirx
+from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.script import tirx as T
 
 from tvmattn.compiler.annotations import IS_SCHEDULED, OP_PATTERN, OPAQUE
@@ -28,45 +31,54 @@ from tvmattn.compiler.errors import TvmAttnError
 
 def gather(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict) -> relax.Expr | None:
     """A bounds-checked ONNX Gather, or None where TVM's converter is right as it is (constants folded,
-    shape values, a symbolic axis extent)."""
+    shape values)."""
     data, indices = inputs[0], inputs[1]
     gathered = _gathered_axis(data, attrs)
     if gathered is None:
         return None
     axis, extent = gathered
-    if isinstance(indices, tvm.ir.GenericConst):
+    if isinstance(extent, int) and isinstance(indices, tvm.ir.GenericConst):
         values = _constant_in_range(indices, axis, extent, "")
         if isinstance(data, tvm.ir.GenericConst):
             return None  # TVM's converter folds it
         return relax.op.take(data, relax.const(values), axis, mode="clip")
     if not _index_tensor(indices):
         return None
+    if not isinstance(extent, int):  # in [-extent, extent) now: "wrap" counts the negative ones from the end
+        return relax.op.take(data, in_range(bb, f"node {node!r} (Gather): an index", indices, -extent, extent),
+                             axis, mode="wrap")
     # in range now: "clip" reads the same elements as TVM's unchecked "fast" mode (and does not warn)
     return relax.op.take(data, _checked(bb, indices, extent, node, "Gather"), axis, mode="clip")
 
 
 def gather_elements(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict) -> relax.Expr | None:
-    """A bounds-checked ONNX GatherElements (TVM's read out of bounds: a segfault), or None where the
-    gathered axis is symbolic (TVM's converter). Indices broadcast from a smaller tensor (DeBERTa's
-    (n, n) relative positions expanded over batch and heads) are checked before the broadcast: after
-    it, the check is a pass of its own over the expanded tensor."""
+    """A bounds-checked ONNX GatherElements (TVM's read out of bounds: a segfault). Indices broadcast
+    from a smaller tensor (DeBERTa's (n, n) relative positions expanded over batch and heads) are
+    checked before the broadcast: after it, the check is a pass of its own over the expanded tensor."""
     data, indices = inputs[0], inputs[1]
     gathered = _gathered_axis(data, attrs)
     if gathered is None or not _index_tensor(indices):
         return None
     axis, extent = gathered
-    if isinstance(indices, tvm.ir.GenericConst):
+    if isinstance(extent, int) and isinstance(indices, tvm.ir.GenericConst):
         return relax.op.gather_elements(data, relax.const(_constant_in_range(
             indices, axis, extent, f"node {node!r} (GatherElements): ")), axis)
     source = bb.lookup_binding(indices) if isinstance(indices, relax.Var) else indices  # (TVM's: often a Call)
-    if isinstance(source, relax.Call) and source.op.same_as(_BROADCAST_TO) and _index_tensor(source.args[0]):
-        checked = _checked(bb, source.args[0], extent, node, "GatherElements")
-        return relax.op.gather_elements(data, bb.normalize(relax.op.broadcast_to(checked, source.args[1])), axis)
-    return relax.op.gather_elements(data, _checked(bb, indices, extent, node, "GatherElements"), axis)
+    broadcast = isinstance(source, relax.Call) and source.op.same_as(_BROADCAST_TO) and _index_tensor(source.args[0])
+    given = source.args[0] if broadcast else indices
+    if isinstance(extent, int):
+        checked = _checked(bb, given, extent, node, "GatherElements")
+    else:  # in [-extent, extent) now, the negative ones then counted from the end as TVM's converter does
+        checked = in_range(bb, f"node {node!r} (GatherElements): an index", given, -extent, extent)
+        checked = onnx_frontend._normalize_negative_indices(
+            bb, checked, onnx_frontend._axis_extent(bb, data, axis, str(given.ty.dtype)))
+    if broadcast:
+        checked = bb.normalize(relax.op.broadcast_to(checked, source.args[1]))
+    return relax.op.gather_elements(data, checked, axis)
 
 
-def _gathered_axis(data: relax.Expr, attrs: dict) -> tuple[int, int] | None:
-    """(axis, its static extent) that a gather of ``data`` reads along; None where the extent is symbolic."""
+def _gathered_axis(data: relax.Expr, attrs: dict) -> tuple[int, Any] | None:
+    """(axis, its extent: an int, or the graph's size expression) that a gather of ``data`` reads along."""
     if not isinstance(data.ty, relax.TensorType) or not isinstance(data.ty.shape, relax.ShapeExpr):
         return None
     dims = list(data.ty.shape.values)
@@ -74,7 +86,7 @@ def _gathered_axis(data: relax.Expr, attrs: dict) -> tuple[int, int] | None:
     if not -len(dims) <= axis < len(dims):
         raise TvmAttnError(f"axis={axis} is out of range for data of rank {len(dims)}")
     axis %= len(dims)
-    return (axis, int(dims[axis].value)) if isinstance(dims[axis], tirx.IntImm) else None
+    return axis, (int(dims[axis].value) if isinstance(dims[axis], tirx.IntImm) else dims[axis])
 
 
 def _index_tensor(indices: relax.Expr) -> bool:
@@ -218,6 +230,8 @@ def in_range(bb: relax.BlockBuilder, where: str, values: relax.Expr, lo, hi,
 
 
 def _size(x) -> str:
+    if isinstance(x, tirx.Mul) and isinstance(x.b, tirx.IntImm) and x.b.value == -1:  # (-n, as TVM writes it)
+        return f"-{_size(x.a)}"
     return str(int(x.value)) if isinstance(x, tirx.IntImm) else str(x)
 
 
