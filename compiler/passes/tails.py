@@ -85,16 +85,26 @@ def pad_query_tiles() -> tvm.transform.Pass:
 
 def _rows_clamped(block: SBlock, buffers: list, clamp: dict) -> SBlock:
     """``block`` reading ``buffers`` at the ``clamp``ed indices."""
-    ours = lambda buffer: any(buffer.same_as(b) for b in buffers)  # noqa: E731
-
-    def on_load(load):
-        return tirx.BufferLoad(load.source, [substitute(i, clamp) for i in load.indices]) if ours(load.source) else load
-
-    reads = [tirx.BufferRegion(r.source, [tvm.ir.Range.from_min_extent(substitute(x.min, clamp), x.extent)
-                                          for x in r.region]) if ours(r.source) else r for r in block.reads]
-    body = tvm_ffi.structural_map(block.body, [(TensorLoad, on_load)])
+    body, reads = _reads_clamped(block, clamp, lambda buffer: any(buffer.same_as(b) for b in buffers))
     return SBlock(block.iter_vars, reads, block.writes, block.name_hint, body, block.init, block.alloc_buffers,
                   block.match_buffers, block.annotations)
+
+
+def _reads_clamped(block: SBlock, clamp: dict, chosen) -> tuple:
+    """(body, reads) of ``block`` with its loads of the buffers ``chosen(buffer)`` picks at the ``clamp``ed
+    indices."""
+
+    def on_load(load):
+        if not chosen(load.source):
+            return load
+        return tirx.BufferLoad(load.source, [substitute(i, clamp) for i in load.indices])
+
+    return tvm_ffi.structural_map(block.body, [(TensorLoad, on_load)]), _regions_clamped(block.reads, clamp, chosen)
+
+
+def _regions_clamped(regions, clamp: dict, chosen) -> list:
+    return [tirx.BufferRegion(r.source, [tvm.ir.Range.from_min_extent(substitute(x.min, clamp), x.extent)
+                                         for x in r.region]) if chosen(r.source) else r for r in regions]
 
 
 def clamp_row_tails() -> tvm.transform.Pass:
@@ -183,23 +193,13 @@ def clamp_row_tails() -> tvm.transform.Pass:
             """``node`` under the predicate ``kept``, its non-local accesses (and, for a ``store``, its
             write) at the ``clamp``ed indices."""
             block = node.block
-
-            def on_load(load):
-                if load.source.scope() == "local":
-                    return load
-                return tirx.BufferLoad(load.source, [substitute(i, clamp) for i in load.indices])
-
-            def clamped(regions):
-                return [r if r.source.scope() == "local" else tirx.BufferRegion(
-                    r.source, [tvm.ir.Range.from_min_extent(substitute(x.min, clamp), x.extent) for x in r.region])
-                    for r in regions]
-
-            body = tvm_ffi.structural_map(block.body, [(TensorLoad, on_load)])
+            outside = lambda buffer: buffer.scope() != "local"  # noqa: E731
+            body, reads = _reads_clamped(block, clamp, outside)
             writes = block.writes
             if store:
                 body = tirx.BufferStore(body.buffer, body.value, [substitute(i, clamp) for i in body.indices])
-                writes = clamped(writes)
-            new = SBlock(block.iter_vars, clamped(block.reads), writes, block.name_hint, body, block.init,
+                writes = _regions_clamped(writes, clamp, outside)
+            new = SBlock(block.iter_vars, reads, writes, block.name_hint, body, block.init,
                          block.alloc_buffers, block.match_buffers, block.annotations)
             predicate = tirx.all(*kept) if kept else tirx.const(True, "bool")
             return SBlockRealize(node.iter_values, predicate, new, node.span)
