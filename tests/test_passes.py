@@ -1,5 +1,6 @@
 """tvmattn's TIR passes: masked key tiles are skipped (loops tightened), exp and exp2 are vectorisable polynomials."""
 
+import math
 import re
 
 import numpy as np
@@ -71,6 +72,25 @@ def test_polynomial_exp_accuracy():
     f(tvm.runtime.tensor(xs), out)
     exact = np.exp(xs.astype(np.float64))
     assert (np.abs(out.numpy() - exact) / exact).max() < 1e-6
+
+
+def test_polynomial_log_keeps_relative_position_buckets():
+    """T5's and DeBERTa's relative-position buckets truncate or round up a ratio of logs: one ulp off at
+    a boundary moves a position to the next bucket. The polynomial log must give the buckets the
+    correctly rounded fp32 log gives, at every distance up to 8192."""
+    ratios = np.concatenate([np.arange(1, 8193, dtype=np.float32) / np.float32(mid) for mid in (8, 16, 64, 128, 256)])
+    x = tvm.te.placeholder((len(ratios),), "float32", "x")
+    y = tvm.te.compute(x.shape, lambda i: tvm.tirx.log(x[i]), name="y")
+    mod = passes.polynomial_math()(tvm.IRModule({"main": tvm.te.create_prim_func([x, y])}))
+    assert "T.log(" not in mod.script()
+    out = tvm.runtime.empty((len(ratios),), "float32", tvm.cpu())
+    tvm.compile(mod, CPU)(tvm.runtime.tensor(ratios), out)
+    exact = np.log(ratios.astype(np.float64)).astype(np.float32)
+    assert (np.abs(out.numpy() - exact) <= np.spacing(np.abs(exact))).all()  # within an ulp of it
+    t5 = lambda log: (log / np.float32(math.log(16)) * np.float32(8)).astype(np.int64)  # noqa: E731 (max 128, 8 exact)
+    deberta = lambda log: np.ceil(log / np.float32(math.log(511 / 128)) * np.float32(127))  # noqa: E731 (256 buckets)
+    for buckets in (t5, deberta):
+        assert np.array_equal(buckets(out.numpy()), buckets(exact))
 
 
 AVX512 = resolve_target({"kind": "llvm", "mcpu": "znver4", "num-cores": 2})

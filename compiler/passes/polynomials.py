@@ -1,4 +1,4 @@
-"""Maths as vectorisable polynomials: exp, sigmoid, tanh, erf and small powers before vectorisation
+"""Maths as vectorisable polynomials: exp, log, sigmoid, tanh, erf and small powers before vectorisation
 (`polynomial_math`), fp32 exp2 after it (`vector_exp2`, the instruction set's where it has one)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from tvmattn.compiler.annotations import EXP2_COEFFICIENTS
 from tvmattn.compiler.passes.ir import element_dtype
 from tvmattn.compiler.target import isa_of
 
-_EXP, _EXP2, _SIGMOID, _TANH, _ERF, _POW = (tvm.ir.Op.get(f"tirx.{name}")
-                                             for name in ("exp", "exp2", "sigmoid", "tanh", "erf", "pow"))
+_EXP, _EXP2, _LOG, _SIGMOID, _TANH, _ERF, _POW = (tvm.ir.Op.get(f"tirx.{name}") for name in
+                                                   ("exp", "exp2", "log", "sigmoid", "tanh", "erf", "pow"))
 SMALL_POWER = 4  # x**k by multiplication up to this k (GPT-2's GELU cubes its input)
 
 
@@ -28,15 +28,17 @@ EXP2_P_BF16 = (7.802452264047931e-2, 0.22606715542748335, 0.6958335404947529, 0.
 
 
 def polynomial_math(exp2_coefficients: tuple[float, ...] = EXP2_P) -> tvm.transform.Pass:
-    """fp32 exp, sigmoid, tanh and erf as vectorisable polynomials, and x**k for a small integer k as
-    products: LLVM would otherwise call scalar libm (``expf``, ``tanhf``, ``erff``, ``powf``) per lane.
+    """fp32 exp, log, sigmoid, tanh and erf as vectorisable polynomials, and x**k for a small integer k
+    as products: LLVM would otherwise call scalar libm (``expf``, ``logf``, ``tanhf``, ``erff``,
+    ``powf``) per lane.
     exp2 is left for `vector_exp2`, after vectorisation, with ``exp2_coefficients`` (a shorter p where
     the result is rounded coarser, `EXP2_P_BF16`) recorded on the function.
 
     exp(x) = 2^n · p(r), n = round(x·log2 e), r = x - n·ln 2 (Cody–Waite), p of degree 6: relative
     error about 2e-7 on [-87, 88]; larger inputs are clamped to 88, smaller ones give 0 (a logit of
     -inf has weight 0, not exp(-87) ≈ 1.6e-38), and NaN stays NaN (the clamp's min/max would turn it
-    into a number: a NaN input must show in the output). sigmoid(x) = 1 / (1 + exp(-x)). tanh and erf
+    into a number: a NaN input must show in the output). log is Cephes' ``logf`` as Eigen vectorises
+    it (`_log_f32`), within an ulp. sigmoid(x) = 1 / (1 + exp(-x)). tanh and erf
     are the odd rational approximations Eigen and TVM's ``fast_tanh``/``fast_erf`` use (a few ulp).
     """
 
@@ -47,6 +49,8 @@ def polynomial_math(exp2_coefficients: tuple[float, ...] = EXP2_P) -> tvm.transf
                 return call
             if call.op.same_as(_EXP):
                 return _exp_f32(call.args[0])
+            if call.op.same_as(_LOG):
+                return _log_f32(call.args[0])
             if call.op.same_as(_SIGMOID):
                 return tirx.const(1.0, "float32") / (tirx.const(1.0, "float32") + _exp_f32(-call.args[0]))
             if call.op.same_as(_TANH):
@@ -163,3 +167,34 @@ def _exp_f32(arg: PrimExpr) -> PrimExpr:
         p = p * r + f(coeff)
     p = p * r * r + r + f(1.0)
     return tirx.Select(arg < f(-87.0), f(0.0), tirx.Select(tirx.isnan(arg), arg, p * _two_to(n)))
+
+
+# log(1 + x) ≈ x - x²/2 + x³·P(x) on [√½ - 1, √2 - 1] (Cephes' logf), highest power first
+LOG_P = (7.0376836292e-2, -1.1514610310e-1, 1.1676998740e-1, -1.2420140846e-1, 1.4249322787e-1,
+         -1.6668057665e-1, 2.0000714765e-1, -2.4999993993e-1, 3.3333331174e-1)
+
+
+def _log_f32(arg: PrimExpr) -> PrimExpr:
+    """log(x) = e·ln 2 + log(m), x = m·2^e with m in [√½, √2) (from the bits: exponent field and
+    mantissa), log(m) by `LOG_P`; ln 2 split in two for exactness. A denormal x is scaled by 2^23 first;
+    0 gives -inf, a negative x NaN, +inf and NaN themselves. Each value that is read more than once is
+    bound to a variable: written out, the polynomial would repeat the input's expression at every read."""
+    f = lambda v: tirx.const(v, "float32")  # noqa: E731
+    word = lambda c: tirx.const(c, "int32")  # noqa: E731
+    a, x, bits, low, e, r, r2 = (tirx.Var(name, dtype) for name, dtype in (
+        ("log_a", "float32"), ("log_x", "float32"), ("log_bits", "int32"), ("log_low", "bool"),
+        ("log_e", "float32"), ("log_r", "float32"), ("log_r2", "float32")))
+    denormal = a < f(1.17549435e-38)
+    exponent = tirx.Cast("float32", tirx.shift_right(bits, word(23)) - word(126)) \
+        - tirx.Select(denormal, f(23.0), f(0.0))
+    m = tirx.reinterpret("float32", tirx.bitwise_or(tirx.bitwise_and(bits, word(0x007FFFFF)), word(0x3F000000)))
+    y = _polynomial(r, LOG_P, f) * r * r2 + e * f(-2.12194440e-4) - r2 * f(0.5)
+    out = tirx.Select(a == f(0.0), f(float("-inf")), tirx.Select(a == f(float("inf")), a, r + y + e * f(0.693359375)))
+    out = tirx.Select(tirx.isnan(a) | (a < f(0.0)), tirx.Select(tirx.isnan(a), a, f(float("nan"))), out)
+    # m in [0.5, 1) from the bits: below √½ use 2m (one less in the exponent)
+    for var, value in reversed(((a, arg), (x, tirx.Select(denormal, a * f(8388608.0), a)),  # 2^23
+                                (bits, tirx.reinterpret("int32", x)), (low, m < f(0.707106781186547524)),
+                                (e, exponent - tirx.Select(low, f(1.0), f(0.0))),
+                                (r, tirx.Select(low, m + m, m) - f(1.0)), (r2, r * r))):
+        out = tirx.Let(var, value, out)
+    return out
