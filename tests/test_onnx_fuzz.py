@@ -196,21 +196,24 @@ def test_a_gather_along_a_symbolic_axis_checks_its_indices(op):
             imported.run({"x": x, "i": index})
 
 
-def test_gather_elements_of_broadcast_indices_checks_them_before_the_broadcast():
-    """Indices expanded over a batch (DeBERTa's relative positions): checked as given, then broadcast."""
+@pytest.mark.parametrize("index_shape", [(1, 3, 4), (3, 4), (2, 1, 4)])
+def test_gather_elements_of_broadcast_indices_checks_them_before_the_broadcast(index_shape):
+    """Indices expanded over a batch (DeBERTa's relative positions): checked as given, then read in place
+    through the broadcast (no expanded index tensor is written)."""
     graph = onnx.helper.make_graph(
         [onnx.helper.make_node("Expand", ["i", "shape"], ["wide"]),
          onnx.helper.make_node("GatherElements", ["x", "wide"], ["y"], axis=2)], "g",
         [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3, 4]),
-         onnx.helper.make_tensor_value_info("i", onnx.TensorProto.INT64, [1, 3, 4])],
+         onnx.helper.make_tensor_value_info("i", onnx.TensorProto.INT64, list(index_shape))],
         [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3, 4])],
         initializer=[onnx.helper.make_tensor("shape", onnx.TensorProto.INT64, [3], [2, 3, 4])])
     imported = tvmattn.import_onnx(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]))
+    assert not any("broadcast_to" in name for name in imported.report.rule_of)
     x = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
-    index = np.random.default_rng(1).integers(-4, 4, (1, 3, 4))
+    index = np.random.default_rng(1).integers(-4, 4, index_shape)
     expected = np.take_along_axis(x, np.broadcast_to(index % 4, (2, 3, 4)), axis=2)
     assert np.array_equal(imported.run({"x": x, "i": index})[0], expected)
-    index[0, 2, 3] = 4
+    index[(0,) * (len(index_shape) - 1) + (3,)] = 4
     with pytest.raises(tvmattn.TvmAttnError, match=r"GatherElements.*\[-4, 3\]"):
         imported.run({"x": x, "i": index})
 

@@ -5,7 +5,8 @@ Gather   TVM's ``take`` reads out of bounds for an index outside [-extent, exten
          Indices that are constants are checked here; the others go through a small TIR function
          that asserts the range (naming the node) and maps negative indices, before the take. The
          check is a serial CPU loop: the importer asks for it on CPU targets. GatherElements (TVM's
-         ``gather_elements`` segfaulted too) gets the same check, before a broadcast of its indices.
+         ``gather_elements`` segfaulted too) gets the same check, before a broadcast of its indices,
+         which it then reads through the broadcast (the expanded tensor is never written).
 Ranges   an index input of ONNX Runtime's attention ops (GroupQueryAttention's seqlens_k and
          total_sequence_length, RotaryEmbedding's position_ids) checked at run time against the buffer it
          indexes, as ONNX Runtime checks it (`in_range`, asked for on CPU targets by the converters).
@@ -21,7 +22,8 @@ from typing import Any
 
 import numpy as np
 import tvm
-from tvm import relax, tirx
+import tvm_ffi
+from tvm import relax, te, tirx
 from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.script import tirx as T
 
@@ -73,8 +75,36 @@ def gather_elements(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict
         checked = onnx_frontend._normalize_negative_indices(
             bb, checked, onnx_frontend._axis_extent(bb, data, axis, str(given.ty.dtype)))
     if broadcast:
+        shape = [d for d in source.args[1].values] if isinstance(source.args[1], relax.ShapeExpr) else None
+        if shape is not None and _broadcasts_in_place(checked, shape):  # the small tensor read as broadcast
+            return bb.call_te(_gather_broadcast_indices, data, checked, shape, axis,
+                              primfunc_name_hint="gather_elements")
         checked = bb.normalize(relax.op.broadcast_to(checked, source.args[1]))
     return relax.op.gather_elements(data, checked, axis)
+
+
+def _broadcasts_in_place(indices: relax.Expr, shape: list) -> bool:
+    """Whether each axis of ``indices`` (aligned to the right of ``shape``) is 1 or ``shape``'s own."""
+    dims = list(indices.ty.shape.values)
+    return len(dims) <= len(shape) and all(
+        (isinstance(d, tirx.IntImm) and int(d) == 1) or tvm_ffi.structural_equal(d, t)
+        for d, t in zip(dims, shape[len(shape) - len(dims):]))
+
+
+def _gather_broadcast_indices(data: te.Tensor, indices: te.Tensor, shape: list, axis: int) -> te.Tensor:
+    """GatherElements whose indices are ``indices`` broadcast to ``shape``, read in place: the expanded
+    index tensor (DeBERTa's (n, n) positions over batch × heads: 8 bytes an element of the output)
+    is never written or read."""
+    offset = len(shape) - len(indices.shape)
+
+    def element(*out):
+        at = [tirx.IntImm(str(o.ty.dtype), 0) if isinstance(d, tirx.IntImm) and int(d) == 1 else o
+              for d, o in zip(indices.shape, out[offset:])]
+        source = list(out)
+        source[axis] = indices(*at).astype(str(out[axis].ty.dtype))
+        return data(*source)
+
+    return te.compute(shape, element, name="gather_elements")
 
 
 def _gathered_axis(data: relax.Expr, attrs: dict) -> tuple[int, Any] | None:
