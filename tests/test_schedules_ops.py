@@ -62,7 +62,8 @@ def check(args, want: np.ndarray, *inputs: np.ndarray, constants=(), tol: float 
     shapes = [[int(d) for d in p.ty.shape] if all(isinstance(d, tirx.IntImm) for d in p.ty.shape) else None
               for p in params]
     arrays = [pack(x, shapes[i]) if i in constants and shapes[i] != list(x.shape) else x for i, x in enumerate(inputs)]
-    tensors = [tvm.runtime.tensor(np.ascontiguousarray(a, np.float32)) for a in arrays]
+    tensors = [tvm.runtime.tensor(np.ascontiguousarray(a, a.dtype if a.dtype.kind in 'iu' else np.float32))
+               for a in arrays]  # (indices stay integers)
     out = tvm.runtime.tensor(np.zeros(want.shape, np.float32))
     tvm.compile(mod, CPU, tir_pipeline=build.CPU_PIPELINE)["main"](*tensors, out)
     got = out.numpy().astype(np.float64)
@@ -249,6 +250,20 @@ def test_injective_transpose_large_is_parallel_and_vectorised():
     data = randn(np.random.default_rng(5), 128, 96)
     rule, mod = check([x, y], data.T.astype(np.float64), data, tol=0)
     assert rule == "injective" and "T.parallel" in mod.script() and "T.vectorized" in mod.script()
+
+
+@pytest.mark.parametrize("n", [5, 16, 37])
+def test_injective_symbolic_gather_runs_in_vectors(n):
+    """x[b, i, idx[i, j]] over a symbolic n (DeBERTa's c2p positions, read through their broadcast): whole
+    vectors of j gathered, the tail's test peeled off them."""
+    m = tirx.Var("n", "int64")
+    x, idx = te.placeholder((i64(2), m, i64(64)), name="x"), te.placeholder((m, m), "int64", name="idx")
+    out = te.compute((i64(2), m, m), lambda b, i, j: x[b, i, idx[i, j]], name="gather")
+    rng = np.random.default_rng(6)
+    data, where = randn(rng, 2, n, 64), rng.integers(0, 64, (n, n))
+    rule, mod = check([x, idx, out], np.take_along_axis(data, np.broadcast_to(where, (2, n, n)), axis=2), data, where,
+                      tol=0)
+    assert rule == "injective" and "T.vectorized" in mod.script()
 
 
 @pytest.mark.parametrize("n", [5, 32, 37])

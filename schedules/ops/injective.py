@@ -35,7 +35,8 @@ class Injective(ScheduleRule):
 
 
 def spatial(sch: Schedule, block: s_tir.schedule.SBlockRV, target: Target) -> None:
-    """One spatial block: innermost loop vectorised (whole vectors of a static extent), the loops
+    """One spatial block: innermost loop vectorised (whole vectors of a static extent; of a symbolic
+    one where the block gathers: its load, index load and store per element pay for the tail), the loops
     outside it fused and parallel when there is enough work for more than one thread. A transposition
     takes square tiles (`_transposed_tiles`)."""
     loops = sch.get_loops(block)
@@ -52,6 +53,8 @@ def spatial(sch: Schedule, block: s_tir.schedule.SBlockRV, target: Target) -> No
             outer.append(sch.split(inner, [None, lanes])[0])
             inner = sch.get_loops(block)[-1]
         sch.vectorize(inner)
+    elif not isinstance(extent, tirx.IntImm) and lanes > 1 and _gathers(sch.get(block)):
+        sch.vectorize(sch.split(inner, [None, lanes])[1])  # (the tail's test peeled off the whole vectors)
     elif isinstance(extent, tirx.IntImm) and not outer:
         outer = [inner]  # one short loop: at least parallel
     if outer:
@@ -126,3 +129,15 @@ def _work(sch: Schedule, block) -> int:
             return PARALLEL_GRAIN
         total *= extent.value
     return total
+
+
+def _gathers(block) -> bool:
+    """Whether ``block`` reads a buffer at an index it loads from another (a gather: per element a
+    load, an index load and a store, which vectors of a symbolic loop pay for; a copy's do not)."""
+    loads: list = []
+    tvm_ffi.structural_walk(block.body, [(TensorLoad, loads.append)])
+    inner: list = []
+    for load in loads:
+        for index in load.indices:
+            tvm_ffi.structural_walk(index, [(TensorLoad, inner.append)])
+    return bool(inner)
