@@ -176,6 +176,26 @@ def test_an_out_of_range_gather_elements_index_is_an_error_not_a_read_out_of_bou
             imported.run({"x": x, "i": np.array([[0, 1, bad], [0, 0, 0]])})
 
 
+@pytest.mark.parametrize("n", [3, 16, 37])
+def test_a_small_table_lookup_fuses_into_its_transposition_and_keeps_its_check(n):
+    """T5's bias: a (32 buckets, 4 heads) table gathered by an (n, n) bucket map, then heads first. The
+    lookup is fused into the transposition (no (n, n, 4) tensor between them), its indices checked."""
+    table = np.random.default_rng(2).standard_normal((32, 4)).astype(np.float32)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Gather", ["table", "buckets"], ["bias"], axis=0),
+         onnx.helper.make_node("Transpose", ["bias"], ["y"], perm=[2, 0, 1])], "g",
+        [onnx.helper.make_tensor_value_info("buckets", onnx.TensorProto.INT64, ["n", "n"])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4, "n", "n"])],
+        initializer=[onnx.numpy_helper.from_array(table, "table")])
+    imported = tvmattn.import_onnx(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]))
+    assert [name for name in imported.report.rule_of if "take" in name] == ["fused_take_transpose"]
+    buckets = np.random.default_rng(3).integers(-32, 32, (n, n))
+    assert np.array_equal(imported.run({"buckets": buckets})[0], table[buckets % 32].transpose(2, 0, 1))
+    buckets[n - 1, n - 1] = 32
+    with pytest.raises(tvmattn.TvmAttnError, match=r"Gather_0.*\[-32, 31\]"):
+        imported.run({"buckets": buckets})
+
+
 @pytest.mark.parametrize("op", ["Gather", "GatherElements"])
 def test_a_gather_along_a_symbolic_axis_checks_its_indices(op):
     """The gathered axis has the graph's length n: indices are checked against it when the model runs."""

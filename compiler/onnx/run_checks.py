@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 import tvm
 import tvm_ffi
-from tvm import relax, te, tirx
+from tvm import relax, te, tirx, topi
 from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.script import tirx as T
 
-from tvmattn.compiler.annotations import IS_SCHEDULED, OP_PATTERN, OPAQUE
+from tvmattn.compiler.annotations import INJECTIVE, IS_SCHEDULED, OP_PATTERN, OPAQUE
 from tvmattn.compiler.errors import TvmAttnError
 
 
@@ -50,7 +50,16 @@ def gather(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict) -> rela
         return relax.op.take(data, in_range(bb, f"node {node!r} (Gather): an index", indices, -extent, extent),
                              axis, mode="wrap")
     # in range now: "clip" reads the same elements as TVM's unchecked "fast" mode (and does not warn)
-    return relax.op.take(data, _checked(bb, indices, extent, node, "Gather"), axis, mode="clip")
+    checked = _checked(bb, indices, extent, node, "Gather")
+    if isinstance(data, tvm.ir.GenericConst) and data.value.numpy().nbytes <= SMALL_TABLE_BYTES:
+        # a lookup in a small table (T5's bias per bucket and head) fused into its consumer (the bias's
+        # transposition to heads first): TVM marks a take opaque, and its (n, n, heads) result was
+        # written and read again
+        out = bb.emit_te(topi.take, data, checked, axis, mode="clip", primfunc_name_hint="take")
+        gv = bb.lookup_binding(out).args[0]
+        bb.update_func(gv, bb.get()[gv].with_attr(OP_PATTERN, INJECTIVE))
+        return out
+    return relax.op.take(data, checked, axis, mode="clip")
 
 
 def gather_elements(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict) -> relax.Expr | None:
@@ -143,6 +152,7 @@ def _checked(bb: relax.BlockBuilder, indices: relax.Expr, extent: int, node: str
 
 
 _BROADCAST_TO = tvm.ir.Op.get("relax.broadcast_to")
+SMALL_TABLE_BYTES = 1 << 15  # a gathered constant up to this size is read in cache by its consumer's loop
 
 
 def _checked_indices(dtype: str, extent: int, node: str, op: str = "Gather") -> tirx.PrimFunc:

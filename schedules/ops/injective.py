@@ -46,14 +46,15 @@ def spatial(sch: Schedule, block: s_tir.schedule.SBlockRV, target: Target) -> No
     lanes = vector_lanes(target, str(dtype)) if dtype.bits in (16, 32, 64) else 1
     *outer, inner = loops
     extent = sch.get(inner).extent
-    if _transposed_tiles(sch, block, lanes):
+    gathers = _gathers(sch.get(block))
+    if not gathers and _transposed_tiles(sch, block, lanes):  # (a gather's reads are its indices')
         return
     if isinstance(extent, tirx.IntImm) and extent.value > 0 and extent.value % lanes == 0 and lanes > 1:
         if extent.value > lanes:
             outer.append(sch.split(inner, [None, lanes])[0])
             inner = sch.get_loops(block)[-1]
         sch.vectorize(inner)
-    elif not isinstance(extent, tirx.IntImm) and lanes > 1 and _gathers(sch.get(block)):
+    elif not isinstance(extent, tirx.IntImm) and lanes > 1 and gathers:
         sch.vectorize(sch.split(inner, [None, lanes])[1])  # (the tail's test peeled off the whole vectors)
     elif isinstance(extent, tirx.IntImm) and not outer:
         outer = [inner]  # one short loop: at least parallel
