@@ -51,7 +51,7 @@ def gather(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict) -> rela
                              axis, mode="wrap")
     # in range now: "clip" reads the same elements as TVM's unchecked "fast" mode (and does not warn)
     checked = _checked(bb, indices, extent, node, "Gather")
-    if isinstance(data, tvm.ir.GenericConst) and data.value.numpy().nbytes <= SMALL_TABLE_BYTES:
+    if isinstance(data, tvm.ir.GenericConst) and _bytes(data) <= SMALL_TABLE_BYTES:
         # a lookup in a small table (T5's bias per bucket and head) fused into its consumer (the bias's
         # transposition to heads first): TVM marks a take opaque, and its (n, n, heads) result was
         # written and read again
@@ -126,6 +126,12 @@ def _gathered_axis(data: relax.Expr, attrs: dict) -> tuple[int, Any] | None:
         raise TvmAttnError(f"axis={axis} is out of range for data of rank {len(dims)}")
     axis %= len(dims)
     return axis, (int(dims[axis].value) if isinstance(dims[axis], tirx.IntImm) else dims[axis])
+
+
+def _bytes(constant: tvm.ir.GenericConst) -> int:
+    """A constant's size, from its type (its values stay where they are: an embedding table is large)."""
+    dims = [int(d) for d in constant.ty.shape.values]
+    return int(np.prod(dims)) * tvm.DataType(str(constant.ty.dtype)).bits // 8
 
 
 def _index_tensor(indices: relax.Expr) -> bool:
