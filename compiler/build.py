@@ -168,9 +168,9 @@ def compile_model(mod: tvm.IRModule, target: Target,
 
 def until_scheduling(target: Target, dtype: str | None = None) -> list[tvm.transform.Pass]:
     """Relax's passes up to the fused PrimFuncs the schedule rules take. CPU: convolutions and x**2
-    rewritten first (`schedules.ops.BEFORE_LEGALIZE`), then the matmuls in ``dtype`` where given, and
-    a reshape kept a view (legalised, one of a symbolic flattening was a copy). Both keep symbolic-size
-    producers unfused (`_producers_unfused`)."""
+    rewritten first (`schedules.ops.BEFORE_LEGALIZE`), then the matmuls in ``dtype`` where given; a
+    call the graph repeats on the same arguments made once; a reshape kept a view (legalised, one of a
+    symbolic flattening was a copy). Both keep symbolic-size producers unfused (`_producers_unfused`)."""
     if is_cpu(target):
         from tvm.relax.backend.cpu_generic import pipeline as backend
     else:
@@ -185,7 +185,9 @@ def until_scheduling(target: Target, dtype: str | None = None) -> list[tvm.trans
     if dtype is not None:
         dot = isa_of(target).dot if is_cpu(target) and isa_of(target) is not None else None
         rewrites.append(matmuls_in(dtype, dot.lanes if dot is not None else None))
-    return backend.library_dispatch_passes(target) + rewrites + legalize
+    # an exporter repeats a computation per layer (T5's position bias plus mask, in every attention)
+    dedup = [relax.transform.EliminateCommonSubexpr(call_only=True)]
+    return backend.library_dispatch_passes(target) + rewrites + dedup + legalize
 
 
 def build_module(mod: tvm.IRModule, spec: AttentionSpec, target: Target,

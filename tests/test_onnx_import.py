@@ -524,3 +524,21 @@ def test_range_of_symbolic_bounds(start, limit, step):
         model.graph.node[-1].CopyFrom(oh.make_node("Identity", ["row"], ["out"]))
         model.graph.output[0].CopyFrom(oh.make_tensor_value_info("out", TP.FLOAT, [1, None]))
     assert_matches_ort(model, [{"y": randn(rng, 2, s)} for s in (5, 8)], 0)
+
+
+def test_a_computation_the_graph_repeats_runs_once():
+    """Two nodes of the same op on the same inputs (T5's exporter adds the position bias to the mask in
+    every attention): computed once, both consumers read it."""
+    rng = np.random.default_rng(0)
+    nodes = [oh.make_node("Add", ["x", "m"], ["s1"]), oh.make_node("Add", ["x", "m"], ["s2"]),
+             oh.make_node("MatMul", ["s1", "w1"], ["y1"]), oh.make_node("MatMul", ["s2", "w2"], ["y2"])]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TP.FLOAT, ["n", 16]),
+                                       oh.make_tensor_value_info("m", TP.FLOAT, [1, 16])],
+                          [oh.make_tensor_value_info("y1", TP.FLOAT, ["n", 8]),
+                           oh.make_tensor_value_info("y2", TP.FLOAT, ["n", 8])],
+                          [onnx.numpy_helper.from_array(randn(rng, 16, 8), name) for name in ("w1", "w2")])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    feed = {"x": randn(rng, 5, 16), "m": randn(rng, 1, 16)}
+    imported = assert_matches_ort(model, [feed], attentions=0)
+    calls = {f.name: f.calls for f in imported.profile(feed).functions}
+    assert calls["add"] == 1 and calls["matmul1"] == 2
