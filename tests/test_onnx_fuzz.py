@@ -159,6 +159,21 @@ def test_an_out_of_range_gather_index_is_an_error_not_a_read_out_of_bounds():
             model.run({"ids": np.array(ids)})
 
 
+@pytest.mark.parametrize("count", [1, 15, 17, 1000])
+def test_a_long_gather_index_is_checked_in_every_chunk(count):
+    """The run-time check runs in parallel chunks: an index out of range in the first, a middle or the
+    last chunk is the node's error, and every index is mapped (negative ones from the end)."""
+    model = tvmattn.import_onnx(onnx_fuzz._embedding_model())
+    ids = np.random.default_rng(count).integers(-10, 10, (1, count))
+    table = np.arange(80, dtype=np.float32).reshape(10, 8) / 80  # the model's
+    assert np.array_equal(model.run({"ids": ids})[0], table[ids % 10])
+    for at in {0, count // 2, count - 1}:
+        bad = ids.copy()
+        bad[0, at] = 10
+        with pytest.raises(tvmattn.TvmAttnError, match=r"Gather_0.*\[-10, 9\]"):
+            model.run({"ids": bad})
+
+
 def test_an_out_of_range_gather_elements_index_is_an_error_not_a_read_out_of_bounds():
     """GatherElements (DeBERTa's relative positions, torch.gather): TVM's kernel read past the axis (a
     segfault); the index is checked, negative ones counted from the end, as ONNX Runtime does."""

@@ -4,7 +4,8 @@ Gather   TVM's ``take`` reads out of bounds for an index outside [-extent, exten
          a token id past the vocabulary, a position past BERT's table segfaults or returns garbage).
          Indices that are constants are checked here; the others go through a small TIR function
          that asserts the range (naming the node) and maps negative indices, before the take. The
-         check is a serial CPU loop: the importer asks for it on CPU targets. GatherElements (TVM's
+         check is a CPU kernel (parallel chunks of vectorised loops): the importer asks for it on CPU
+         targets. GatherElements (TVM's
          ``gather_elements`` segfaulted too) gets the same check, before a broadcast of its indices,
          which it then reads through the broadcast (the expanded tensor is never written).
 Ranges   an index input of ONNX Runtime's attention ops (GroupQueryAttention's seqlens_k and
@@ -158,6 +159,7 @@ def _checked(bb: relax.BlockBuilder, indices: relax.Expr, extent: int, node: str
 
 
 _BROADCAST_TO = tvm.ir.Op.get("relax.broadcast_to")
+CHECK_CHUNKS = 16  # parallel tasks of a run-time index check
 SMALL_TABLE_BYTES = 1 << 15  # a gathered constant up to this size is read in cache by its consumer's loop
 
 
@@ -166,22 +168,36 @@ def _checked_indices(dtype: str, extent: int, node: str, op: str = "Gather") -> 
     message = (f"node {node!r} ({op}): an index is out of range: the gathered axis has {extent} entries, so "
                f"indices lie in [{-extent}, {extent - 1}]")
 
-    # Two loops without a branch, which LLVM vectorises: the indices out of range counted (then one
-    # assert), and the negative ones mapped.
+    # Chunks in parallel (the indices are fresh from a parallel producer, half of them in the other
+    # core's cache: T5's (n, n) bucket maps), each two loops without a branch, which LLVM vectorises:
+    # its indices out of range counted, its negative ones mapped; then one assert on the counts.
+    chunks = CHECK_CHUNKS
+
     @T.prim_func(private=True, s_tir=True)
     def check(idx_h: T.handle, out_h: T.handle):
         n = T.int64()
         idx = T.match_buffer(idx_h, (n,), dtype)
         out = T.match_buffer(out_h, (n,), dtype)
         with T.sblock("root"):
-            bad = T.sblock_alloc_buffer((1,), "int64", scope="local")
-            bad[0] = T.int64(0)
-            for i in range(n):
-                bad[0] = bad[0] + T.Cast("int64", T.Or(idx[i] < T.Cast(dtype, -extent),
-                                                       idx[i] >= T.Cast(dtype, extent)))
-            assert bad[0] == T.int64(0), message
-            for i in range(n):
-                out[i] = T.Select(idx[i] < T.Cast(dtype, 0), idx[i] + T.Cast(dtype, extent), idx[i])
+            bad = T.sblock_alloc_buffer((chunks,), "int64")
+            total = T.sblock_alloc_buffer((1,), "int64", scope="local")
+            for c in T.parallel(chunks):
+                with T.sblock("chunk"):
+                    count = T.sblock_alloc_buffer((1,), "int64", scope="local")
+                    count[0] = T.int64(0)
+                    for i in range((c + 1) * n // chunks - c * n // chunks):
+                        count[0] = count[0] + T.Cast("int64", T.Or(
+                            idx[c * n // chunks + i] < T.Cast(dtype, -extent),
+                            idx[c * n // chunks + i] >= T.Cast(dtype, extent)))
+                    bad[c] = count[0]
+                    for i in range((c + 1) * n // chunks - c * n // chunks):
+                        out[c * n // chunks + i] = T.Select(idx[c * n // chunks + i] < T.Cast(dtype, 0),
+                                                            idx[c * n // chunks + i] + T.Cast(dtype, extent),
+                                                            idx[c * n // chunks + i])
+            total[0] = T.int64(0)
+            for c in range(chunks):
+                total[0] = total[0] + bad[c]
+            assert total[0] == T.int64(0), message
 
     # opaque: Relax's fusion must not look into it (its op-pattern analysis wants block bodies)
     return check.with_attr(OP_PATTERN, OPAQUE).with_attr(IS_SCHEDULED, True)
