@@ -5,9 +5,9 @@ Gather   TVM's ``take`` reads out of bounds for an index outside [-extent, exten
          Indices that are constants are checked here; the others go through a small TIR function
          that asserts the range (naming the node) and maps negative indices, before the take. The
          check is a CPU kernel (parallel chunks of vectorised loops): the importer asks for it on CPU
-         targets. GatherElements (TVM's
-         ``gather_elements`` segfaulted too) gets the same check, before a broadcast of its indices,
-         which it then reads through the broadcast (the expanded tensor is never written).
+         targets. GatherElements (TVM's ``gather_elements`` segfaulted too) gets the same check,
+         before a broadcast of its indices, which it then reads through the broadcast (the expanded
+         tensor is never written).
 Ranges   an index input of ONNX Runtime's attention ops (GroupQueryAttention's seqlens_k and
          total_sequence_length, RotaryEmbedding's position_ids) checked at run time against the buffer it
          indexes, as ONNX Runtime checks it (`in_range`, asked for on CPU targets by the converters).
@@ -183,17 +183,17 @@ def _checked_indices(dtype: str, extent: int, node: str, op: str = "Gather") -> 
             total = T.sblock_alloc_buffer((1,), "int64", scope="local")
             for c in T.parallel(chunks):
                 with T.sblock("chunk"):
+                    lo = T.meta_var(c * n // chunks)
+                    size = T.meta_var((c + 1) * n // chunks - c * n // chunks)
                     count = T.sblock_alloc_buffer((1,), "int64", scope="local")
                     count[0] = T.int64(0)
-                    for i in range((c + 1) * n // chunks - c * n // chunks):
-                        count[0] = count[0] + T.Cast("int64", T.Or(
-                            idx[c * n // chunks + i] < T.Cast(dtype, -extent),
-                            idx[c * n // chunks + i] >= T.Cast(dtype, extent)))
+                    for i in range(size):
+                        count[0] = count[0] + T.Cast("int64", T.Or(idx[lo + i] < T.Cast(dtype, -extent),
+                                                                   idx[lo + i] >= T.Cast(dtype, extent)))
                     bad[c] = count[0]
-                    for i in range((c + 1) * n // chunks - c * n // chunks):
-                        out[c * n // chunks + i] = T.Select(idx[c * n // chunks + i] < T.Cast(dtype, 0),
-                                                            idx[c * n // chunks + i] + T.Cast(dtype, extent),
-                                                            idx[c * n // chunks + i])
+                    for i in range(size):
+                        out[lo + i] = T.Select(idx[lo + i] < T.Cast(dtype, 0), idx[lo + i] + T.Cast(dtype, extent),
+                                               idx[lo + i])
             total[0] = T.int64(0)
             for c in range(chunks):
                 total[0] = total[0] + bad[c]

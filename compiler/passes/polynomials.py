@@ -187,11 +187,11 @@ def _log_f32(arg: PrimExpr) -> PrimExpr:
     denormal = a < f(1.17549435e-38)
     exponent = tirx.Cast("float32", tirx.shift_right(bits, word(23)) - word(126)) \
         - tirx.Select(denormal, f(23.0), f(0.0))
+    # m in [0.5, 1) from the bits; below √½ the reduction takes 2m (one less in the exponent)
     m = tirx.reinterpret("float32", tirx.bitwise_or(tirx.bitwise_and(bits, word(0x007FFFFF)), word(0x3F000000)))
     y = _polynomial(r, LOG_P, f) * r * r2 + e * f(-2.12194440e-4) - r2 * f(0.5)
     out = tirx.Select(a == f(0.0), f(float("-inf")), tirx.Select(a == f(float("inf")), a, r + y + e * f(0.693359375)))
     out = tirx.Select(tirx.isnan(a) | (a < f(0.0)), tirx.Select(tirx.isnan(a), a, f(float("nan"))), out)
-    # m in [0.5, 1) from the bits: below √½ use 2m (one less in the exponent)
     for var, value in reversed(((a, arg), (x, tirx.Select(denormal, a * f(8388608.0), a)),  # 2^23
                                 (bits, tirx.reinterpret("int32", x)), (low, m < f(0.707106781186547524)),
                                 (e, exponent - tirx.Select(low, f(1.0), f(0.0))),
