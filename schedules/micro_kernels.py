@@ -51,6 +51,12 @@ def gemm_defaults(d_in: int, lanes: int, bits: int, widths: tuple[int, ...] = ()
     return {**knobs, "gemm_vecs": vecs, "gemm_block_cols": cols}
 
 
+def dot_columns(sch: Schedule, width: int, lanes: int, vecs: KnobValue) -> int:
+    """Columns of a dot-product GEMM's register tile: the most whole vectors, up to ``vecs``, that divide
+    the width (the instruction takes no tail predicate: every tile is whole)."""
+    return divisor_at_most(width // lanes, knob_int(sch, vecs)) * lanes
+
+
 def gemm(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: tuple = (),
          padded_columns: bool = False, dot: Dot | None = None, later: list | None = None) -> list:
     """y[…, s, m] = Σ_c x[…, s, c]·w[…, c, m] (loops: batch…, s, m, c): parallel over (batch, row
@@ -78,7 +84,7 @@ def gemm(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: t
     # never more vectors than the width has: the rest would be padding behind a guard on every lane
     vecs = at_most(sch, k["gemm_vecs"], -(-width // lanes_m)) if lanes_m == lanes else 1
     if dot is not None:
-        vecs = divisor_at_most(width // lanes_m, knob_int(sch, vecs))
+        vecs = dot_columns(sch, width, lanes_m, vecs) // lanes_m
     col_tiles = -(-width // (knob_int(sch, vecs) * lanes_m))
     # a divisor of the column tiles: a partial last block would guard every register tile of the task
     m_task, m_out, m_mid, m_vec = sch.split(m, [None, divisor_at_most(col_tiles, knob_int(sch, k["gemm_block_cols"])),

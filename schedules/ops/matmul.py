@@ -35,9 +35,10 @@ SYMBOLIC_REDUCTION = 1024  # the reduction length assumed for a symbolic one's t
 def pack(w: np.ndarray, shape: list[int]) -> np.ndarray:
     """A weight (c, m) in the micro-kernel's layout (m // width, c, m % width), zero-padded to whole
     column tiles: each register tile then streams one contiguous panel; or, bf16 for the dot
-    products (`matmul_bf16`), in pairs of its rows (c / 2, m, 2)."""
-    if shape[-1] == 2 and shape[0] * 2 == w.shape[0] and shape[1] == w.shape[1]:
-        return np.ascontiguousarray(w.reshape(shape[0], 2, w.shape[1]).transpose(0, 2, 1))
+    products (`matmul_bf16`), each panel in pairs of its rows (m // width, c / 2, width, 2)."""
+    if len(shape) == 4:
+        tiles, half, width, pair = shape
+        return np.ascontiguousarray(w.reshape(half, pair, tiles, width).transpose(2, 0, 3, 1))
     tiles, c, width = shape
     padded = np.zeros((c, tiles * width), w.dtype)
     padded[:, :w.shape[1]] = w

@@ -1,8 +1,10 @@
 """A bf16 GEMM (``import_onnx(dtype="bfloat16")``: bf16 activations · a bf16 weight, fp32 accumulation)
 on the target's bf16 dot product (its record's `Isa.dot`: AVX512-BF16's ``vdpbf16ps``, two products per
-fp32 lane), in the register tiles of `micro_kernels.gemm` as the attention layer's projections run them: the weight, a
-constant, packed at compile time into pairs of its rows (c/2, m, 2), each step broadcasting a pair of
-x's reduction; an activation B (DeBERTa's positional keys) packed so in the kernel, once a call. The
+fp32 lane), in the register tiles of `micro_kernels.gemm` as the attention layer's projections run
+them, each step broadcasting a pair of x's reduction. The weight, a constant, is packed at compile time
+into one panel per register tile's columns, pairs of its rows interleaved (m/w, c/2, w, 2), so that a
+tile streams it contiguously rather than a row of pairs a whole output row apart; an activation B
+(DeBERTa's positional keys) is packed into pairs of its rows (c/2, m, 2) in the kernel, once a call. The
 instruction takes no tail predicate: symbolic rows run in whole blocks of 16 (``pad_einsum``: x copied
 with zero rows past its end); the reduction must be whole pairs and the width whole vectors. Elsewhere
 (a record without a dot product, odd sizes, an activation cast inside the function) the `matmul` rule
@@ -24,7 +26,7 @@ from tvmattn.compiler.target import isa_of
 from tvmattn.schedules.cpu.packing import in_pairs
 from tvmattn.schedules.cpu.plan import MIN_PAIR_ROWS
 from tvmattn.schedules.knobs import resolve
-from tvmattn.schedules.micro_kernels import PADDED_ROW_BLOCK, gemm
+from tvmattn.schedules.micro_kernels import PADDED_ROW_BLOCK, dot_columns, gemm
 from tvmattn.schedules.ops.injective import spatial
 from tvmattn.schedules.ops.matmul import CONSTANT_PARAMS, KNOBS, Matmul, _chain
 from tvmattn.schedules.primitives import divisor_at_most
@@ -70,9 +72,12 @@ class MatmulPairs(Matmul):
         epilogue = _chain(sch, [info.block_rv for info in infos[at + 1:]])
         for rest in gemm(sch, block, lanes, knobs, epilogue, dot=dot, later=steps):
             spatial(sch, rest, target)
-        # the weight packed at compile time; an activation (DeBERTa's positional keys) by `_pair_panel`
         index = next(i for i, r in enumerate(sch.get(block).reads) if r.source.same_as(panel))
-        sch.transform_layout(block, ("read", index), lambda *i: (*i[:-2], i[-2] // pair, i[-1], i[-2] % pair))
+        if packing is None:  # the weight, packed at compile time: a register tile's columns one contiguous panel
+            w = dot_columns(sch, int(width), lanes, knobs["gemm_vecs"])
+            sch.transform_layout(block, ("read", index), lambda c, m: (m // w, c // pair, m % w, c % pair))
+        else:  # an activation (DeBERTa's positional keys), by `_pair_panel`
+            sch.transform_layout(block, ("read", index), lambda *i: (*i[:-2], i[-2] // pair, i[-1], i[-2] % pair))
         if packing is not None:
             packing[1]()
         sch.annotate(sch.get_loops(block)[0], "pragma_import_llvm", dot.llvm)  # the instruction's definition
