@@ -63,9 +63,10 @@ def gemm(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: t
     tile, column tile), register-tiled; the ``epilogue`` blocks (bias, activation, residual) are
     computed on each register tile as it is stored; those that cannot be are returned. With
     ``padded_columns`` (w is zero-padded to whole tiles) the column tail takes whole vectors too.
-    Given ``dot`` (bf16, w read from a (c/2, m, 2) pair panel, a static row count, the width in whole
-    vectors), two steps of c per ``dot.pair_first``, every tile whole (the factors are the largest
-    divisors up to the knobs), its tensorize step appended to ``later`` (`register_tile`'s)."""
+    Given ``dot`` (bf16, w read in pairs of its rows as the caller lays it out, a weight in panels of
+    `dot_columns`; a static row count, the width in whole vectors), two steps of c per
+    ``dot.pair_first``, every tile whole (the factors are the largest divisors up to the knobs), its
+    tensorize step appended to ``later`` (`register_tile`'s)."""
     *batch, s, m, c = sch.get_loops(blk)
     width = int(sch.get(m).extent)
     # Row tiles stay inside one sequence: a tile crossing a batch boundary would make the

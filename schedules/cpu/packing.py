@@ -289,7 +289,7 @@ def in_pairs(sch: Schedule, dot: Dot, name: str, row_at: int, width: int, source
 
 
 def tensorize_weight_pairs(sch: Schedule, dot: Dot, panels: list[str], source: str) -> None:
-    """W's pair panels (d/2, width, 2), packed 16 columns at a time in one parallel pass over pairs
+    """W's pair panels (width/w, d/2, w, 2), packed 16 columns at a time in one parallel pass over pairs
     of rows: bf16 W's, or the two bf16 parts of an fp16 W (``source``)."""
     rows = [in_pairs(sch, dot, panel, -2, dot.lanes, source, part=part if len(panels) > 1 else None)
             for part, panel in enumerate(panels)]

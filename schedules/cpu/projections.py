@@ -1,6 +1,6 @@
 """A full layer's projections (W_Q, W_K, W_V, W_O): each a GEMM on the register-tile micro-kernel
-(`micro_kernels.gemm`), on tile registers (`tile_gemm`), or on the bf16 dot products from a pair
-panel of W packed once, as `CpuPlan.projections` says; symbolic rows padded to whole blocks, 16-bit
+(`micro_kernels.gemm`), on tile registers (`tile_gemm`), or on the bf16 dot products from pair
+panels of W packed once, as `CpuPlan.projections` says; symbolic rows padded to whole blocks, 16-bit
 x widened once where the products are fp32 FMAs."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tvmattn.schedules.cpu.packing import (
 from tvmattn.schedules.cpu.plan import CpuPlan, Projection
 from tvmattn.schedules.cpu.tiles import tile_gemm
 from tvmattn.schedules.knobs import KnobValue
-from tvmattn.schedules.micro_kernels import PADDED_ROW_BLOCK, gemm
+from tvmattn.schedules.micro_kernels import PADDED_ROW_BLOCK, dot_columns, gemm
 from tvmattn.schedules.primitives import copy_of, has_block, knob_int, vectorize
 
 
@@ -62,10 +62,11 @@ def _gemm(sch: Schedule, plan: CpuPlan, projection: Projection, k: Mapping[str, 
     if projection.padded:
         _pad_rows(sch, blk, lanes, cast=acc_name != name, block=isa.tiles.block if on_tiles else PADDED_ROW_BLOCK,
                   widen=projection.path == "widened")
-    if pairs:  # tiles: blocks of 32 columns, (m/32, c/2, 32, 2), each B operand's rows 128 bytes apart
-        block = isa.tiles.block if on_tiles else None
-        at = (lambda c, m: (m // block, c // PAIR, m % block, c % PAIR)) if on_tiles else (  # noqa: E731
-            lambda c, m: (c // PAIR, m, c % PAIR))
+    if pairs:  # panels of a tile's columns, pairs of W's rows interleaved, (m/w, c/2, w, 2): tiles' w is
+        # their block (each B operand's rows 128 bytes apart), the dot products' a register tile's columns
+        width = int(sch.get(sch.get_loops(blk)[-2]).extent)
+        block = isa.tiles.block if on_tiles else dot_columns(sch, width, lanes, k["gemm_vecs"])
+        at = lambda c, m: (m // block, c // PAIR, m % block, c % PAIR)  # noqa: E731
         w = projection.weight
         panels = [sch.get_sblock(w + "_hi"), sch.get_sblock(w + "_lo")] if parts else [copy_of(sch, blk, (w,))]
         for panel in panels:
