@@ -93,22 +93,6 @@ def test_polynomial_log_keeps_relative_position_buckets():
         assert np.array_equal(buckets(out.numpy()), buckets(exact))
 
 
-def test_a_log_the_value_repeats_is_computed_once():
-    """``where(isfinite(y), y, 0)`` with y = log(x) / 2 (an inlined graph copies y): one polynomial log an
-    element, not two, and the values of NumPy's."""
-    x = tvm.te.placeholder((64,), "float32", "x")
-    y = lambda i: tvm.tirx.log(x[i]) / 2  # noqa: E731
-    z = tvm.te.compute(x.shape, lambda i: tvm.tirx.Select(tvm.tirx.isfinite(y(i)), y(i), tvm.tirx.const(0.0)), name="z")
-    mod = passes.polynomial_math()(tvm.IRModule({"main": tvm.te.create_prim_func([x, z])}))
-    assert mod.script().count("0.070376836") == 1  # Cephes' highest coefficient: one polynomial
-    xs = np.concatenate([np.linspace(0.01, 100, 62), [0.0, np.inf]]).astype(np.float32)
-    out = tvm.runtime.empty((64,), "float32", tvm.cpu())
-    tvm.compile(mod, CPU)(tvm.runtime.tensor(xs), out)
-    with np.errstate(divide="ignore"):
-        want = np.log(xs.astype(np.float64)) / 2
-    assert np.allclose(out.numpy(), np.where(np.isfinite(want), want, 0), rtol=1e-6, atol=0)
-
-
 AVX512 = resolve_target({"kind": "llvm", "mcpu": "znver4", "num-cores": 2})
 AVX2 = resolve_target({"kind": "llvm", "mcpu": "znver3", "num-cores": 2})
 EXP2_SPECIAL = np.array([-np.inf, np.inf, np.nan, -1e30, 1e30, -200.0, 200.0, 0.0], np.float32)

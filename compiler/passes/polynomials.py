@@ -11,12 +11,11 @@ from tvm.ir.expr import Expr as PrimExpr
 from tvm.tirx import PrimFunc
 
 from tvmattn.compiler.annotations import EXP2_COEFFICIENTS
-from tvmattn.compiler.passes.ir import element_dtype, uses
+from tvmattn.compiler.passes.ir import element_dtype
 from tvmattn.compiler.target import isa_of
 
 _EXP, _EXP2, _LOG, _SIGMOID, _TANH, _ERF, _POW = (tvm.ir.Op.get(f"tirx.{name}") for name in
                                                    ("exp", "exp2", "log", "sigmoid", "tanh", "erf", "pow"))
-_ONCE = (_EXP, _LOG, _SIGMOID, _TANH, _ERF)  # the calls a value computes once (`_maths_once`)
 SMALL_POWER = 4  # x**k by multiplication up to this k (GPT-2's GELU cubes its input)
 
 
@@ -67,33 +66,10 @@ def polynomial_math(exp2_coefficients: tuple[float, ...] = EXP2_P) -> tvm.transf
                     return out
             return call
 
-        func = tvm_ffi.structural_map(func, [(tirx.BufferStore, _maths_once)])
         func = tvm_ffi.structural_map(func, [(Call, on_call)])
         return func.with_attr(EXP2_COEFFICIENTS, [float(c) for c in exp2_coefficients])
 
     return transform
-
-
-def _maths_once(store: tirx.BufferStore) -> tirx.BufferStore:
-    """``store`` with each fp32 exp, log, sigmoid, tanh or erf that its value computes more than once
-    on the same argument bound once (a `Let` around the value): inlining a graph's ``where(isfinite(y),
-    y, …)`` copies y, and DeBERTa's relative-position buckets computed their log four times an element.
-    A call whose argument reads a variable the value binds itself stays where it is."""
-    calls: list = []
-    tvm_ffi.structural_walk(store.value, [(Call, lambda c: calls.append(c) if c.op in _ONCE and
-                                           str(getattr(c.ty, "dtype", "")) == "float32" else None)])
-    inner: list = []
-    tvm_ffi.structural_walk(store.value, [(tirx.Let, lambda let: inner.append(let.var))])
-    value, bound = store.value, []
-    for call in calls:
-        if any(tvm_ffi.structural_equal(call, done) for done in bound) or any(uses(call, v) for v in inner) or \
-                sum(tvm_ffi.structural_equal(call, other) for other in calls) < 2:
-            continue
-        bound.append(call)
-        var = tirx.Var(f"{call.op.name.split('.')[-1]}_once", "float32")
-        value = tirx.Let(var, call, tvm_ffi.structural_map(
-            value, [(Call, lambda c, call=call, var=var: var if tvm_ffi.structural_equal(c, call) else c)]))
-    return store if not bound else tirx.BufferStore(store.buffer, value, store.indices)
 
 
 def vector_exp2() -> tvm.transform.Pass:
