@@ -65,7 +65,8 @@ def test_bf16_gemm_matches_float64(rows, k, n):
     w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(ml_dtypes.bfloat16)
     shape = [int(d) for d in mod["main"].params[1].ty.shape]
     if rule == "matmul-bf16":  # a register tile's columns, one contiguous panel of pairs of W's rows
-        assert len(shape) == 4 and shape[0] * shape[2] == n and shape[1:2] + shape[3:] == [k // 2, 2]
+        tiles, half, width, pair = shape  # (n/w, k/2, w, 2)
+        assert (tiles * width, half, pair) == (n, k // 2, 2)
     out = np.zeros((count, n), np.float32)
     fn = tvm.compile(mod, HOST, tir_pipeline=build.CPU_PIPELINE)["main"]
     fn(host_tensor(x), host_tensor(np.ascontiguousarray(pack(w, shape) if shape != [k, n] else w)), host_tensor(out))

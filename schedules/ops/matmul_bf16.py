@@ -73,12 +73,11 @@ class MatmulPairs(Matmul):
         for rest in gemm(sch, block, lanes, knobs, epilogue, dot=dot, later=steps):
             spatial(sch, rest, target)
         index = next(i for i, r in enumerate(sch.get(block).reads) if r.source.same_as(panel))
-        if packing is None:  # the weight, packed at compile time: a register tile's columns one contiguous panel
+        if packing is None:  # the weight, packed at compile time: each register tile's columns one panel
             w = dot_columns(sch, int(width), lanes, knobs["gemm_vecs"])
             sch.transform_layout(block, ("read", index), lambda c, m: (m // w, c // pair, m % w, c % pair))
-        else:  # an activation (DeBERTa's positional keys), by `_pair_panel`
+        else:  # an activation (DeBERTa's positional keys), packed by `_pair_panel` in the kernel
             sch.transform_layout(block, ("read", index), lambda *i: (*i[:-2], i[-2] // pair, i[-1], i[-2] % pair))
-        if packing is not None:
             packing[1]()
         sch.annotate(sch.get_loops(block)[0], "pragma_import_llvm", dot.llvm)  # the instruction's definition
         for step in steps:  # last: a tensorized stage leaves the others no stage pipeline
