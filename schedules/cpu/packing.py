@@ -288,6 +288,13 @@ def in_pairs(sch: Schedule, dot: Dot, name: str, row_at: int, width: int, source
     return rows
 
 
+def weight_panels(width: int):
+    """The layout of a weight W (c, m) on the 16-bit products: panels of ``width`` columns, each with
+    pairs of W's rows interleaved, (m/width, c/2, width, 2), so that a tile of those columns reads
+    its W contiguously (`matmul.pack` writes a constant weight so at compile time)."""
+    return lambda c, m: (m // width, c // PAIR, m % width, c % PAIR)
+
+
 def tensorize_weight_pairs(sch: Schedule, dot: Dot, panels: list[str], source: str) -> None:
     """W's pair panels (width/w, d/2, w, 2), packed 16 columns at a time in one parallel pass over pairs
     of rows: bf16 W's, or the two bf16 parts of an fp16 W (``source``)."""

@@ -10,11 +10,11 @@ from typing import Mapping
 
 from tvm.s_tir import Schedule
 
-from tvmattn.compiler.isa.panels import PAIR
 from tvmattn.compiler.passes import KEEP_16BIT
 from tvmattn.schedules.cpu.packing import (
     before_tasks,
     tensorize_weight_pairs,
+    weight_panels,
     widened_once,
 )
 from tvmattn.schedules.cpu.plan import CpuPlan, Projection
@@ -66,11 +66,10 @@ def _gemm(sch: Schedule, plan: CpuPlan, projection: Projection, k: Mapping[str, 
         # their block (each B operand's rows 128 bytes apart), the dot products' a register tile's columns
         width = int(sch.get(sch.get_loops(blk)[-2]).extent)
         block = isa.tiles.block if on_tiles else dot_columns(sch, width, lanes, k["gemm_vecs"])
-        at = lambda c, m: (m // block, c // PAIR, m % block, c % PAIR)  # noqa: E731
         w = projection.weight
         panels = [sch.get_sblock(w + "_hi"), sch.get_sblock(w + "_lo")] if parts else [copy_of(sch, blk, (w,))]
         for panel in panels:
-            sch.transform_layout(panel, ("write", 0), at, assume_injective_transform=True)
+            sch.transform_layout(panel, ("write", 0), weight_panels(block), assume_injective_transform=True)
     elif projection.panels:
         _pack_panels(sch, blk, projection.weight, knob_int(sch, k["gemm_vecs"]) * lanes, lanes)
     # the cast to the storage dtype as each register tile is stored, but after the tiles' stores (of

@@ -23,7 +23,7 @@ from tvmattn.compiler.isa import RECORDS
 from tvmattn.compiler.isa.record import Dot
 from tvmattn.compiler.passes import KEEP_16BIT, keep_operands_16bit
 from tvmattn.compiler.target import isa_of
-from tvmattn.schedules.cpu.packing import in_pairs
+from tvmattn.schedules.cpu.packing import in_pairs, weight_panels
 from tvmattn.schedules.cpu.plan import MIN_PAIR_ROWS
 from tvmattn.schedules.knobs import resolve
 from tvmattn.schedules.micro_kernels import PADDED_ROW_BLOCK, dot_columns, gemm
@@ -74,8 +74,8 @@ class MatmulPairs(Matmul):
             spatial(sch, rest, target)
         index = next(i for i, r in enumerate(sch.get(block).reads) if r.source.same_as(panel))
         if packing is None:  # the weight, packed at compile time: each register tile's columns one panel
-            w = dot_columns(sch, int(width), lanes, knobs["gemm_vecs"])
-            sch.transform_layout(block, ("read", index), lambda c, m: (m // w, c // pair, m % w, c % pair))
+            columns = dot_columns(sch, int(width), lanes, knobs["gemm_vecs"])
+            sch.transform_layout(block, ("read", index), weight_panels(columns))
         else:  # an activation (DeBERTa's positional keys), packed by `_pair_panel` in the kernel
             sch.transform_layout(block, ("read", index), lambda *i: (*i[:-2], i[-2] // pair, i[-1], i[-2] % pair))
             packing[1]()
