@@ -93,7 +93,7 @@ def gemm(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: t
     # a task owns a block of rows × columns, so its panels of x and w stay in L2 across register tiles;
     # consecutive tasks share a row block, or, for a weight an L2 cannot hold, a column panel (streamed
     # once per panel rather than once per row block: the row blocks of a padded symbolic GEMM are 16)
-    tasks = (m_task, r_task) if _weight_bytes(sch, blk, sch.get(c).extent, width) > L2_WEIGHT else (r_task, m_task)
+    tasks = (m_task, r_task) if weight_bytes(sch, blk, sch.get(c).extent, width) > L2_WEIGHT else (r_task, m_task)
     if dot is not None:
         c, c_pair = sch.split(c, [None, dot.pair])
         sch.reorder(*batch, *tasks, r_out, m_out, c, r_in, m_mid, m_vec, c_pair)
@@ -108,7 +108,7 @@ def gemm(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: t
                          intrinsic=None if dot is None else dot.pair_first, later=later)
 
 
-def _weight_bytes(sch: Schedule, blk, depth, width: int) -> int:
+def weight_bytes(sch: Schedule, blk, depth, width: int) -> int:
     """Bytes of a GEMM's (depth × width) weight, at its operands' widest dtype (0 for a symbolic depth:
     an activation × activation product's, whose "weight" changes every call)."""
     if not isinstance(depth, tvm.tirx.IntImm):

@@ -112,8 +112,21 @@ def _gemm_funcs() -> dict[str, object]:
                                                           axis=r), name="matmul")
         return [a, b, te.compute(c.shape, lambda i, j: c[i, j].astype(dtype), name="cast")]
 
+    def bf16_projection(m, k: int, n: int):  # as the bf16 import writes one: bf16 x · W, + bias, SiLU, bf16
+        x = te.placeholder((m, i64(k)), name="A", dtype="bfloat16")
+        w = te.placeholder((i64(k), i64(n)), name="B", dtype="bfloat16")
+        bias = te.placeholder((i64(n),), name="bias")
+        r = te.reduce_axis((i64(0), i64(k)), name="k")
+        c = te.compute((m, i64(n)), lambda i, j: te.sum(x[i, r].astype("float32") * w[r, j].astype("float32"),
+                                                          axis=r), name="matmul")
+        h = te.compute(c.shape, lambda i, j: c[i, j] + bias[j], name="add")
+        g = te.compute(c.shape, lambda i, j: te.sigmoid(h[i, j]) * h[i, j], name="silu")
+        return [x, w, bias, te.compute(c.shape, lambda i, j: g[i, j].astype("bfloat16"), name="cast")]
+
     rows = tirx.Var("m", "int64")
     funcs = {
+        "gemm-bf16-silu-packed-sym": (bf16_projection(rows, 96, 128), (1,)),
+        "gemm-bf16-silu-packed-ragged": (bf16_projection(i64(70), 64, 64), (1,)),
         "gemm-bias-gelu": (bias_gelu(i64(19), 96, 80), ()),
         "gemm-bias-gelu-sym-packed": (bias_gelu(rows, 96, 80), (1,)),
         "gemm-bias-packed-tail": (bias_only(i64(33), 128, 17), (1,)),
@@ -142,7 +155,7 @@ def entries() -> list[tuple[str, str, str]]:
                  "core-f16-decode-padded", "layer-f32-causal", "layer-f16-cross-gqa"):
         out.append(("attention", name, "zen5"))
     for name in _gemm_funcs():
-        for isa in ("avx2", "avx512", "bf16"):
+        for isa in ("avx2", "avx512", "bf16") + (("amx",) if name.startswith("gemm-bf16") else ()):
             out.append(("gemm", name, isa))
     return out
 

@@ -14,6 +14,7 @@ import numpy as np
 import onnx.helper as oh
 import pytest
 import tvm
+from helpers import NO_AMX
 from onnx import TensorProto as TP
 from onnx_testing import ort_run
 from tvm import te, tirx
@@ -32,6 +33,7 @@ HOST = resolve_target("cpu")
 HAS_DOT = isa_of(HOST).dot is not None  # the host CPU has a bf16 dot product
 ZEN4 = resolve_target({"kind": "llvm", "mcpu": "znver4"})  # AVX512-BF16
 ZEN3 = resolve_target({"kind": "llvm", "mcpu": "znver3"})  # AVX2
+SPR = resolve_target({"kind": "llvm", "mcpu": "sapphirerapids"})  # AMX
 
 
 def i64(n: int) -> tirx.IntImm:
@@ -54,10 +56,18 @@ def schedule(func: tirx.PrimFunc, target) -> tuple[str, tvm.IRModule]:
     return name, tvm.transform.Sequential([*getattr(rule, "passes", ()), polynomial_math()])(sch.mod)
 
 
-@pytest.mark.parametrize("rows, k, n", [(64, 256, 128), ("symbolic", 96, 64), (130, 64, 48)])
-def test_bf16_gemm_matches_float64(rows, k, n):
+ON_TILES = isa_of(HOST).tiles is not None  # the host CPU has AMX (its constant-weight GEMMs take the tiles)
+
+
+@pytest.mark.parametrize("target", [HOST, pytest.param(NO_AMX, id="no-amx")])
+@pytest.mark.parametrize("rows, k, n", [(64, 256, 128), ("symbolic", 96, 64), (130, 64, 48), (70, 96, 64)])
+def test_bf16_gemm_matches_float64(rows, k, n, target):
+    """The bf16 GEMM with a bias epilogue: on AMX's tiles where the host has them (rows padded to whole
+    blocks of 32 where ragged: 70, symbolic), on the dot products with AMX off (or without it)."""
+    if target is NO_AMX and not ON_TILES:
+        pytest.skip("the host has no AMX: HOST already runs the dot products")
     m = tirx.Var("m", "int64") if rows == "symbolic" else i64(rows)
-    rule, mod = schedule(bf16_gemm(m, k, n), HOST)
+    rule, mod = schedule(bf16_gemm(m, k, n), target)
     assert rule == ("matmul-bf16" if HAS_DOT and n % 16 == 0 else "matmul")
     count = 37 if rows == "symbolic" else rows
     rng = np.random.default_rng(0)
@@ -67,8 +77,11 @@ def test_bf16_gemm_matches_float64(rows, k, n):
     if rule == "matmul-bf16":  # a register tile's columns, one contiguous panel of pairs of W's rows
         tiles, half, width, pair = shape  # (n/w, k/2, w, 2)
         assert (tiles * width, half, pair) == (n, k // 2, 2)
+        on_tiles = target is HOST and ON_TILES and n % 32 == 0
+        assert ("tdpbf16ps" in mod.script()) == on_tiles
+        assert width == 32 or not on_tiles  # a tile block's columns
     out = np.zeros((count, n), np.float32)
-    fn = tvm.compile(mod, HOST, tir_pipeline=build.CPU_PIPELINE)["main"]
+    fn = tvm.compile(mod, target, tir_pipeline=build.CPU_PIPELINE)["main"]
     fn(host_tensor(x), host_tensor(np.ascontiguousarray(pack(w, shape) if shape != [k, n] else w)), host_tensor(out))
     want = x.astype(np.float64) @ w.astype(np.float64) + 1.0  # the bf16 values' exact products
     assert errors(out, want)[1] <= 1e-5  # fp32 accumulation of exact bf16 products
@@ -127,13 +140,13 @@ def test_activation_products_in_16_bits():
         assert errors(got, want)[1] <= TOLERANCE["bfloat16"]
 
 
-@pytest.mark.parametrize("target, instruction", [(ZEN4, True), (ZEN3, False)])
+@pytest.mark.parametrize("target, instruction", [(SPR, "tdpbf16ps"), (ZEN4, "vdpbf16ps"), (ZEN3, None)])
 def test_bf16_gemm_assembly(target, instruction):
-    """On AVX512-BF16 the GEMM's inner loop is vdpbf16ps; on AVX2 it widens to FMAs (none)."""
+    """With AMX the GEMM's inner loop is tdpbf16ps, on AVX512-BF16 vdpbf16ps; on AVX2 it widens to FMAs."""
     rule, mod = schedule(bf16_gemm(i64(64), 128, 64), target)
     assert rule == ("matmul-bf16" if instruction else "matmul")
     asm = tvm.compile(mod, target, tir_pipeline=build.CPU_PIPELINE).mod.inspect_source("asm")
-    assert bool(re.search(r"vdpbf16ps", asm)) == instruction
+    assert {i for i in ("tdpbf16ps", "vdpbf16ps") if re.search(rf"\b{i}\b", asm)} == ({instruction} - {None})
     assert re.search(r"vfmadd\d+ps", asm) or instruction
 
 

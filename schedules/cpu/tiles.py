@@ -14,7 +14,10 @@ from tvmattn.compiler.isa.panels import query_panel_intrinsic
 from tvmattn.compiler.isa.record import Tiles
 from tvmattn.schedules.cpu.packing import tensorize_queries
 from tvmattn.schedules.knobs import KnobValue
+from tvmattn.schedules.micro_kernels import L2_WEIGHT, weight_bytes
 from tvmattn.schedules.primitives import copy_of, divisor_at_most, knob_int, tensorize
+
+X_PANEL_BYTES = 512 * 1024  # a task's rows of x, which stay in L2 while the weight's panels stream past
 
 
 def tile_stage(sch: Schedule, tiles: Tiles, name: str, heads_between: bool, parts: bool, later: list):
@@ -59,13 +62,14 @@ def _block(sch: Schedule, tiles: Tiles, block, outer, reduction, gemm: bool, key
 
 
 def tile_gemm(sch: Schedule, tiles: Tiles, lanes: int, blk, k: Mapping[str, KnobValue], later: list,
-             parts: bool = False) -> None:
+             parts: bool = False):
     """y[…, s, m] = Σ_c x[…, s, c]·w[c, m] on the tiles (loops: batch…, s, m, c; rows and columns
     in whole blocks of 32, w a (m/32, c/2, 32, 2) pair panel): parallel over (batch, row block,
     column block) tasks of ``gemm_rows × gemm_block_rows`` rows (one block of 32 where they are
     symbolic) × ``gemm_vecs × lanes × gemm_block_cols`` columns, the x and W panels a task streams, as
     `gemm`'s; per 32 × 32 accumulator block, 32 steps of c per product (``tiles.dot``, x's rows read
-    in place; with ``parts``, x's and w's bf16 parts, `CpuPlan.parts`)."""
+    in place; with ``parts``, x's and w's bf16 parts, `CpuPlan.parts`). Returns the loop under which
+    each block of accumulators is stored."""
     *batch, s, m, c = sch.get_loops(blk)
     extent = sch.get(s).extent
     block = tiles.block
@@ -75,14 +79,23 @@ def tile_gemm(sch: Schedule, tiles: Tiles, lanes: int, blk, k: Mapping[str, Knob
                                            // block))
     cols = divisor_at_most(col_blocks, max(1, knob_int(sch, k["gemm_vecs"]) * lanes
                                            * knob_int(sch, k["gemm_block_cols"]) // block))
+    streamed = weight_bytes(sch, blk, sch.get(c).extent, int(sch.get(m).extent)) > L2_WEIGHT
+    if streamed and row_blocks > 1:  # W panels stream once: a task's columns against all rows x_rows
+        # keeps in L2, each panel once for every block of rows
+        rows = divisor_at_most(row_blocks, max(1, X_PANEL_BYTES // (block * 2 * int(sch.get(c).extent))))
     r_task, r_out, r_in = sch.split(s, [None, rows, block])
     m_task, m_out, m_in = sch.split(m, [None, cols, block])
     c_out, c_in = sch.split(c, [None, tiles.step])
-    sch.reorder(*batch, r_task, m_task, r_out, m_out, c_out, r_in, m_in, c_in)
-    task = sch.fuse(*batch, r_task, m_task)
+    if streamed:
+        sch.reorder(*batch, m_task, r_task, m_out, r_out, c_out, r_in, m_in, c_in)
+    else:
+        sch.reorder(*batch, r_task, m_task, r_out, m_out, c_out, r_in, m_in, c_in)
+    task = sch.fuse(*batch, m_task, r_task) if streamed else sch.fuse(*batch, r_task, m_task)
     sch.parallel(task)
     tiles.configure(sch, task)
-    _block(sch, tiles, blk, m_out, c_out, True, None, later, parts=parts)
+    inner = r_out if streamed else m_out  # (the loop over one block of accumulators)
+    _block(sch, tiles, blk, inner, c_out, True, None, later, parts=parts)
+    return inner
 
 
 def pv_rows(sch: Schedule, lanes: int, later: list) -> None:

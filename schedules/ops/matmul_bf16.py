@@ -20,23 +20,25 @@ from tvm.s_tir import Schedule
 from tvm.target import Target
 
 from tvmattn.compiler.isa import RECORDS
-from tvmattn.compiler.isa.record import Dot
+from tvmattn.compiler.isa.record import Dot, Tiles
 from tvmattn.compiler.passes import KEEP_16BIT, keep_operands_16bit
 from tvmattn.compiler.target import isa_of
 from tvmattn.schedules.cpu.packing import in_pairs, weight_panels
 from tvmattn.schedules.cpu.plan import MIN_PAIR_ROWS
+from tvmattn.schedules.cpu.tiles import tile_gemm
 from tvmattn.schedules.knobs import resolve
 from tvmattn.schedules.micro_kernels import PADDED_ROW_BLOCK, dot_columns, gemm
 from tvmattn.schedules.ops.injective import spatial
 from tvmattn.schedules.ops.matmul import CONSTANT_PARAMS, KNOBS, Matmul, _chain
-from tvmattn.schedules.primitives import divisor_at_most
+from tvmattn.schedules.primitives import divisor_at_most, vectorize
 
 # x's padded copy keeps its bf16 bits for the instruction (whichever record's dot product reads it)
 _READERS = tuple(sorted({reader for isa in RECORDS for reader in isa.packed_readers}))
 
 
 class MatmulPairs(Matmul):
-    passes = (keep_operands_16bit(_READERS),)
+    # (the records' own passes act only on what their intrinsics marked: AMX's tile configuration)
+    passes = (keep_operands_16bit(_READERS), *dict.fromkeys(p for isa in RECORDS for p in isa.passes))
 
     def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool,
               knobs: Mapping[str, int] | None = None) -> Schedule | None:
@@ -60,6 +62,9 @@ class MatmulPairs(Matmul):
         if isinstance(rows, tirx.IntImm) and rows.value < MIN_PAIR_ROWS:
             return None  # a few rows: the widened tiles read the weight once, as fast
         knobs = resolve(KNOBS, {**defaults, **(knobs or {})})
+        tiles = isa.tiles
+        if tiles is not None and constant and int(depth) % tiles.step == 0 and int(width) % tiles.block == 0:
+            return _on_tiles(sch, infos, at, weight, tiles, lanes, knobs, target)
         tile = knobs["gemm_rows"] if isinstance(knobs["gemm_rows"], int) else defaults["gemm_rows"]
         static = isinstance(rows, tirx.IntImm)
         if not static or divisor_at_most(rows.value, tile) < tile:
@@ -92,15 +97,49 @@ def _bf16_operands(block) -> bool:
         all(str(d) == "bfloat16" for d in reads)
 
 
-def _whole_row_blocks(sch: Schedule, block, axes: int, lanes: int) -> None:
-    """Symbolic rows in whole blocks of `PADDED_ROW_BLOCK` (x padded with zero rows, the extra rows never
-    stored), each copy parallel over its rows and vectorised along its columns."""
-    sch.pad_einsum(block, [1] * (axes - 3) + [PADDED_ROW_BLOCK, 1, 1])
-    for copy in [*sch.get_producers(block), *sch.get_consumers(block)]:
-        if sch.get(copy).name_hint.endswith("_pad") or sch.get(copy).name_hint.startswith(sch.get(block).name_hint):
-            *outer, inner = sch.get_loops(copy)
-            sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
-            sch.vectorize(sch.split(inner, [None, lanes])[1])
+def _on_tiles(sch: Schedule, infos, at: int, weight: tirx.Buffer, tiles: Tiles, lanes: int,
+              knobs: Mapping, target: Target) -> Schedule:
+    """The GEMM on tile registers (`tile_gemm`): rows in whole blocks (padded where they are not), the
+    constant weight packed at compile time into panels of one block's columns, and the epilogue (and
+    the padded rows' copy back) computed on each block of accumulators after its store, from that
+    block alone (a block's worth of the fp32 product, which stays in L1)."""
+    block = infos[at].block_rv
+    stmt = sch.get(block)
+    rows = stmt.iter_vars[-3].dom.extent
+    padded = not isinstance(rows, tirx.IntImm) or rows.value % tiles.block != 0
+    epilogue = list(_chain(sch, [info.block_rv for info in infos[at + 1:]]))
+    if padded:  # (the copy of the real rows back joins the epilogue's first stage, or is its only one)
+        back = _whole_row_blocks(sch, block, len(stmt.iter_vars), lanes, tiles.block, copy_back=False)
+        if epilogue:
+            sch.compute_inline(back)
+        else:
+            epilogue = [back]
+    later: list = []
+    columns = tile_gemm(sch, tiles, lanes, block, knobs, later)
+    index = next(i for i, r in enumerate(sch.get(block).reads) if r.source.same_as(weight))
+    sch.transform_layout(block, ("read", index), weight_panels(tiles.block))
+    for stage in epilogue:
+        sch.reverse_compute_at(stage, columns, preserve_unit_loops=True)
+        vectorize(sch, sch.get_loops(stage)[-1], None, lanes)
+    sch.annotate(sch.get_loops(block)[0], "pragma_import_llvm", tiles.llvm)
+    for step in later:
+        step()
+    return sch
+
+
+def _whole_row_blocks(sch: Schedule, block, axes: int, lanes: int, rows: int = PADDED_ROW_BLOCK,
+                      copy_back: bool = True):
+    """Symbolic rows in whole blocks of ``rows`` (x padded with zero rows, the extra rows never stored),
+    x's copy parallel over its rows and vectorised along its columns, and so the copy of the product's
+    real rows back where ``copy_back`` (else left to the caller). Returns that copy back."""
+    sch.pad_einsum(block, [1] * (axes - 3) + [rows, 1, 1])
+    back = sch.get_consumers(block)[0]
+    padded = [b for b in sch.get_producers(block) if sch.get(b).name_hint.endswith("_pad")]
+    for copy in padded + ([back] if copy_back else []):
+        *outer, inner = sch.get_loops(copy)
+        sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+        sch.vectorize(sch.split(inner, [None, lanes])[1])
+    return back
 
 
 def _pair_panel(sch: Schedule, block, b: tirx.Buffer, dot: Dot, lanes: int):
