@@ -142,6 +142,34 @@ def test_unsupported_norm_output_is_one_error():
         tvmattn.import_onnx(model)
 
 
+# ---- fusion through a reshape ----------------------------------------------------------------------------
+@pytest.mark.parametrize("back, fused", [((2, 5, 4 * H), True), ((2, 5, 4, H), False)])
+def test_activation_after_a_row_reshape(back, fused):
+    """A projection on 2-D rows reshaped back (GPT-2's Conv1D), then tanh-GELU and a residual: where the
+    reshape keeps the last axis the activation and the residual fuse into the GEMM (`ops.reshapes`);
+    where it splits that axis they stay apart. Both against ONNX Runtime."""
+    rng = np.random.default_rng(0)
+    w, bias = rng.standard_normal((H, 4 * H)).astype(np.float32) / 4, rng.standard_normal(4 * H).astype(np.float32)
+    consts = {"rows": np.array([10, H]), "back": np.array(back), "three": np.float32(3), "c": np.float32(0.044715),
+              "s": np.float32(0.7978846), "one": np.float32(1), "half": np.float32(0.5)}
+    nodes = [oh.make_node("Reshape", ["x", "rows"], ["x2"]), oh.make_node("MatMul", ["x2", "w"], ["h0"]),
+             oh.make_node("Add", ["h0", "bias"], ["h1"]), oh.make_node("Reshape", ["h1", "back"], ["h"]),
+             oh.make_node("Pow", ["h", "three"], ["h3"]), oh.make_node("Mul", ["h3", "c"], ["h3c"]),
+             oh.make_node("Add", ["h", "h3c"], ["u"]), oh.make_node("Mul", ["u", "s"], ["us"]),
+             oh.make_node("Tanh", ["us"], ["t"]), oh.make_node("Add", ["t", "one"], ["t1"]),
+             oh.make_node("Mul", ["h", "half"], ["hh"]), oh.make_node("Mul", ["hh", "t1"], ["g"]),
+             oh.make_node("Add", ["g", "residual"], ["y"])]
+    inits = [onnx.numpy_helper.from_array(a, n) for n, a in {"w": w, "bias": bias, **consts}.items()]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TP.FLOAT, (2, 5, H)),
+                                       oh.make_tensor_value_info("residual", TP.FLOAT, back)],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, back)], inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    imported = assert_matches_ort(model, [{"x": randn(rng, 2, 5, H), "residual": rng.standard_normal(back).astype(
+        np.float32)}], attentions=0)
+    rules = {rule for name, rule in imported.report.rule_of.items() if "tanh" in name}
+    assert rules == ({"matmul"} if fused else {"injective"}), imported.report.rule_of
+
+
 # ---- binding shapes ------------------------------------------------------------------------------------
 def _gelu_model(dims) -> onnx.ModelProto:
     node = oh.make_node("Gelu", ["x"], ["y"], domain="com.microsoft")

@@ -42,6 +42,7 @@ from tvmattn.schedules.ops.matmul import CONSTANT_PARAMS, Matmul, pack
 from tvmattn.schedules.ops.matmul_bf16 import MatmulPairs
 from tvmattn.schedules.ops.powers import small_powers
 from tvmattn.schedules.ops.reduction import Reduce, RowReduction
+from tvmattn.schedules.ops.reshapes import elementwise_before_reshapes
 from tvmattn.schedules.ops.sizes import named_sizes
 
 RULES: tuple[tuple[str, dlight.ScheduleRule], ...] = (
@@ -59,8 +60,8 @@ RULES: tuple[tuple[str, dlight.ScheduleRule], ...] = (
 
 # Relax rewrites before legalisation into what the rules schedule: convolutions as GEMMs, x**2 as x·x,
 # transpositions that undo each other (the convolutions' channels-first output transposed straight back),
-# each concatenation once
-BEFORE_LEGALIZE = (conv_as_gemm, small_powers, cancel_transposes, same_concats)
+# each concatenation once, elementwise operators before the reshapes that split their GEMM's rows
+BEFORE_LEGALIZE = (conv_as_gemm, small_powers, cancel_transposes, same_concats, elementwise_before_reshapes)
 
 
 def is_scheduled(func: tirx.PrimFunc) -> bool:
