@@ -31,6 +31,7 @@ from tvmattn.schedules.ops.matmul import CONSTANT_PARAMS, pack
 
 HOST = resolve_target("cpu")
 HAS_DOT = isa_of(HOST).dot is not None  # the host CPU has a bf16 dot product
+ON_TILES = isa_of(HOST).tiles is not None  # the host CPU has AMX (its bf16 GEMMs take the tiles)
 ZEN4 = resolve_target({"kind": "llvm", "mcpu": "znver4"})  # AVX512-BF16
 ZEN3 = resolve_target({"kind": "llvm", "mcpu": "znver3"})  # AVX2
 SPR = resolve_target({"kind": "llvm", "mcpu": "sapphirerapids"})  # AMX
@@ -54,9 +55,6 @@ def bf16_gemm(rows, k: int, n: int) -> tirx.PrimFunc:
 def schedule(func: tirx.PrimFunc, target) -> tuple[str, tvm.IRModule]:
     name, rule, sch = next((n, r, s) for n, r in RULES if (s := r.apply(func, target, False)) is not None)
     return name, tvm.transform.Sequential([*getattr(rule, "passes", ()), polynomial_math()])(sch.mod)
-
-
-ON_TILES = isa_of(HOST).tiles is not None  # the host CPU has AMX (its constant-weight GEMMs take the tiles)
 
 
 @pytest.mark.parametrize("target", [HOST, pytest.param(NO_AMX, id="no-amx")])
@@ -98,18 +96,23 @@ def bf16_products(heads: int, rows, k: int, n: int) -> tirx.PrimFunc:
                                                            axis=r), name="matmul")])
 
 
-@pytest.mark.parametrize("rows", [48, "symbolic"])
-def test_bf16_activation_products_match_float64(rows):
-    """Both operands activations: B's pairs of rows interleaved in the kernel, each call (`matmul_bf16`)."""
+@pytest.mark.parametrize("target", [HOST, pytest.param(NO_AMX, id="no-amx")])
+@pytest.mark.parametrize("rows, n", [(48, 80), ("symbolic", 80), (48, 96), ("symbolic", 96)])
+def test_bf16_activation_products_match_float64(rows, n, target):
+    """Both operands activations: B's pairs of rows interleaved in the kernel, each call (`matmul_bf16`);
+    on AMX's tiles where the host has them and the width is whole blocks of 32 (96)."""
+    if target is NO_AMX and not ON_TILES:
+        pytest.skip("the host has no AMX: HOST already runs the dot products")
     m = tirx.Var("m", "int64") if rows == "symbolic" else i64(rows)
-    rule, mod = schedule(bf16_products(3, m, 64, 80), HOST)
+    rule, mod = schedule(bf16_products(3, m, 64, n), target)
     assert rule == ("matmul-bf16" if HAS_DOT else "matmul")
+    assert ("tdpbf16ps" in mod.script()) == (target is HOST and ON_TILES and n % 32 == 0)
     count = 37 if rows == "symbolic" else rows
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, count, 64)).astype(ml_dtypes.bfloat16)
-    b = rng.standard_normal((3, 64, 80)).astype(ml_dtypes.bfloat16)
-    out = np.zeros((3, count, 80), np.float32)
-    tvm.compile(mod, HOST, tir_pipeline=build.CPU_PIPELINE)["main"](host_tensor(x), host_tensor(b), host_tensor(out))
+    b = rng.standard_normal((3, 64, n)).astype(ml_dtypes.bfloat16)
+    out = np.zeros((3, count, n), np.float32)
+    tvm.compile(mod, target, tir_pipeline=build.CPU_PIPELINE)["main"](host_tensor(x), host_tensor(b), host_tensor(out))
     assert errors(out, x.astype(np.float64) @ b.astype(np.float64))[1] <= 1e-5
 
 

@@ -20,7 +20,7 @@ from tvm.s_tir import Schedule
 from tvm.target import Target
 
 from tvmattn.compiler.isa import RECORDS
-from tvmattn.compiler.isa.record import Dot, Tiles
+from tvmattn.compiler.isa.record import Dot, Isa
 from tvmattn.compiler.passes import KEEP_16BIT, keep_operands_16bit
 from tvmattn.compiler.target import isa_of
 from tvmattn.schedules.cpu.packing import in_pairs, weight_panels
@@ -63,8 +63,8 @@ class MatmulPairs(Matmul):
             return None  # a few rows: the widened tiles read the weight once, as fast
         knobs = resolve(KNOBS, {**defaults, **(knobs or {})})
         tiles = isa.tiles
-        if tiles is not None and constant and int(depth) % tiles.step == 0 and int(width) % tiles.block == 0:
-            return _on_tiles(sch, infos, at, weight, tiles, lanes, knobs, target)
+        if tiles is not None and int(depth) % tiles.step == 0 and int(width) % tiles.block == 0:
+            return _on_tiles(sch, infos, at, weight, constant, isa, knobs)
         tile = knobs["gemm_rows"] if isinstance(knobs["gemm_rows"], int) else defaults["gemm_rows"]
         static = isinstance(rows, tirx.IntImm)
         if not static or divisor_at_most(rows.value, tile) < tile:
@@ -82,7 +82,7 @@ class MatmulPairs(Matmul):
             columns = dot_columns(sch, int(width), lanes, knobs["gemm_vecs"])
             sch.transform_layout(block, ("read", index), weight_panels(columns))
         else:  # an activation (DeBERTa's positional keys), packed by `_pair_panel` in the kernel
-            sch.transform_layout(block, ("read", index), lambda *i: (*i[:-2], i[-2] // pair, i[-1], i[-2] % pair))
+            sch.transform_layout(block, ("read", index), _row_pairs(pair))
             packing[1]()
         sch.annotate(sch.get_loops(block)[0], "pragma_import_llvm", dot.llvm)  # the instruction's definition
         for step in steps:  # last: a tensorized stage leaves the others no stage pipeline
@@ -97,12 +97,14 @@ def _bf16_operands(block) -> bool:
         all(str(d) == "bfloat16" for d in reads)
 
 
-def _on_tiles(sch: Schedule, infos, at: int, weight: tirx.Buffer, tiles: Tiles, lanes: int,
-              knobs: Mapping, target: Target) -> Schedule:
-    """The GEMM on tile registers (`tile_gemm`): rows in whole blocks (padded where they are not), the
-    constant weight packed at compile time into panels of one block's columns, and the epilogue (and
-    the padded rows' copy back) computed on each block of accumulators after its store, from that
-    block alone (a block's worth of the fp32 product, which stays in L1)."""
+def _on_tiles(sch: Schedule, infos, at: int, weight: tirx.Buffer, constant: bool, isa: Isa,
+              knobs: Mapping) -> Schedule:
+    """The GEMM on tile registers (`tile_gemm`): rows in whole blocks (padded where they are not), a
+    constant weight packed at compile time into panels of one block's columns (an activation into
+    pairs of its rows in the kernel, `_pair_panel`), and the epilogue (and the padded rows' copy back)
+    computed on each block of accumulators after its store, from that block alone (a block's worth of
+    the fp32 product, which stays in L1)."""
+    tiles, lanes = isa.tiles, isa.lanes
     block = infos[at].block_rv
     stmt = sch.get(block)
     rows = stmt.iter_vars[-3].dom.extent
@@ -114,10 +116,14 @@ def _on_tiles(sch: Schedule, infos, at: int, weight: tirx.Buffer, tiles: Tiles, 
             sch.compute_inline(back)
         else:
             epilogue = [back]
+    packing = None if constant else _pair_panel(sch, block, weight, isa.dot, lanes)
+    panel = weight if packing is None else packing[0]
     later: list = []
     columns = tile_gemm(sch, tiles, lanes, block, knobs, later)
-    index = next(i for i, r in enumerate(sch.get(block).reads) if r.source.same_as(weight))
-    sch.transform_layout(block, ("read", index), weight_panels(tiles.block))
+    index = next(i for i, r in enumerate(sch.get(block).reads) if r.source.same_as(panel))
+    sch.transform_layout(block, ("read", index), weight_panels(tiles.block) if constant else _row_pairs(isa.dot.pair))
+    if packing is not None:
+        packing[1]()
     for stage in epilogue:
         sch.reverse_compute_at(stage, columns, preserve_unit_loops=True)
         vectorize(sch, sch.get_loops(stage)[-1], None, lanes)
@@ -125,6 +131,11 @@ def _on_tiles(sch: Schedule, infos, at: int, weight: tirx.Buffer, tiles: Tiles, 
     for step in later:
         step()
     return sch
+
+
+def _row_pairs(pair: int):
+    """An activation B (…, c, m) as pairs of its rows, (…, c/pair, m, pair) (`_pair_panel`'s copy)."""
+    return lambda *i: (*i[:-2], i[-2] // pair, i[-1], i[-2] % pair)
 
 
 def _whole_row_blocks(sch: Schedule, block, axes: int, lanes: int, rows: int = PADDED_ROW_BLOCK,
