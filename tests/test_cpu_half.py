@@ -40,7 +40,7 @@ def dot_specs(draw, symbolic: bool = False) -> AttentionSpec:
 
 
 @needs_bf16_dot
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(dot_specs())
 def test_bf16_dot_products_match_the_oracle(spec):
     kernel = compiled(spec, NO_AMX)
@@ -65,7 +65,7 @@ def test_ragged_static_lengths_run_on_the_bf16_dot_products(spec, n, data):
 
 
 @needs_bf16_dot
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(specs(dtype="bfloat16", symbolic=True, intermediate=False), st.data())
 def test_symbolic_lengths_run_on_the_bf16_dot_products(spec, data):
     """One symbolic kernel, core or full layer, on the dot products (its lengths run in whole blocks
@@ -124,7 +124,7 @@ def amx_specs(draw, symbolic: bool = False) -> AttentionSpec:
 
 
 @needs_amx
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=6, deadline=None)  # (-m slow: the other AMX sweeps, 27–55 s each on 2 cores)
 @given(amx_specs())
 def test_amx_tiles_match_the_oracle(spec):
     kernel = compiled(spec)
@@ -132,6 +132,7 @@ def test_amx_tiles_match_the_oracle(spec):
     assert_matches_oracle(kernel)
 
 
+@pytest.mark.slow  # an AMX sweep of 27–55 s on 2 cores; quick AMX cases and the sweep above run by default
 @needs_amx
 @settings(max_examples=8, deadline=None)
 @given(amx_specs(symbolic=True), st.data())
@@ -145,6 +146,7 @@ def test_symbolic_lengths_run_on_amx_tiles(spec, data):
                                        for j, name in enumerate(spec.symbolic_dims)}, seed=i)
 
 
+@pytest.mark.slow  # an AMX sweep of 27–55 s on 2 cores; quick AMX cases and the sweep above run by default
 @needs_amx
 @settings(max_examples=14, deadline=None)
 @given(specs(dtype=("bfloat16", "float16"), projections=True, max_len=80), st.data())
@@ -354,6 +356,7 @@ def test_half_width_kv_decode_matches_the_oracle(dtype, kv_heads, key_padding, h
     assert_matches_oracle(compiled(spec))
 
 
+@pytest.mark.slow  # an AMX sweep of 27–55 s on 2 cores; quick AMX cases and the sweep above run by default
 @needs_amx
 @settings(max_examples=10, deadline=None)
 @given(specs(dtype="float16", symbolic=None, intermediate=False, projections=False, max_len=60), st.data())

@@ -243,6 +243,7 @@ def test_bad_knobs_say_what_to_change(knobs, message):
         tvmattn.compile(spec, "cuda", knobs=knobs)
 
 
+@pytest.mark.slow  # 22 s of nvcc; the default run compiles the QUICK_CONFIGS kernels with it
 @needs_nvcc
 def test_cli_writes_source_ptx_cubin_and_the_ptxas_report(tmp_path):
     out = subprocess.run([sys.executable, "-m", "tvmattn.compiler.cli", "compile", "--preset", "gpt2-small",

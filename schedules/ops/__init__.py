@@ -6,7 +6,7 @@ TVM's stock CPU pipeline leaves these functions unscheduled: single-threaded sca
 legalisation and operator fusion (a MatMul with its bias and GELU is one function), `ScheduleFunctions`
 gives every function not scheduled yet (tvmattn's attention kernels are) the first rule that applies:
 
-    matmul-bf16 a bf16 GEMM (``import_onnx(dtype="bfloat16")``) on the bf16 dot products, in the same tiles
+    matmul-bf16 a bf16 GEMM (``import_onnx(dtype="bfloat16")``) on AMX's tiles or the bf16 dot products
     matmul      a fused GEMM / batch GEMM: the attention layer's register-tiled micro-kernel
                 (`micro_kernels.gemm`)
     gemv        the same with one row (a decode step): column tiles of vectors (`micro_kernels.gemv`)

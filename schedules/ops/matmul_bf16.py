@@ -1,14 +1,16 @@
 """A bf16 GEMM (``import_onnx(dtype="bfloat16")``: bf16 activations · a bf16 weight, fp32 accumulation)
-on the target's bf16 dot product (its record's `Isa.dot`: AVX512-BF16's ``vdpbf16ps``, two products per
-fp32 lane), in the register tiles of `micro_kernels.gemm` as the attention layer's projections run
-them, each step broadcasting a pair of x's reduction. The weight, a constant, is packed at compile time
-into one panel per register tile's columns, pairs of its rows interleaved (m/w, c/2, w, 2), so that a
-tile streams it contiguously rather than a row of pairs a whole output row apart; an activation B
-(DeBERTa's positional keys) is packed into pairs of its rows (c/2, m, 2) in the kernel, once a call. The
-instruction takes no tail predicate: symbolic rows run in whole blocks of 16 (``pad_einsum``: x copied
-with zero rows past its end); the reduction must be whole pairs and the width whole vectors. Elsewhere
-(a record without a dot product, odd sizes, an activation cast inside the function) the `matmul` rule
-widens the operands to fp32 FMAs.
+on the target's tile registers where it has them and the reduction and width are whole blocks (AMX:
+`_on_tiles`, on `cpu.tiles.tile_gemm` as a layer's projections), else on its bf16 dot product (its
+record's `Isa.dot`: AVX512-BF16's ``vdpbf16ps``, two products per fp32 lane), in the register tiles of
+`micro_kernels.gemm` as the attention layer's projections run them, each step broadcasting a pair of
+x's reduction. The weight, a constant, is packed at compile time into one panel per register tile's
+(or tile block's) columns, pairs of its rows interleaved (m/w, c/2, w, 2), so that a tile streams it
+contiguously rather than a row of pairs a whole output row apart; an activation B (DeBERTa's
+positional keys) is packed into pairs of its rows (c/2, m, 2) in the kernel, once a call. Neither
+instruction takes a tail predicate: symbolic rows run in whole blocks of 16, on the tiles any rows
+in blocks of 32 (``pad_einsum``: x copied with zero rows past its end); the reduction must be whole
+pairs and the width whole vectors. Elsewhere (a record without a dot product, odd sizes, an
+activation cast inside the function) the `matmul` rule widens the operands to fp32 FMAs.
 """
 
 from __future__ import annotations
