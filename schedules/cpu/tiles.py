@@ -80,8 +80,8 @@ def tile_gemm(sch: Schedule, tiles: Tiles, lanes: int, blk, k: Mapping[str, Knob
     cols = divisor_at_most(col_blocks, max(1, knob_int(sch, k["gemm_vecs"]) * lanes
                                            * knob_int(sch, k["gemm_block_cols"]) // block))
     streamed = weight_bytes(sch, blk, sch.get(c).extent, int(sch.get(m).extent)) > L2_WEIGHT
-    if streamed and row_blocks > 1:  # W panels stream once: a task's columns against all rows x_rows
-        # keeps in L2, each panel once for every block of rows
+    if streamed and row_blocks > 1:  # W streams once: a task's column panels against as many rows of x
+        # as L2 keeps (`X_PANEL_BYTES`), each panel read once for all of them
         rows = divisor_at_most(row_blocks, max(1, X_PANEL_BYTES // (block * 2 * int(sch.get(c).extent))))
     r_task, r_out, r_in = sch.split(s, [None, rows, block])
     m_task, m_out, m_in = sch.split(m, [None, cols, block])

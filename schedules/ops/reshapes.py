@@ -4,11 +4,11 @@ An exporter that runs a projection on 2-D rows (GPT-2's Conv1D: ``addmm`` on ``x
 its output back as (B, n, m) through a reshape, and the activation after it (tanh-GELU) reads that
 reshape. A reshape stays a view here (not legalised), and Relax's fusion does not fuse through it, so
 the activation ran as a function of its own: the GEMM wrote its fp32 output, the activation read it
-back (GPT-2: 6 % of a bf16 run). ``f(reshape(x, S), c)`` is ``reshape(f(x, c), S)`` where ``f`` is
-elementwise, the reshape keeps the last axis, and every other operand is a scalar or a vector along
-that axis (it broadcasts the same against either shape); a binary ``f`` of two reshapes of tensors of
-the same shape to the same S likewise. Applied as the bindings come, a chain of such operators moves
-whole, and the GEMM, its bias and its activation become one fused function.
+back. ``f(reshape(x, S), c)`` is ``reshape(f(x, c), S)`` where ``f`` is elementwise, the reshape
+keeps the last axis, and every other operand is a scalar or a vector along that axis (it broadcasts
+the same against either shape), another reshape of a tensor of x's shape to S, or a tensor of shape S
+(a residual: read reshaped to x's shape, a view). Applied as the bindings come, a chain of such
+operators moves whole, and the GEMM with its bias, activation and residual becomes one fused function.
 """
 
 from __future__ import annotations
