@@ -14,14 +14,14 @@ from tvmattn.compiler.oracle import reference
 from tvmattn.compiler.verify import random_inputs
 
 
-@settings(max_examples=16)
+@settings(max_examples=10)
 @given(cases())
 def test_random_specs_fp32(case):
     spec, sizes = case
     assert_matches_oracle(compiled(spec), sizes)
 
 
-@settings(max_examples=12)
+@settings(max_examples=8)
 @given(cases(dtype=("float16", "bfloat16")))
 def test_random_specs_half(case):
     spec, sizes = case

@@ -302,7 +302,7 @@ NAMED = [(spec, "cpu") for spec in DECODE + SHAPES] + [
 
 NAMED_IDS = ["many-heads", "split-k-gqa-padding", "split-k-window", "three-queries", "gqa-causal-tail",
              "cross-window-padding-bshd", "layer-symbolic", "bf16-dots", "bf16-amx", "fp16-decode"]
-SLOW_NAMED = ("layer-symbolic", "bf16-amx")  # 20 s and 12 s: -m slow
+SLOW_NAMED = ("layer-symbolic", "bf16-amx", "bf16-dots")  # 20, 12 and 13 s: -m slow
 
 
 @pytest.mark.parametrize("spec,target", [pytest.param(*case, id=name, marks=[pytest.mark.slow] if name in SLOW_NAMED

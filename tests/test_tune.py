@@ -63,6 +63,7 @@ def tuned(tmp_path_factory):
     return directory, out, err, time.monotonic() - start
 
 
+@pytest.mark.slow  # the 4-trial tuning run they share takes ~60 s on 2 cores (test_tune_model tunes by default)
 def test_tune_writes_records_and_reports(tuned):
     directory, out, err, _ = tuned
     records = records_in(directory)
@@ -73,6 +74,7 @@ def test_tune_writes_records_and_reports(tuned):
     assert "tune: 4/4 trials" in err and "GFLOP/s" in err and "elapsed" in err  # plain progress lines
 
 
+@pytest.mark.slow  # the 4-trial tuning run they share takes ~60 s on 2 cores (test_tune_model tunes by default)
 def test_tune_measures_the_default_and_the_fastest_again_alternately(tuned, tmp_path, monkeypatch):
     """After the search, the default (the first trial) and the two fastest others are measured twice
     more, in turns; a compile builds the confirmed point of lowest median (`records.chosen`)."""
@@ -91,6 +93,7 @@ def test_tune_measures_the_default_and_the_fastest_again_alternately(tuned, tmp_
     assert all(f"{k}={v}" in kernel.schedule for k, v in pick if k in ("q_tile", "qk_keys", "pv_rows"))
 
 
+@pytest.mark.slow  # the 4-trial tuning run they share takes ~60 s on 2 cores (test_tune_model tunes by default)
 def test_compile_uses_the_tuned_record_quickly_and_matches_the_oracle(tuned, capsys):
     directory, _, _, tuning_seconds = tuned
     best = chosen(records_in(directory))
@@ -103,6 +106,7 @@ def test_compile_uses_the_tuned_record_quickly_and_matches_the_oracle(tuned, cap
     assert_matches_oracle(kernel)
 
 
+@pytest.mark.slow  # the 4-trial tuning run they share takes ~60 s on 2 cores (test_tune_model tunes by default)
 def test_a_rerun_with_the_same_budget_measures_nothing(tuned, capsys):
     directory, _, _, _ = tuned
     before = len(records_in(directory))
