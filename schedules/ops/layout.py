@@ -67,7 +67,7 @@ class _CancelTransposes(relax.PyExprMutator):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
         name = getattr(call.op, "name", "")
-        if name == "relax.reshape" and _same_shape(call.args[0], call.args[1]):
+        if name == "relax.reshape" and same_shape(call.args[0], call.args[1]):
             return call.args[0]
         if name == "relax.concat" and isinstance(call.args[0], relax.Tuple) and len(call.args[0].fields) == 1:
             return call.args[0].fields[0]  # GPT-2's cat((past,)): a copy of the cache
@@ -92,7 +92,7 @@ class _CancelTransposes(relax.PyExprMutator):
             if not isinstance(value, relax.Call):
                 return None
             name = getattr(value.op, "name", "")
-            if name == "relax.reshape" and _same_shape(value.args[0], value.args[1]):
+            if name == "relax.reshape" and same_shape(value.args[0], value.args[1]):
                 var = value.args[0]
             elif name == "relax.permute_dims":
                 return value.args[0], _axes(value)
@@ -107,7 +107,7 @@ def _axes(call: relax.Call) -> list[int]:
     return list(range(ndim))[::-1] if axes is None else [int(a) % ndim for a in axes]
 
 
-def _same_shape(x: relax.Expr, shape: relax.Expr) -> bool:
+def same_shape(x: relax.Expr, shape: relax.Expr) -> bool:
     """Whether reshaping ``x`` to ``shape`` leaves it as it is (every dimension provably equal)."""
     have = getattr(x.ty, "shape", None)
     want = shape.values if isinstance(shape, relax.ShapeExpr) else getattr(shape.ty, "values", None)

@@ -17,6 +17,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
+from tvmattn.schedules.ops.layout import same_shape
 from tvmattn.schedules.ops.rewrite import rewrite_functions
 
 ELEMENTWISE = {f"relax.{name}" for name in (
@@ -63,7 +64,7 @@ class _Before(relax.PyExprMutator):
             target = shape
             sources.append(x)
             args.append(x)
-        if not sources or any(not _same_shape(x, sources[0]) for x in sources[1:]):
+        if not sources or any(not same_shape(x, sources[0].ty.shape) for x in sources[1:]):
             return None
         source_shape = sources[0].ty.shape
         for i, (arg, original) in enumerate(zip(args, call.args)):
@@ -71,7 +72,7 @@ class _Before(relax.PyExprMutator):
                 continue
             if _along_last_axis(original, source_shape.values[-1]):
                 args[i] = original
-            elif _has_shape(original, target.values):  # a tensor of the reshape's shape (a residual): a view
+            elif same_shape(original, target):  # a tensor of the reshape's shape (a residual): a view
                 args[i] = self.builder_.emit(relax.op.reshape(original, source_shape))
             else:
                 return None
@@ -102,14 +103,3 @@ def _along_last_axis(arg: relax.Expr, last) -> bool:
         return isinstance(ty, relax.TensorType)
     dims = getattr(ty.shape, "values", None)
     return ty.ndim == 1 and dims is not None and tvm.sym.Analyzer().can_prove_equal(dims[0], last)
-
-
-def _has_shape(x: relax.Expr, dims) -> bool:
-    have = getattr(getattr(x.ty, "shape", None), "values", None)
-    analyzer = tvm.sym.Analyzer()
-    return have is not None and len(have) == len(dims) and all(analyzer.can_prove_equal(p, q)
-                                                                for p, q in zip(have, dims))
-
-
-def _same_shape(a: relax.Expr, b: relax.Expr) -> bool:
-    return _has_shape(a, b.ty.shape.values)
