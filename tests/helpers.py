@@ -4,8 +4,10 @@ one comparison of a kernel with the float64 oracle."""
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
+import pytest
 import tvm_ffi
 from tvm.s_tir import SBlock
 from tvm.target import Target
@@ -25,6 +27,17 @@ HOST = host_target()
 NO_AMX = Target({"kind": "llvm", "mcpu": str(HOST.attrs["mcpu"]), "num-cores": int(HOST.attrs["num-cores"]),
                  "mattr": [str(f) for f in HOST.attrs.get("mattr", ()) if str(f)[1:] not in AMX_FEATURES]
                  + [f"-{f}" for f in AMX_FEATURES]})
+
+
+def every_other_slow(*axes, ids=None) -> list:
+    """Parametrize one list of cases, or the product of several axes, with every second case under
+    ``-m slow`` (a product's in a checkerboard, so that each value of each axis stays in the default
+    run): the default run keeps a spread of the cases, the slow run all of them. (The test command
+    must finish in 10 minutes on 2 cores.)"""
+    cases = [(c if isinstance(c, tuple) else (c,), n) for n, c in enumerate(axes[0])] if len(axes) == 1 else \
+        [(tuple(v for _, v in case), sum(n for n, _ in case)) for case in itertools.product(*map(enumerate, axes))]
+    ids = list(ids) if ids is not None else [None] * len(cases)
+    return [pytest.param(*c, id=i, marks=[pytest.mark.slow] if n % 2 else []) for (c, n), i in zip(cases, ids)]
 
 
 def runs_here(target: Target) -> bool:

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import HOST, NO_AMX, assert_matches_oracle, block_names, compiled, products_on, runs_here
+from helpers import HOST, NO_AMX, assert_matches_oracle, block_names, compiled, every_other_slow, products_on, runs_here
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import specs
@@ -80,8 +80,7 @@ def test_symbolic_lengths_run_on_the_bf16_dot_products(spec, data):
 
 
 @needs_bf16_dot
-@pytest.mark.parametrize("kind", ["bool", "additive"])
-@pytest.mark.parametrize("dims", ["bhst", "bst", "bt", "s"])
+@pytest.mark.parametrize("kind,dims", every_other_slow(["bool", "additive"], ["bhst", "bst", "bt", "s"]))
 def test_symbolic_lengths_with_an_attn_mask_on_the_bf16_dot_products(kind, dims):
     """Masks along queries and keys (packed per tile from their padded stage, mask_rows), along keys
     only (read in place at a clamped key), along queries only."""
@@ -222,8 +221,9 @@ def test_an_exported_amx_kernel_asks_for_the_tiles_itself(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("kv_seq_len,causal,tiles", [(128, False, True), (64, False, False), (256, True, True),
-                                                    (128, True, False), ("m", True, True)])
+@pytest.mark.parametrize("kv_seq_len,causal,tiles", every_other_slow([(128, False, True), (64, False, False),
+                                                                       (256, True, True), (128, True, False),
+                                                                       ("m", True, True)]))
 def test_fp16_takes_the_tiles_from_128_keys_a_query_sees(kv_seq_len, causal, tiles):
     """fp16 on tile products in bf16 parts where the target has AMX and a query sees enough keys to
     pay for the parts (`plan.PARTS_MIN_KEYS`: about half of them where causal), else widened to fp32
@@ -256,8 +256,7 @@ def test_amx_needs_whole_blocks_of_32():
 LAYER = AttentionSpec(batch=1, seq_len=32, num_heads=16, head_dim=3, d_model=48, causal=True, dtype="bfloat16")
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("seq_len", [32, 100, 1, "n"])
+@pytest.mark.parametrize("seq_len,dtype", every_other_slow([32, 100, 1, "n"], ["bfloat16", "float16"]))
 def test_layer_projections_on_amx_tiles(seq_len, dtype):
     """W_Q, W_K, W_V and W_O on tile products where the target has AMX (fp16 in bf16 parts), from 16
     rows (static ones padded to whole blocks of 32, as symbolic ones); a one-token step keeps its

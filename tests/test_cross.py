@@ -8,6 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
+from helpers import every_other_slow
 
 import tvmattn
 from tvmattn.compiler.cross import cpus
@@ -68,8 +69,7 @@ BFDOT_AXES = {"causal": dict(causal=True), "symbolic": dict(seq_len="n"), "gqa r
 
 
 @needs_tools
-@pytest.mark.parametrize("mcpu", ["neoverse-v2", "neoverse-v1"])
-@pytest.mark.parametrize("axis", list(BFDOT_AXES))
+@pytest.mark.parametrize("axis,mcpu", every_other_slow(list(BFDOT_AXES), ["neoverse-v2", "neoverse-v1"]))
 def test_emulated_bfdot_kernel_matches_oracle(axis, mcpu):
     """bf16 on bfdot, NEON's (Neoverse V2) and SVE-256's (V1): QKᵀ, P·V and a layer's projections on the
     dot products."""

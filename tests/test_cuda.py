@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
-from helpers import assert_matches_oracle, serial
+from helpers import assert_matches_oracle, every_other_slow, serial
 from hypothesis import given, settings
 from strategies import cases, specs, tiles
 from tvm.s_tir import SBlock, dlight
@@ -191,7 +191,7 @@ def test_ragged_paged_queries_have_no_cuda_kernel():
         tvmattn.compile(tvmattn.PagedSpec(num_heads=4, head_dim=32, q_len=None), "cuda", arch="sm_90")
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", every_other_slow(CONFIGS))
 def test_no_score_matrix_in_global_memory(name):
     assert quadratic_buffers(CONFIGS[name]) == []
 

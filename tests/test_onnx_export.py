@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from helpers import every_other_slow
 from onnx_testing import kernels_used, ort_run
 
 import tvmattn
@@ -37,8 +38,7 @@ def _arguments(spec: tvmattn.AttentionSpec, weights: dict[str, np.ndarray]) -> d
     return args
 
 
-@pytest.mark.parametrize("opset", [23, 17])
-@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("name,opset", every_other_slow(sorted(SPECS), [23, 17]))
 def test_export_runs_in_onnx_runtime_like_the_kernel(name, opset):
     spec = SPECS[name]
     model, weights = export_onnx(spec, opset)

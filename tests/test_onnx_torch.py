@@ -148,8 +148,9 @@ DYNAMO_DEFAULT = {"mha-causal", "mha-padding", "hf-llama"}
 
 
 def _cases():
-    for name in MODELS:
-        yield pytest.param(name, False, id=f"{name}-torchscript")
+    for name in MODELS:  # (the two MHA forms the default run exports with dynamo: their torchscript under -m slow)
+        yield pytest.param(name, False, id=f"{name}-torchscript",
+                           marks=[pytest.mark.slow] if name in DYNAMO_DEFAULT - {"hf-llama"} else [])
         yield pytest.param(name, True, id=f"{name}-dynamo",
                            marks=[] if name in DYNAMO_DEFAULT else [pytest.mark.slow])
 

@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 import pytest
+from helpers import every_other_slow
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -69,7 +70,7 @@ def check(spec: PagedSpec, lens: list[int], shared: int = 0, seed: int = 0, kern
 GQA = dict(num_heads=8, num_kv_heads=2, head_dim=64)
 
 
-@pytest.mark.parametrize("spec, lens, shared", [
+@pytest.mark.parametrize("spec, lens, shared", every_other_slow([
     (PagedSpec(**GQA, page_size=16), [37, 0, 1, 100], 0),                          # ragged, empty, 1 token
     (PagedSpec(**GQA, page_size=16, kv_layout="HND"), [37, 0, 1, 100], 0),
     (PagedSpec(**GQA, page_size=1), [5, 1, 9], 0),                                  # a page per key
@@ -86,7 +87,7 @@ GQA = dict(num_heads=8, num_kv_heads=2, head_dim=64)
     (PagedSpec(**GQA, page_size=16, dtype="bfloat16"), [100, 1, 37], 1),
     (PagedSpec(**GQA, page_size=32, dtype="float16", kv_layout="HND", alibi="symmetric"), [100, 1, 37], 0),
     (PagedSpec(**GQA, page_size=16, scale=0.3), [2048, 37, 513, 1000], 0),         # the benchmark's batch
-])
+]))
 def test_paged_decode_matches_oracle(spec, lens, shared):
     check(spec, lens, shared)
 

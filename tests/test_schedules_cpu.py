@@ -5,7 +5,7 @@ import re
 
 import pytest
 import tvm_ffi
-from helpers import assert_matches_oracle, compiled
+from helpers import assert_matches_oracle, compiled, every_other_slow
 from tvm.s_tir import SBlock
 from tvm.tirx import For, ForKind
 
@@ -30,8 +30,9 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("knobs", EXTREMES, ids=lambda k: "-".join(f"{n}{v}" for n, v in k.items()))
-@pytest.mark.parametrize("spec", SHAPES, ids=["gqa-causal-tail", "cross-window-padding-bshd", "layer-symbolic"])
+@pytest.mark.parametrize("spec,knobs", every_other_slow(SHAPES, EXTREMES, ids=[
+    f"{shape}-{'-'.join(f'{n}{v}' for n, v in k.items())}"
+    for shape in ("gqa-causal-tail", "cross-window-padding-bshd", "layer-symbolic") for k in EXTREMES]))
 def test_knob_extremes(spec, knobs):
     layer_knobs = dict(gemm_rows=8, gemm_vecs=4) if knobs["q_tile"] == 64 else dict(gemm_rows=1, gemm_vecs=1)
     kernel = compiled(spec, knobs=tuple(sorted({**knobs, **layer_knobs}.items())))
@@ -193,9 +194,9 @@ def _own_assembly(kernel) -> str:
     return "".join(f for f in functions if not f.startswith("__"))
 
 
-@pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
-@pytest.mark.parametrize("spec", PANELS, ids=["fp32", "fp16-bshd", "bf16", "bf16-bshd", "fp32-layer", "bf16-layer",
-                                                  "bf16-symbolic"])
+@pytest.mark.parametrize("spec,target", every_other_slow(PANELS, [AVX2, AVX512], ids=[
+    f"{name}-{isa}" for name in ("fp32", "fp16-bshd", "bf16", "bf16-bshd", "fp32-layer", "bf16-layer", "bf16-symbolic")
+    for isa in ("avx2", "avx512")]))
 def test_query_panel_is_transposed_in_registers(target, spec):
     """QKᵀ's query panel, (d_k, q_tile) or the bf16 dot products' (d_k/2, q_tile, 2), copied in blocks
     of lanes × lanes words shuffled in registers (`isa.panels`): with AVX-512, no scatter (fp32) nor
@@ -265,15 +266,15 @@ def test_qk_register_tile_is_stored_from_registers(spec):
     assert indices and all(index.isdigit() for index in indices), sorted(set(indices))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("seq_len,kv_seq_len,kv_heads,panels", [
+@pytest.mark.parametrize("case,dtype", every_other_slow([
     (128, None, 2, {"w_q", "w_k", "w_v", "w_o"}), ("n", None, 1, {"w_q", "w_k", "w_v", "w_o"}),
-    (40, 136, 2, {"w_k", "w_v"}), (64, None, 2, set())])
-def test_avx2_projections_read_w_in_register_tile_panels(seq_len, kv_seq_len, kv_heads, panels, dtype):
+    (40, 136, 2, {"w_k", "w_v"}), (64, None, 2, set())], ["float32", "float16", "bfloat16"]))
+def test_avx2_projections_read_w_in_register_tile_panels(case, dtype):
     """With AVX2, a projection of 128 rows or more (or symbolic) copies its W into panels of the
     register tile's 3 vectors of columns, one run of memory along the reduction; fewer rows read W in
     place (the copy would cost more than it saves). A bf16 panel keeps W's 16 bits (TVM widens a
     function's own bf16 buffers to fp32). Either way, the oracle's result."""
+    seq_len, kv_seq_len, kv_heads, panels = case
     spec = AttentionSpec(batch=1, seq_len=seq_len, kv_seq_len=kv_seq_len, num_heads=2, num_kv_heads=kv_heads,
                          head_dim=24, d_model=48, causal=kv_seq_len is None, dtype=dtype)
     target = resolve_target(AVX2)
@@ -302,7 +303,8 @@ NAMED = [(spec, "cpu") for spec in DECODE + SHAPES] + [
 
 NAMED_IDS = ["many-heads", "split-k-gqa-padding", "split-k-window", "three-queries", "gqa-causal-tail",
              "cross-window-padding-bshd", "layer-symbolic", "bf16-dots", "bf16-amx", "fp16-decode"]
-SLOW_NAMED = ("layer-symbolic", "bf16-amx", "bf16-dots")  # 20, 12 and 13 s: -m slow
+# 20, 12, 13, 7 and 7 s: -m slow (the last two shapes run in the default run's knob extremes)
+SLOW_NAMED = ("layer-symbolic", "bf16-amx", "bf16-dots", "gqa-causal-tail", "cross-window-padding-bshd")
 
 
 @pytest.mark.parametrize("spec,target", [pytest.param(*case, id=name, marks=[pytest.mark.slow] if name in SLOW_NAMED

@@ -10,6 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from helpers import every_other_slow  # noqa: E402
+
 import tvmattn.torch  # noqa: E402
 from tvmattn.compiler.verify import TOLERANCE  # noqa: E402
 from tvmattn.torch import KERNELS  # noqa: E402
@@ -56,8 +58,7 @@ def assert_close(out, ref, dtype: str) -> None:
     assert err <= TOLERANCE[dtype], f"max rel error {err:.3g} > {TOLERANCE[dtype]}"
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name,dtype", every_other_slow(list(CONFIGS), ["float32", "bfloat16"]))
 def test_logits_match_sdpa(name, dtype):
     ref, ours = models(name, getattr(torch, dtype))
     ids, mask = batch()

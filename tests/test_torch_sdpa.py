@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
+from helpers import every_other_slow  # noqa: E402
+
 import tvmattn  # noqa: E402
 from tvmattn.compiler.verify import TOLERANCE  # noqa: E402
 from tvmattn.torch import KERNELS, scaled_dot_product_attention  # noqa: E402
@@ -177,8 +179,7 @@ def sinks_reference(q, k, v, sinks, mask):
     return weights @ v.repeat_interleave(group, 1)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal,dtype", every_other_slow([False, True], ["float32", "bfloat16"]))
 def test_sinks_keyword_as_gpt_oss_computes_them(causal, dtype):
     """``sinks=`` (h,): as gpt-oss's eager attention; a zero-weight test: without the sinks the result
     differs by far more than the tolerance."""
