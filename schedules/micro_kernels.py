@@ -119,21 +119,28 @@ def weight_bytes(sch: Schedule, blk, depth, width: int) -> int:
 
 
 def gemv(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: tuple = (),
-         padded_columns: bool = False) -> list:
+         padded_columns: bool = False, dot: Dot | None = None, later: list | None = None) -> list:
     """y[…, m] = Σ_c x[…, c]·w[…, c, m] (loops: batch…, m, c; one row: a decode step's projection):
     parallel over (batch, column tile), each tile ``gemm_vecs`` vectors of accumulators streaming its
-    panel of w; the epilogue as in `gemm`."""
+    panel of w; the epilogue as in `gemm`. Given ``dot``, two steps of c per ``dot.pair_first`` on
+    w's pair panel (as `gemm`'s)."""
     *batch, m, c = sch.get_loops(blk)
     width = int(sch.get(m).extent)
     lanes_m = lanes if padded_columns else lanes_for(width, lanes)
     vecs = k["gemm_vecs"] if lanes_m == lanes else 1
+    if dot is not None:
+        vecs = dot_columns(sch, width, lanes_m, vecs) // lanes_m
     m_task, m_mid, m_vec = sch.split(m, [None, vecs, lanes_m])
-    sch.reorder(*batch, m_task, c, m_mid, m_vec)
+    if dot is not None:
+        c, c_pair = sch.split(c, [None, dot.pair])
+        sch.reorder(*batch, m_task, c, m_mid, m_vec, c_pair)
+    else:
+        sch.reorder(*batch, m_task, c, m_mid, m_vec)
     task = sch.fuse(*batch, m_task)
     sch.parallel(task)
     w = knob_int(sch, vecs) * lanes_m  # whole column tiles in the accumulator (see `gemm`)
     return register_tile(sch, blk, task, lambda *i: (*i[:-1], i[-1] // w, i[-1] % w), (m_mid,), m_vec, lanes_m,
-                         c, epilogue)
+                         c, epilogue, intrinsic=None if dot is None else dot.pair_first, later=later)
 
 
 def register_tile(sch: Schedule, block, outer, layout, unrolled: tuple, vector, lanes: int, reduction,

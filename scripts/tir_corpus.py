@@ -127,6 +127,8 @@ def _gemm_funcs() -> dict[str, object]:
     funcs = {
         "gemm-bf16-silu-packed-sym": (bf16_projection(rows, 96, 128), (1,)),
         "gemm-bf16-silu-packed-ragged": (bf16_projection(i64(70), 64, 64), (1,)),
+        "gemm-bf16-silu-packed-few": (bf16_projection(i64(6), 64, 64), (1,)),  # a decode step's batch of 6
+        "gemm-bf16-silu-packed-gemv": (bf16_projection(i64(1), 96, 128), (1,)),
         "gemm-bias-gelu": (bias_gelu(i64(19), 96, 80), ()),
         "gemm-bias-gelu-sym-packed": (bias_gelu(rows, 96, 80), (1,)),
         "gemm-bias-packed-tail": (bias_only(i64(33), 128, 17), (1,)),

@@ -9,6 +9,7 @@ gives every function not scheduled yet (tvmattn's attention kernels are) the fir
     matmul-bf16 a bf16 GEMM (``import_onnx(dtype="bfloat16")``) on AMX's tiles or the bf16 dot products
     matmul      a fused GEMM / batch GEMM: the attention layer's register-tiled micro-kernel
                 (`micro_kernels.gemm`)
+    gemv-bf16   a bf16 GEMV by a constant weight on the bf16 dot products (`micro_kernels.gemv`'s tiles)
     gemv        the same with one row (a decode step): column tiles of vectors (`micro_kernels.gemv`)
     dlight-gemv TVM dlight's CPU GEMV: the reduction runs along contiguous memory
     reduction   row reductions (LayerNorm, RMSNorm, softmax) with their neighbours: parallel rows, vector lanes
@@ -39,7 +40,7 @@ from tvmattn.schedules.ops.gemv import Gemv
 from tvmattn.schedules.ops.injective import Injective
 from tvmattn.schedules.ops.layout import cancel_transposes, same_concats
 from tvmattn.schedules.ops.matmul import CONSTANT_PARAMS, Matmul, pack
-from tvmattn.schedules.ops.matmul_bf16 import MatmulPairs
+from tvmattn.schedules.ops.matmul_bf16 import GemvPairs, MatmulPairs
 from tvmattn.schedules.ops.powers import small_powers
 from tvmattn.schedules.ops.reduction import Reduce, RowReduction
 from tvmattn.schedules.ops.reshapes import elementwise_before_reshapes
@@ -48,6 +49,7 @@ from tvmattn.schedules.ops.sizes import named_sizes
 RULES: tuple[tuple[str, dlight.ScheduleRule], ...] = (
     ("matmul-bf16", MatmulPairs()),
     ("matmul", Matmul()),
+    ("gemv-bf16", GemvPairs()),
     ("gemv", Gemv()),
     ("dlight-gemv", dlight.cpu.GEMV()),
     ("reduction", RowReduction()),
