@@ -1,10 +1,11 @@
 """The README's end-to-end table: every model of the zoo (`models/zoo.py`: 32 exports of 28
-transformer families by three exporters, random weights, 2 layers) imported once with symbolic shapes,
-checked against ONNX Runtime, and timed against ONNX Runtime and OpenVINO fp32 at each shape
-(`tvmattn bench model.onnx`'s measurement: one process, interleaved rounds, every core).
+transformer families by three exporters, random weights, 2 layers) imported once with symbolic shapes
+(with ``--static``, once per shape with its sizes bound, as OpenVINO compiles it), checked against ONNX
+Runtime, and timed against ONNX Runtime and OpenVINO fp32 at each shape (`tvmattn bench model.onnx`'s
+measurement: one process, interleaved rounds, every core).
 
     python scripts/bench_models.py [--models gpt2,encoder,…] [--budget 2] [--shapes all|first|2x128,…]
-                                   [--json out.json] [--tune 16]
+                                   [--json out.json] [--tune 16] [--dtype bf16] [--static]
 
 One markdown row per model and shape, then geometric means of the speed-ups (peer time ÷ tvmattn's,
 above 1: tvmattn is faster), overall and per kind. A model that fails to export, import or run gets a
@@ -106,7 +107,9 @@ def shapes_of(m: zoo.ZooModel, choice: str) -> tuple[tuple[int, int], ...]:
 
 
 def bench_one(m: zoo.ZooModel, shapes: tuple[tuple[int, int], ...], budget: float, tune: int | None,
-              dtype: str | None = None) -> list[Row]:
+              dtype: str | None = None, static: bool = False) -> list[Row]:
+    """The model's rows at ``shapes``: imported once with symbolic shapes, or with ``static`` once per
+    shape with its inputs' sizes bound (``import_onnx(shapes=…)``), as OpenVINO compiles it."""
     rows = [Row(m.name, m.family, m.exporter, m.kind, m.width, m.describe(s), *s, dtype=dtype) for s in shapes]
 
     def fail(stage: str, err: Exception, which: list[Row] = rows) -> list[Row]:
@@ -120,18 +123,31 @@ def bench_one(m: zoo.ZooModel, shapes: tuple[tuple[int, int], ...], budget: floa
     except Exception as err:  # the exporter's own failure
         return fail("export", err)
     export_s = None if cached else time.perf_counter() - start
-    try:
+
+    def imports(feed: dict | None) -> tuple[ImportedModel, ImportedModel | None]:
+        sizes = None if feed is None else {name: value.shape for name, value in feed.items()}
         # a decode step's KV cache in the same 16 bits: what the step streams (`onnx.cache16`)
-        imported = import_onnx(proto, "cpu", dtype=dtype, cache_dtype=dtype if m.kind == zoo.DECODE else None)
-        baseline = import_onnx(proto, "cpu") if dtype else None
-    except Exception as err:
-        return fail("import", err)
-    report = imported.report
+        ours = import_onnx(proto, "cpu", dtype=dtype, cache_dtype=dtype if m.kind == zoo.DECODE else None,
+                           shapes=sizes)
+        return ours, import_onnx(proto, "cpu", shapes=sizes) if dtype else None
+
+    if not static:
+        try:
+            imported, baseline = imports(None)
+        except Exception as err:
+            return fail("import", err)
     for r in rows:
+        feed = m.feed((r.batch, r.n))
+        if static:
+            try:
+                imported, baseline = imports(feed)
+            except Exception as err:
+                fail("import", err, [r])
+                continue
+        report = imported.report
         r.export_s, r.import_s = export_s, report.seconds
         r.on_kernels = f"{report.softmaxes_on_kernels}/{len(report.softmaxes)}"
         try:
-            feed = m.feed((r.batch, r.n))
             imported.run(imported.declared(feed))
         except Exception as err:
             fail("run", err, [r])
@@ -208,6 +224,8 @@ def main() -> None:
     p.add_argument("--tune", type=int, metavar="TRIALS", help="also tune each model and bench it from its records")
     p.add_argument("--dtype", help="bf16 | fp16: import each model with its matmuls in that precision (OpenVINO "
                    "at the same precision; tvmattn's fp32 import in the same rounds)")
+    p.add_argument("--static", action="store_true", help="import each model once per shape with its inputs' sizes "
+                   "bound, as OpenVINO compiles it (default: once, symbolic shapes serving every shape)")
     args = p.parse_args()
     models = zoo.select(args.models)
     extra = ((["tvmattn fp32 ms", "× fp32", "greedy = fp32", "OV greedy = fp32", "OV error vs fp32"] if args.dtype
@@ -217,7 +235,7 @@ def main() -> None:
     print("|" + "---|" * (len(HEADER) + len(extra)), flush=True)
     rows: list[Row] = []
     for m in models:
-        for r in bench_one(m, shapes_of(m, args.shapes), args.budget, args.tune, args.dtype):
+        for r in bench_one(m, shapes_of(m, args.shapes), args.budget, args.tune, args.dtype, args.static):
             print(r.markdown(bool(args.tune)), flush=True)
             rows.append(r)
     means = geomeans(rows)
