@@ -80,8 +80,10 @@ def target_of(args: argparse.Namespace, runs_here: bool = False):
     if getattr(args, "mcpu", None) is None and args.target not in ("aarch64", "riscv64"):
         return args.target
     if runs_here:
-        raise TvmAttnError(f"--target {args.target}: {args.command} measures kernels, which tvmattn cannot yet do "
-                           "for another CPU (emulation times nothing): run it on that CPU with --target cpu")
+        over_rpc = " (or, for tune, measure there over RPC: --rpc HOST:PORT --device-key KEY)" \
+            if args.command == "tune" else ""
+        raise TvmAttnError(f"--target {args.target}: {args.command} measures kernels, which tvmattn cannot do here "
+                           f"for another CPU (emulation times nothing): run it on that CPU with --target cpu{over_rpc}")
     from tvmattn.compiler.target import resolve_target
 
     return resolve_target(args.target, args.arch, args.mcpu)
@@ -242,7 +244,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     points = [parse_sizes([item]) for item in args.at or []]
     print(f"spec:     {spec.describe()}")
     try:
-        report = tune(spec, target_of(args, runs_here=True), trials=args.trials, at=points, arch=args.arch,
+        report = tune(spec, target_of(args, runs_here=remote is None), trials=args.trials, at=points, arch=args.arch,
                       log_dir=args.log_dir, remote=remote, seed=args.seed)
     except KeyboardInterrupt:
         print(f"tvmattn: interrupted: every completed round is kept in "

@@ -11,11 +11,15 @@ import pytest
 from helpers import every_other_slow
 
 import tvmattn
+from tvmattn import schedules
+from tvmattn.compiler.cli import main
 from tvmattn.compiler.cross import cpus
 from tvmattn.compiler.cross.toolchain import GCC, LIBC, QEMU
 from tvmattn.compiler.onnx.export import export_onnx
 from tvmattn.compiler.spec import AttentionSpec
 from tvmattn.compiler.target import isa_of, resolve_target
+from tvmattn.compiler.tuning import measure, space
+from tvmattn.compiler.tuning.tuner import tune
 from tvmattn.compiler.verify import check, sizes_to_check
 
 TOOLS = [tool for arch in cpus.ARCHES for tool in (GCC[arch][0], QEMU[arch][0])]
@@ -209,3 +213,25 @@ def test_imported_model_is_a_library_for_that_cpu(tmp_path):
     assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # EM_AARCH64
     with pytest.raises(tvmattn.TvmAttnError, match="compiled for aarch64-linux-gnu: export_library it"):
         imported.run({"x": np.zeros((1, 16, 64), np.float32)})
+
+
+@needs_tools
+@pytest.mark.parametrize("arch,mcpu,machine", [("aarch64", "neoverse-v2", 183), ("riscv64", "spacemit-x60", 243)])
+def test_tuning_candidates_for_another_cpu_are_cross_linked(arch, mcpu, machine):
+    """What `tvmattn tune --target aarch64 --rpc …` uploads to the servers: the candidate built and linked
+    here by the CPU's cross gcc (an ELF shared library of its machine: e_machine 183 AArch64, 243 RISC-V)."""
+    spec, target = AttentionSpec(**SMALL), resolve_target(arch, None, mcpu)
+    func = space.workload(spec, target)
+    mod = space.candidate(func, spec, target, schedules.default_knobs(spec, target)).mod
+    path = measure.export_shared_library(measure.build_candidate(mod, target, None))
+    header = open(path, "rb").read(20)
+    assert header[:4] == b"\x7fELF" and header[16] == 3 and int.from_bytes(header[18:20], "little") == machine
+
+
+def test_tuning_another_cpu_measures_there_over_rpc(tmp_path, capsys):
+    """Emulation times nothing: without --rpc, one line saying how to measure on that CPU."""
+    with pytest.raises(tvmattn.TvmAttnError, match=r"measure there over RPC \(--rpc HOST:PORT --device-key KEY"):
+        tune(AttentionSpec(**SMALL), resolve_target("aarch64", None, "neoverse-v2"), trials=2, log_dir=tmp_path)
+    assert main(["tune", "--target", "aarch64", "--mcpu", "neoverse-v2", "--seq", "24", "--trials", "2",
+                 "--log-dir", str(tmp_path)]) != 0
+    assert "--rpc HOST:PORT --device-key KEY" in capsys.readouterr().err

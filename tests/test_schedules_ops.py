@@ -445,3 +445,12 @@ def test_every_function_is_scheduled_on_cuda(name):
     if shutil.which("nvcc"):
         for r in cuda_tools.kernel_resources(tir, target):
             assert r.spill_bytes == 0, r.line()
+
+
+def test_every_rule_has_an_operator_class_in_the_bench():
+    """`tvmattn bench model.onnx` splits a run by operator class from the rule that scheduled each
+    function: a rule missing there would count its GEMMs as "other" (the VM's own work)."""
+    from tvmattn.compiler.onnx.bench import RULE_CLASS
+
+    assert {name for name, _ in RULES} - {"scan", "fallback"} <= set(RULE_CLASS)
+    assert {RULE_CLASS[name] for name, _ in RULES if "gemv" in name or "matmul" in name} == {"matmul"}

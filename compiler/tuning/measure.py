@@ -146,12 +146,23 @@ def build_candidate(mod: tvm.IRModule, target: Target, _params) -> tvm.runtime.E
     from tvmattn.compiler.build import lowering_passes, tvm_compile
     from tvmattn.compiler.tuning.space import spec_of
 
-    return tvm_compile(lowering_passes(spec_of(mod), target)(mod), target)
+    executable = tvm_compile(lowering_passes(spec_of(mod), target)(mod), target)
+    executable.tvmattn_target = target  # (for `export_shared_library`, which MetaSchedule hands only this)
+    return executable
 
 
 def export_shared_library(executable: tvm.runtime.Executable) -> str:
+    """The candidate as a shared library the runner loads: linked by the target CPU's cross gcc where it
+    is another architecture's (measured on that CPU over RPC), else by this machine's compiler."""
+    from tvmattn.compiler.cross import emulate
+    from tvmattn.compiler.target import is_foreign
+
     path = os.path.join(tempfile.mkdtemp(prefix="tvmattn-tune-"), "candidate.so")
-    executable.export_library(path)
+    target = getattr(executable, "tvmattn_target", None)
+    if target is not None and is_foreign(target):
+        emulate.export_library(executable, target, path)
+    else:
+        executable.export_library(path)
     return path
 
 

@@ -35,10 +35,11 @@ from tvm.s_tir.meta_schedule.task_scheduler import TaskScheduler
 from tvm.s_tir.meta_schedule.tune_context import TuneContext, _normalize_mod
 
 from tvmattn import schedules
+from tvmattn.compiler.cross.toolchain import cross_gcc
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.explain import useful_flops
 from tvmattn.compiler.spec import AttentionSpec
-from tvmattn.compiler.target import cpu_cores, resolve_target, target_key
+from tvmattn.compiler.target import cpu_cores, is_foreign, resolve_target, target_arch, target_key
 from tvmattn.compiler.tuning import measure
 from tvmattn.compiler.tuning.lookup import schedule_name, user_dir
 from tvmattn.compiler.tuning.progress import Progress
@@ -140,6 +141,12 @@ def tune(spec: AttentionSpec, target: Any = "cpu", *, trials: int = 64, at: Sequ
     if tgt.kind.name == "cuda" and remote is None and not tvm.cuda(0).exist:
         raise TvmAttnError("tuning for CUDA measures on a GPU, and this machine has none: run `tvmattn tune` "
                            "where one is, or measure there over RPC (--rpc HOST:PORT --device-key KEY)")
+    if is_foreign(tgt):
+        if remote is None:
+            raise TvmAttnError(f"tuning for {target_arch(tgt)} measures on that CPU, and emulation here times "
+                               "nothing: measure there over RPC (--rpc HOST:PORT --device-key KEY; candidates are "
+                               "cross-compiled here), or run `tvmattn tune --target cpu` on it")
+        cross_gcc(target_arch(tgt))  # (the candidates are linked here: say now if its linker is missing)
     defaults = schedules.default_knobs(spec, tgt)  # per arch and spec where the schedule says so
     space = KnobSpace(tuple(dataclasses.replace(k, default=defaults[k.name]) for k in rule.KNOBS))
     points = representative_points(spec, at)
