@@ -183,8 +183,9 @@ def until_scheduling(target: Target, dtype: str | None = None) -> list[tvm.trans
     legalize = legalize[:fuse] + [_producers_unfused] + legalize[fuse:]
     rewrites = list(BEFORE_LEGALIZE) if is_cpu(target) else []
     if dtype is not None:
-        dot = isa_of(target).dot if is_cpu(target) and isa_of(target) is not None else None
-        rewrites.append(matmuls_in(dtype, dot.lanes if dot is not None else None))
+        isa = isa_of(target) if is_cpu(target) else None
+        dot = isa.dot if isa is not None else None
+        rewrites.append(matmuls_in(dtype, *((dot.lanes, isa.tiles) if dot is not None else ())))
     # an exporter repeats a computation per layer (T5's position bias plus mask, in every attention)
     dedup = [relax.transform.EliminateCommonSubexpr(call_only=True)]
     return backend.library_dispatch_passes(target) + rewrites + dedup + legalize

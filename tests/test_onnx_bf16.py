@@ -199,6 +199,26 @@ def test_gemm_with_transposed_weight_in_16_bits():
     assert errors(imported.run({"x": x})[0], ort_run(model, {"x": x})[0])[1] <= TOLERANCE["bfloat16"]
 
 
+@pytest.mark.parametrize("rows", ["rows", 100])
+def test_reduction_padded_to_whole_tile_steps(rows):
+    """A reduction that is not whole tile steps (Whisper's first convolution: 3·80 mel bins = 240) is
+    padded with zeros where the target has AMX, x by a pad its producer could join and the weight at
+    import, so that the product runs on the tiles; the same answer as ONNX Runtime in fp32."""
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((240, 96)).astype(np.float32) / 16
+    graph = oh.make_graph([oh.make_node("MatMul", ["x", "w"], ["y"])], "conv-as-gemm",
+                          [oh.make_tensor_value_info("x", TP.FLOAT, [2, rows, 240])],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, [2, rows, 96])],
+                          initializer=[oh.make_tensor("w", TP.FLOAT, w.shape, w.ravel())])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 20)])
+    imported = tvmattn.import_onnx(model, dtype="bfloat16")
+    padded = [name for name in imported.report.rule_of if "pad" in name]  # (fused_cast_pad: the cast joined)
+    assert bool(padded) == ON_TILES, imported.report.rule_of
+    assert imported.report.scheduled.get("matmul-bf16") == 1 or not HAS_DOT, imported.report.rule_of
+    x = rng.standard_normal((2, 100, 240)).astype(np.float32)
+    assert errors(imported.run({"x": x})[0], ort_run(model, {"x": x})[0])[1] <= TOLERANCE["bfloat16"]
+
+
 def test_bad_dtype_is_one_error():
     with pytest.raises(tvmattn.TvmAttnError, match="dtype='int8'"):
         tvmattn.import_onnx(zoo.get("bert").export(), dtype="int8")

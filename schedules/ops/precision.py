@@ -15,6 +15,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from tvmattn.compiler.isa.record import Tiles
 from tvmattn.schedules.cpu.plan import MIN_PAIR_ROWS
 from tvmattn.schedules.ops.rewrite import rewrite_functions
 
@@ -32,14 +33,16 @@ def _cache_resident_gemv(x: relax.Expr, w: np.ndarray) -> bool:
     return int(np.prod([int(d) for d in dims[:-1]])) == 1 and w.nbytes <= CACHE_RESIDENT
 
 
-def matmuls_in(dtype: str, dot_lanes: int | None = None) -> tvm.transform.Pass:
+def matmuls_in(dtype: str, dot_lanes: int | None = None, tiles: Tiles | None = None) -> tvm.transform.Pass:
     """The pass converting a module's constant-weight matmuls to ``dtype`` operands, fp32 results; and,
     in bf16 on a target with a bf16 dot product of ``dot_lanes`` lanes, activation × activation ones
-    the `matmul_bf16` rule takes (`_dot_shaped`)."""
+    the `matmul_bf16` rule takes (`_dot_shaped`). With ``tiles`` (bf16), a reduction that is not whole
+    tile steps is padded to them (`_Matmuls._padded`)."""
 
     @tvm.transform.module_pass(opt_level=0, name=f"tvmattn.MatmulsIn_{dtype}")
     def transform(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return _Matmuls(mod, dtype, dot_lanes if dtype == "bfloat16" else None).run()
+        bf16 = dtype == "bfloat16"
+        return _Matmuls(mod, dtype, dot_lanes if bf16 else None, tiles if bf16 and dot_lanes else None).run()
 
     return transform
 
@@ -59,9 +62,9 @@ def _dot_shaped(x: relax.Expr, y: relax.Expr, lanes: int) -> bool:
 
 @relax.expr_functor.mutator
 class _Matmuls(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, dtype: str, dot_lanes: int | None) -> None:
+    def __init__(self, mod: tvm.IRModule, dtype: str, dot_lanes: int | None, tiles: Tiles | None = None) -> None:
         super().__init__(mod)
-        self.mod_, self.dtype, self.dot_lanes = mod, dtype, dot_lanes
+        self.mod_, self.dtype, self.dot_lanes, self.tiles = mod, dtype, dot_lanes, tiles
         self.casts: dict = {}  # an activation → its one cast (Q, K and V read one normed x)
 
     def run(self) -> tvm.IRModule:
@@ -81,8 +84,26 @@ class _Matmuls(relax.PyExprMutator):
         if value is None or value.dtype != np.float32 or value.ndim < 2 \
                 or str(getattr(x.ty, "dtype", "")) != "float32" or _cache_resident_gemv(x, value):
             return call
+        x, value = self._padded(self._cast(x), value)
         weight = relax.const(value.astype(DTYPES[self.dtype]), self.dtype)
-        return relax.op.matmul(self._cast(x), weight, out_dtype="float32")
+        return relax.op.matmul(x, weight, out_dtype="float32")
+
+    def _padded(self, x: relax.Expr, w: np.ndarray) -> tuple[relax.Expr, np.ndarray]:
+        """x (…, s, c) and w (c, m) with c padded by zeros to whole tile steps, where the rest of the
+        product is the tiles' shape (m whole blocks, s not a decode step's few rows) and c is not:
+        Whisper's first convolution (c = 3·80 mel bins = 240) ran on the dot products at a sixth of
+        the tiles' rate. The zero columns of x are written by x's producer, which the pad joins."""
+        c, m = w.shape[-2:]
+        dims = getattr(getattr(x.ty, "shape", None), "values", None)
+        if self.tiles is None or w.ndim != 2 or dims is None or len(dims) < 2 or c % self.tiles.step == 0 \
+                or c % 2 or m % self.tiles.block or c < self.tiles.step:
+            return x, w
+        s = dims[-2]
+        if isinstance(s, tvm.tirx.IntImm) and int(s) < MIN_PAIR_ROWS:
+            return x, w
+        pad = -c % self.tiles.step
+        x = self.builder_.emit(relax.op.nn.pad(x, [0] * (2 * len(dims) - 1) + [pad]))
+        return x, np.concatenate([w, np.zeros((pad, m), w.dtype)])
 
     def _constant(self, w: relax.Expr) -> np.ndarray | None:
         """The weight's values: a constant, or one transposed (ONNX ``Gemm`` with ``transB``: OPT's
