@@ -94,10 +94,15 @@ def _blocks_under(sch: Schedule, info):
 
 def _vectorize_inner(sch: Schedule, blk, lanes: int) -> None:
     """The innermost loop of a block vectorised when it is spatial of a static multiple of ``lanes``
-    (an rfactor's lanes, an elementwise stage's columns); reductions stay serial."""
+    (an rfactor's lanes, an elementwise stage's columns); reductions stay serial. An rfactor's lanes
+    come first (`compute_at` orders a block's spatial loops before its reduction): they move inside."""
     loops = sch.get_loops(blk)
     if not loops:
         return
+    lane = _lanes_before_the_reduction(sch, blk, loops, lanes)
+    if lane is not None:
+        sch.reorder(*loops[lane + 1:], loops[lane])
+        loops = sch.get_loops(blk)
     inner = sch.get(loops[-1])
     realize = inner.body
     if not isinstance(realize, SBlockRealize) or not isinstance(inner.extent, tirx.IntImm) or \
@@ -105,6 +110,29 @@ def _vectorize_inner(sch: Schedule, blk, lanes: int) -> None:
                                               for iv, v in zip(realize.block.iter_vars, realize.iter_values)):
         return
     sch.vectorize(loops[-1] if inner.extent.value == lanes else sch.split(loops[-1], [None, lanes])[1])
+
+
+def _lanes_before_the_reduction(sch: Schedule, blk, loops, lanes: int) -> int | None:
+    """The index of a loop of ``lanes`` iterations that only a spatial axis reads, followed by loops
+    (of more than one iteration) only reduction axes read: an rfactor's partial sums outside the
+    reduction they split."""
+    realize = sch.get(loops[-1]).body
+    if not isinstance(realize, SBlockRealize):
+        return None
+    bound = list(zip(realize.block.iter_vars, realize.iter_values))
+
+    def readers(loop) -> set:
+        var = sch.get(loop).loop_var
+        return {iv.iter_type for iv, v in bound if uses(v, var)}
+
+    for i in range(len(loops) - 2, -1, -1):
+        kinds = readers(loops[i])
+        if _static(sch.get(loops[i]).extent) == lanes and kinds == {tirx.IterVar.DataPar}:
+            after = [readers(lp) for lp in loops[i + 1:] if _static(sch.get(lp).extent) != 1]
+            if after and all(k <= {tirx.IterVar.CommReduce} for k in after) and any(after):
+                return i
+            return None
+    return None
 
 
 def _static(extent) -> int | None:
