@@ -170,6 +170,37 @@ def test_activation_after_a_row_reshape(back, fused):
     assert rules == ({"matmul"} if fused else {"injective"}), imported.report.rule_of
 
 
+@pytest.mark.parametrize("position", ["constant", "input"])
+def test_convolution_activation_before_the_transposition_back(position):
+    """A convolution's channels-first output with its bias and erf-GELU, transposed back to channels-last
+    and a position embedding added (Whisper's front end): the activation moves before the transposition
+    (`ops.reshapes`) into the GEMM's epilogue, and the two transpositions cancel; a position embedding
+    that is a graph input stays after them. Against ONNX Runtime."""
+    rng = np.random.default_rng(1)
+    c_in, c, t = 12, 32, 20
+    consts = {"w": rng.standard_normal((c, c_in, 3)).astype(np.float32) / 4,
+              "b": rng.standard_normal(c).astype(np.float32), "sqrt2": np.float32(np.sqrt(2)),
+              "one": np.float32(1), "half": np.float32(0.5)}
+    if position == "constant":
+        consts["pos"] = rng.standard_normal((t, c)).astype(np.float32)
+    nodes = [oh.make_node("Conv", ["x", "w", "b"], ["h"], pads=[1, 1]), oh.make_node("Div", ["h", "sqrt2"], ["hs"]),
+             oh.make_node("Erf", ["hs"], ["e"]), oh.make_node("Add", ["e", "one"], ["e1"]),
+             oh.make_node("Mul", ["h", "e1"], ["g0"]), oh.make_node("Mul", ["g0", "half"], ["g"]),
+             oh.make_node("Transpose", ["g"], ["gt"], perm=[0, 2, 1]), oh.make_node("Add", ["gt", "pos"], ["y"])]
+    inputs = [oh.make_tensor_value_info("x", TP.FLOAT, (2, c_in, t))]
+    feed = {"x": randn(rng, 2, c_in, t)}
+    if position == "input":
+        inputs.append(oh.make_tensor_value_info("pos", TP.FLOAT, (t, c)))
+        feed["pos"] = randn(rng, t, c)
+    graph = oh.make_graph(nodes, "g", inputs, [oh.make_tensor_value_info("y", TP.FLOAT, (2, t, c))],
+                          [onnx.numpy_helper.from_array(a, n) for n, a in consts.items()])
+    imported = assert_matches_ort(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)]), [feed], attentions=0)
+    assert {rule for name, rule in imported.report.rule_of.items() if "erf" in name} == {"matmul"}, \
+        imported.report.rule_of
+    # (the one transposition left is x's, channels-last for the im2col: it joins it)
+    assert all("im2col" in name for name in imported.report.rule_of if "transpose" in name), imported.report.rule_of
+
+
 # ---- binding shapes ------------------------------------------------------------------------------------
 def _gelu_model(dims) -> onnx.ModelProto:
     node = oh.make_node("Gelu", ["x"], ["y"], domain="com.microsoft")

@@ -9,10 +9,18 @@ keeps the last axis, and every other operand is a scalar or a vector along that 
 the same against either shape), another reshape of a tensor of x's shape to S, or a tensor of shape S
 (a residual: read reshaped to x's shape, a view). Applied as the bindings come, a chain of such
 operators moves whole, and the GEMM with its bias, activation and residual becomes one fused function.
+
+The same for a transposition: ``f(permute_dims(x, p), c)`` is ``permute_dims(f(x, c'), p)`` where every
+other operand is a scalar, the same transposition of a tensor, or a constant (c' its values broadcast
+to x's rank and transposed back, at import). A convolution hands its output back channels-first
+(`conv`), and Whisper's bias and GELU ran there, between it and the transposition back that the next
+convolution's or LayerNorm's channels-last input needs: moved before it, they join the GEMM's
+epilogue and the two transpositions cancel (`layout.cancel_transposes`, after this pass).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import tvm
 import tvm_ffi
 from tvm import relax
@@ -49,9 +57,12 @@ class _Before(relax.PyExprMutator):
         self.set_var_remap(binding.var, self.builder_.emit(moved))
 
     def _moved(self, call: relax.Call) -> relax.Expr | None:
-        """``reshape(f(x, …), S)`` for ``call`` = ``f(reshape(x, S), …)``, or None."""
+        """``reshape(f(x, …), S)`` for ``call`` = ``f(reshape(x, S), …)`` (or the same through a
+        transposition, `_transposed`), or None."""
         if getattr(call.op, "name", "") not in ELEMENTWISE:
             return None
+        if any(self._permute_of(arg) is not None for arg in call.args):
+            return self._transposed(call)
         sources, target, args = [], None, []
         for arg in call.args:
             reshaped = self._reshape_of(arg)
@@ -78,6 +89,77 @@ class _Before(relax.PyExprMutator):
                 return None
         inner = self.builder_.emit(relax.Call(call.op, args, call.attrs, call.ty_args))
         return relax.op.reshape(inner, target)
+
+    def _transposed(self, call: relax.Call) -> relax.Expr | None:
+        """``permute_dims(f(x, …), p)`` for ``call`` = ``f(permute_dims(x, p), …)``, or None."""
+        axes, args = None, []
+        for arg in call.args:
+            permuted = self._permute_of(arg)
+            if permuted is not None:
+                x, p = permuted
+                if axes is not None and p != axes or not self._epilogue_of_gemm(x):
+                    return None
+                axes = p
+                args.append(x)
+                continue
+            ty = arg.ty
+            if isinstance(ty, relax.TensorType) and ty.ndim == 0:
+                args.append(arg)
+                continue
+            value = self._constant(arg)
+            if value is None or value.ndim > len(axes or ()) and axes is not None:
+                return None
+            args.append(value)  # (transposed back once the axes are known)
+        inverse = list(np.argsort(axes))
+        for i, arg in enumerate(args):
+            if isinstance(arg, np.ndarray):
+                if arg.ndim > len(axes):
+                    return None
+                full = arg.reshape((1,) * (len(axes) - arg.ndim) + arg.shape)
+                args[i] = relax.const(np.ascontiguousarray(full.transpose(inverse)), str(arg.dtype))
+        inner = relax.Call(call.op, args, call.attrs, call.ty_args)
+        # x itself transposed (Whisper's GELU back to channels-last, then the position embedding added):
+        # moved again, so that the two transpositions meet and cancel
+        again = self._moved(inner)
+        inner = self.builder_.emit(inner if again is None else again)
+        return relax.op.permute_dims(inner, axes)
+
+    def _epilogue_of_gemm(self, x: relax.Expr) -> bool:
+        """Whether ``x`` comes from a GEMM (a convolution's), through elementwise operators or those
+        this pass moved: only there does an operator moved before the transposition join a producer
+        that could not take the transposition (a LayerNorm's output transposed would just have
+        swapped the two: Wav2Vec2's feature extractor)."""
+        value = self._bound(x)
+        return isinstance(value, relax.Call) and getattr(value.op, "name", "") in (
+            ELEMENTWISE | {"relax.matmul", "relax.permute_dims"})
+
+    def _permute_of(self, expr: relax.Expr) -> tuple[relax.Expr, list[int]] | None:
+        """(x, p) where ``expr`` is ``permute_dims(x, p)`` with its axes given, through aliases."""
+        value = self._bound(expr)
+        if not isinstance(value, relax.Call) or getattr(value.op, "name", "") != "relax.permute_dims" \
+                or value.attrs.axes is None:
+            return None
+        return value.args[0], [int(a) for a in value.attrs.axes]
+
+    def _constant(self, expr: relax.Expr) -> np.ndarray | None:
+        """The values of a constant, or of a reshape of one (an ONNX bias shaped to broadcast)."""
+        if isinstance(expr, tvm.ir.GenericConst):
+            return expr.value.numpy()
+        value = self._bound(expr)
+        if isinstance(value, relax.Call) and getattr(value.op, "name", "") == "relax.reshape" \
+                and isinstance(value.args[0], tvm.ir.GenericConst) and isinstance(value.args[1], relax.ShapeExpr):
+            return value.args[0].value.numpy().reshape([int(d) for d in value.args[1].values])
+        return None
+
+    def _bound(self, expr: relax.Expr):
+        """What a variable is bound to, through bindings of one variable to another."""
+        seen = 0
+        while isinstance(expr, relax.Var) and seen < 16:
+            value = self.lookup_binding(expr)
+            if not isinstance(value, relax.Var):
+                return value
+            expr, seen = value, seen + 1
+        return None
 
     def _reshape_of(self, expr: relax.Expr) -> tuple[relax.Expr, relax.Expr] | None:
         """(x, S) where ``expr`` is ``reshape(x, S)`` keeping x's last axis, x a tensor of known shape."""
