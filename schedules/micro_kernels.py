@@ -94,11 +94,8 @@ def gemm(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: t
     # consecutive tasks share a row block, or, for a weight an L2 cannot hold, a column panel (streamed
     # once per panel rather than once per row block: the row blocks of a padded symbolic GEMM are 16)
     tasks = (m_task, r_task) if weight_bytes(sch, blk, sch.get(c).extent, width) > L2_WEIGHT else (r_task, m_task)
-    if dot is not None:
-        c, c_pair = sch.split(c, [None, dot.pair])
-        sch.reorder(*batch, *tasks, r_out, m_out, c, r_in, m_mid, m_vec, c_pair)
-    else:
-        sch.reorder(*batch, *tasks, r_out, m_out, c, r_in, m_mid, m_vec)
+    c, *pair = sch.split(c, [None, dot.pair]) if dot is not None else (c,)  # (the intrinsic's pair inside)
+    sch.reorder(*batch, *tasks, r_out, m_out, c, r_in, m_mid, m_vec, *pair)
     sch.parallel(sch.fuse(*batch, *tasks))
     rows = knob_int(sch, rows_factor)
     # whole column tiles in the accumulator: with padded columns the last tile computes past the width
@@ -131,11 +128,8 @@ def gemv(sch: Schedule, blk, lanes: int, k: Mapping[str, KnobValue], epilogue: t
     if dot is not None:
         vecs = dot_columns(sch, width, lanes_m, vecs) // lanes_m
     m_task, m_mid, m_vec = sch.split(m, [None, vecs, lanes_m])
-    if dot is not None:
-        c, c_pair = sch.split(c, [None, dot.pair])
-        sch.reorder(*batch, m_task, c, m_mid, m_vec, c_pair)
-    else:
-        sch.reorder(*batch, m_task, c, m_mid, m_vec)
+    c, *pair = sch.split(c, [None, dot.pair]) if dot is not None else (c,)  # (the intrinsic's pair inside)
+    sch.reorder(*batch, m_task, c, m_mid, m_vec, *pair)
     task = sch.fuse(*batch, m_task)
     sch.parallel(task)
     w = knob_int(sch, vecs) * lanes_m  # whole column tiles in the accumulator (see `gemm`)

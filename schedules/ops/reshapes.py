@@ -107,7 +107,7 @@ class _Before(relax.PyExprMutator):
                 args.append(arg)
                 continue
             value = self._constant(arg)
-            if value is None or value.ndim > len(axes or ()) and axes is not None:
+            if value is None:
                 return None
             args.append(value)  # (transposed back once the axes are known)
         inverse = list(np.argsort(axes))
