@@ -93,6 +93,35 @@ def test_polynomial_log_keeps_relative_position_buckets():
         assert np.array_equal(buckets(out.numpy()), buckets(exact))
 
 
+
+MATHS = {"exp": (tvm.tirx.exp, np.exp), "log": (tvm.tirx.log, np.log), "tanh": (tvm.tirx.tanh, np.tanh),
+         "sigmoid": (tvm.tirx.sigmoid, lambda v: 1 / (1 + np.exp(-v))), "erf": (tvm.tirx.erf, np.vectorize(math.erf))}
+
+
+@pytest.mark.parametrize("name", list(MATHS))
+def test_polynomial_math_keeps_the_vector_width(name):
+    """A loop vectorised by 16 stays 16 lanes wide through `polynomial_math` (a NaN test TVM cannot
+    vectorise would run it lane by lane, and LLVM would re-vectorise it by 8 on a CPU preferring 256-bit
+    vectors), and keeps NaN, ±inf and the function's values (float64 NumPy, 2e-6)."""
+    tir_fn, np_fn = MATHS[name]
+    x = tvm.te.placeholder((1024,), "float32", "x")
+    y = tvm.te.compute(x.shape, lambda i: tir_fn(x[i]), name="y")
+    sch = tvm.s_tir.Schedule(tvm.te.create_prim_func([x, y]))
+    sch.vectorize(sch.split(sch.get_loops(sch.get_sblock("y"))[0], [None, 16])[1])
+    lib = tvm_compile(passes.polynomial_math()(sch.mod), AVX512)
+    ll = lib.mod.inspect_source("ll")
+    assert "<16 x float>" in ll and "<8 x float>" not in ll and "<4 x float>" not in ll
+    if not has_feature(CPU, "avx512f"):
+        pytest.skip("this CPU cannot run AVX-512")
+    xs = np.linspace(0.01 if name == "log" else -12, 12, 1024).astype(np.float32)
+    xs[:3] = np.nan, np.inf, 0.5 if name == "log" else -np.inf
+    out = tvm.runtime.empty((1024,), "float32", tvm.cpu())
+    lib["main"](tvm.runtime.tensor(xs), out)
+    with np.errstate(over="ignore"):
+        want = np_fn(xs.astype(np.float64))
+    np.testing.assert_allclose(out.numpy(), want, rtol=2e-6, atol=2e-7)
+
+
 AVX512 = resolve_target({"kind": "llvm", "mcpu": "znver4", "num-cores": 2})
 AVX2 = resolve_target({"kind": "llvm", "mcpu": "znver3", "num-cores": 2})
 EXP2_SPECIAL = np.array([-np.inf, np.inf, np.nan, -1e30, 1e30, -200.0, 200.0, 0.0], np.float32)

@@ -122,7 +122,7 @@ def _odd_rational(arg: PrimExpr, limit: float, p: tuple, q: tuple) -> PrimExpr:
         num = num * x2 + f(c)
     for c in q[1:]:
         den = den * x2 + f(c)
-    return tirx.Select(tirx.isnan(arg), arg, x * num / den)
+    return tirx.Select(_is_nan(arg), arg, x * num / den)
 
 
 def _exp2_f32(arg: PrimExpr, coefficients: tuple[float, ...]) -> PrimExpr:
@@ -132,7 +132,7 @@ def _exp2_f32(arg: PrimExpr, coefficients: tuple[float, ...]) -> PrimExpr:
     x = tirx.min(tirx.max(arg, f(-127.0)), f(128.0))
     n = tirx.floor(x)
     r = x - n  # exact
-    return tirx.Select(tirx.isnan(arg), arg, _polynomial(r, coefficients, f) * _two_to(n))
+    return tirx.Select(_is_nan(arg), arg, _polynomial(r, coefficients, f) * _two_to(n))
 
 
 def _polynomial(r: PrimExpr, coefficients: tuple[float, ...], f) -> PrimExpr:
@@ -147,6 +147,17 @@ def _constant_like(x: PrimExpr):
     """fp32 constants of ``x``'s lane count (a Broadcast for a vector)."""
     lanes = x.ty.dtype.lanes
     return lambda v: tirx.const(v, "float32") if lanes == 1 else tirx.Broadcast(tirx.const(v, "float32"), lanes)
+
+
+def _is_nan(x: PrimExpr) -> PrimExpr:
+    """x is NaN. Before vectorisation, from its bits (exponent all ones, mantissa not zero): TVM's
+    vectoriser has no vector form of ``tirx.isnan`` (a loop that contains it would run one lane at a
+    time, and LLVM re-vectorise it at half the width), and the simplifier folds ``x != x`` to false. A
+    vector (after vectorisation, `vector_exp2`) keeps ``isnan``: one unordered compare."""
+    if x.ty.dtype.lanes > 1:
+        return tirx.isnan(x)
+    return tirx.bitwise_and(tirx.reinterpret("int32", x), tirx.const(0x7FFFFFFF, "int32")) > \
+        tirx.const(0x7F800000, "int32")
 
 
 def _two_to(n: PrimExpr) -> PrimExpr:
@@ -166,7 +177,9 @@ def _exp_f32(arg: PrimExpr) -> PrimExpr:
     for coeff in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
         p = p * r + f(coeff)
     p = p * r * r + r + f(1.0)
-    return tirx.Select(arg < f(-87.0), f(0.0), tirx.Select(tirx.isnan(arg), arg, p * _two_to(n)))
+    # the clamp at 88 keeps 2^n finite; above fp32's largest exp (88.72) the result is +inf
+    return tirx.Select(arg < f(-87.0), f(0.0), tirx.Select(arg > f(88.7228394), f(float("inf")),
+                                                          tirx.Select(_is_nan(arg), arg, p * _two_to(n))))
 
 
 # log(1 + x) ≈ x - x²/2 + x³·P(x) on [√½ - 1, √2 - 1] (Cephes' logf), highest power first
@@ -181,19 +194,20 @@ def _log_f32(arg: PrimExpr) -> PrimExpr:
     bound to a variable: written out, the polynomial would repeat the input's expression at every read."""
     f = lambda v: tirx.const(v, "float32")  # noqa: E731
     word = lambda c: tirx.const(c, "int32")  # noqa: E731
-    a, x, bits, low, e, r, r2 = (tirx.Var(name, dtype) for name, dtype in (
-        ("log_a", "float32"), ("log_x", "float32"), ("log_bits", "int32"), ("log_low", "bool"),
-        ("log_e", "float32"), ("log_r", "float32"), ("log_r2", "float32")))
+    a, x, bits, e, r, r2 = (tirx.Var(name, dtype) for name, dtype in (
+        ("log_a", "float32"), ("log_x", "float32"), ("log_bits", "int32"), ("log_e", "float32"),
+        ("log_r", "float32"), ("log_r2", "float32")))
     denormal = a < f(1.17549435e-38)
     exponent = tirx.Cast("float32", tirx.shift_right(bits, word(23)) - word(126)) \
         - tirx.Select(denormal, f(23.0), f(0.0))
     # m in [0.5, 1) from the bits; below √½ the reduction takes 2m (one less in the exponent)
     m = tirx.reinterpret("float32", tirx.bitwise_or(tirx.bitwise_and(bits, word(0x007FFFFF)), word(0x3F000000)))
+    low = m < f(0.707106781186547524)  # (not a bound variable: TVM cannot vectorise a boolean one)
     y = _polynomial(r, LOG_P, f) * r * r2 + e * f(-2.12194440e-4) - r2 * f(0.5)
     out = tirx.Select(a == f(0.0), f(float("-inf")), tirx.Select(a == f(float("inf")), a, r + y + e * f(0.693359375)))
-    out = tirx.Select(tirx.isnan(a) | (a < f(0.0)), tirx.Select(tirx.isnan(a), a, f(float("nan"))), out)
+    out = tirx.Select(_is_nan(a) | (a < f(0.0)), tirx.Select(_is_nan(a), a, f(float("nan"))), out)
     for var, value in reversed(((a, arg), (x, tirx.Select(denormal, a * f(8388608.0), a)),  # 2^23
-                                (bits, tirx.reinterpret("int32", x)), (low, m < f(0.707106781186547524)),
+                                (bits, tirx.reinterpret("int32", x)),
                                 (e, exponent - tirx.Select(low, f(1.0), f(0.0))),
                                 (r, tirx.Select(low, m + m, m) - f(1.0)), (r2, r * r))):
         out = tirx.Let(var, value, out)
