@@ -72,6 +72,25 @@ def test_zoo_model_attention_on_kernels(name):
         assert all(r.spec.alibi == "signed" and r.spec.attn_mask is None for r in report.replacements), str(report)
 
 
+def _rules(imported: tvmattn.ImportedModel) -> list[tuple]:
+    return sorted({(r.spec.causal, r.spec.causal_align, r.spec.window, r.spec.attn_mask, r.spec.attn_mask_dims)
+                   for r in imported.report.replacements}, key=str)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in QUICK else [pytest.mark.slow])
+                                  for n in ("bert", "llama", "gemma2")])
+def test_static_sizes_keep_the_symbolic_imports_rules(name):
+    """Imported at static sizes, where the export's mask folds into constants (an all-True query axis,
+    a causal tril, a sliding window's band), each attention keeps what the symbolic import found: its
+    causal rule and window, and a mask read per key, not per (query, key); and matches ONNX Runtime."""
+    m = zoo.get(name)
+    feed = m.feed(m.shapes[0])
+    static = tvmattn.import_onnx(m.export(), shapes={k: v.shape for k, v in feed.items()})
+    assert _rules(static) == _rules(_imported(name)), str(static.report)
+    for got, want in zip(static.run(feed), ort_run(m.export(), feed)):
+        assert errors(got, want)[1] <= TOLERANCE
+
+
 @pytest.mark.parametrize("name", _cases(NOT_IMPORTED))
 def test_zoo_model_has_nothing_on_the_fallback_rule(name):
     """Every function of the import is a rule's own (GEMMs, convolutions, norms, elementwise chains,

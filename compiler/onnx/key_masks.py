@@ -93,8 +93,11 @@ def average_empty_rows(bb: relax.BlockBuilder, out: relax.Expr, v: relax.Expr, k
 
 def _conjuncts(expr: relax.Expr, values: dict) -> list[relax.Expr]:
     value = values.get(expr, expr)
-    if isinstance(value, relax.Call) and getattr(value.op, "name", "") == "relax.logical_and":
+    name = getattr(value.op, "name", "") if isinstance(value, relax.Call) else ""
+    if name == "relax.logical_and":
         return _conjuncts(value.args[0], values) + _conjuncts(value.args[1], values)
+    if name == "relax.broadcast_to":  # (each term broadcasts to the scores on its own)
+        return _conjuncts(value.args[0], values)
     if isinstance(value, tvm.ir.GenericConst) and value.value.numpy().size == 1 and value.value.numpy().item() is True:
         return []  # `True & x` (HF's mask functions start from True)
     return [expr]
@@ -133,8 +136,11 @@ def per_key(bb: relax.BlockBuilder, mask: relax.Expr, values: dict, visit) -> re
         return None
     args = []
     for a in value.args:
-        if isinstance(a, tvm.ir.GenericConst) and a.value.numpy().ndim < 2:
-            args.append(a)
+        if isinstance(a, tvm.ir.GenericConst):  # (a static import's all-True (…, n, 1) folds to one)
+            constant = a.value.numpy()
+            if constant.ndim >= 2 and not (constant == constant[..., :1, :]).all():
+                return None
+            args.append(a if constant.ndim < 2 else relax.const(constant[..., :1, :]))
             continue
         narrowed = per_key(bb, a, values, visit) if isinstance(a, relax.Expr) and hasattr(a, "ty") else None
         if narrowed is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
+import numpy as np
 import tvm
 from tvm import relax, tirx
 from tvm.ir.expr import Expr as PrimExpr
@@ -50,16 +51,39 @@ def rule(expr: relax.Expr, index: Index | None, var2val: dict) -> PrimExpr | Non
 
 
 def _constant(value, index: Index) -> PrimExpr | None:
-    """One value everywhere (an all-True mask broadcast to the batch), or the element at an index known
-    when the model is compiled (ALiBi's slope of one head: `onnx.alibi`)."""
+    """One value everywhere (an all-True mask broadcast to the batch), a band of the last two axes (a
+    causal mask baked in by an export or an import at static sizes: `_band`), or the element at an
+    index known when the model is compiled (ALiBi's slope of one head: `onnx.alibi`)."""
     if value.size and (value == value.flat[0]).all():
         return tirx.const(value.flat[0].item(), str(value.dtype))
+    band = _band(value, index)
+    if band is not None:
+        return band
     analyzer = tvm.sym.Analyzer()
     at = [analyzer.simplify(i) for i in index]
     if len(at) != value.ndim or not all(isinstance(i, tirx.IntImm) for i in at):
         return None
     return tirx.const(value[tuple(int(i.value) for i in at)].item(), str(value.dtype))
 
+
+
+def _band(value, index: Index) -> PrimExpr | None:
+    """A bool constant (…, n, n_kv), the same for every leading index, that is True exactly where
+    l ≤ j − i ≤ u (query i, key j): the rule ``j − i ≤ u`` (and ``j − i ≥ l`` where that hides
+    anything), which `key_rule` then proves causal, windowed or not. None for any other constant."""
+    if value.dtype != np.bool_ or value.ndim < 2 or min(value.shape[-2:]) < 2 or not value.any():
+        return None
+    planes = value.reshape(-1, *value.shape[-2:])
+    if not (planes == planes[0]).all():
+        return None
+    n, n_kv = planes[0].shape
+    offsets = np.arange(n_kv)[None, :] - np.arange(n)[:, None]  # j − i
+    upper, lower = int(offsets[planes[0]].max()), int(offsets[planes[0]].min())
+    if not np.array_equal(planes[0], (offsets <= upper) & (offsets >= lower)):
+        return None
+    i, j = index[-2], index[-1]
+    rule = j - i <= tirx.const(upper, j.ty.dtype)
+    return rule if lower == offsets.min() else tirx.And(rule, j - i >= tirx.const(lower, j.ty.dtype))
 
 # ---- one rule per op: the element at ``index`` of the op's output, from its operands' ----------------------
 def _arange(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
