@@ -15,6 +15,23 @@ def hides_only(keep: np.ndarray, bias: np.ndarray) -> bool:
     return bool(np.all(bias[~keep] == -np.inf) or keep.any(axis=-1).all())
 
 
+def band(keep: np.ndarray) -> tuple[int, int | None] | None:
+    """(u, l) where a bool ``keep`` (…, n, n_kv), the same for every leading index, is True exactly
+    where l ≤ j − i ≤ u (query i, key j): a causal mask at offset u, with a sliding window where l is
+    not None (None: nothing below the diagonal hidden). None for any other mask, or one hiding all."""
+    if keep.ndim < 2 or not keep.any():
+        return None
+    planes = keep.reshape(-1, *keep.shape[-2:])
+    if not (planes == planes[0]).all():
+        return None
+    n, n_kv = planes[0].shape
+    offsets = np.arange(n_kv)[None, :] - np.arange(n)[:, None]  # j − i
+    upper, lower = int(offsets[planes[0]].max()), int(offsets[planes[0]].min())
+    if not np.array_equal(planes[0], (offsets <= upper) & (offsets >= lower)):
+        return None
+    return upper, None if lower == offsets.min() else lower
+
+
 def keep_rule(keep: np.ndarray, scores: tuple[int | None, ...]) -> tuple[Mask | None, dict]:
     """A constant bool mask: nothing if it hides nothing, the spec's causal rule (with a sliding window)
     if it is one. One query that sees every key of a mask spanning the keys is a decode step's causal
@@ -24,14 +41,11 @@ def keep_rule(keep: np.ndarray, scores: tuple[int | None, ...]) -> tuple[Mask | 
         if n == 1 and n_kv is not None and n_kv > 1 and keep.shape[-1] == n_kv:
             return None, {"causal": True, "causal_align": "bottom_right"}
         return None, {}
-    if keep.shape[-2:] == (n, n_kv) and n is not None and n_kv is not None:
-        rows = keep.reshape(-1, n, n_kv)
-        if (rows == rows[0]).all():
-            i, j = np.arange(n)[:, None], np.arange(n_kv)[None, :]
-            width = int(rows[0].sum(axis=1).max())  # a sliding window's keys, where it is one
-            for align, offset in (("top_left", 0), ("bottom_right", n_kv - n)):
-                if np.array_equal(rows[0], j <= i + offset):
-                    return None, {"causal": True, "causal_align": align}
-                if np.array_equal(rows[0], (j <= i + offset) & (j > i + offset - width)):
-                    return None, {"causal": True, "causal_align": align, "window": width}
+    found = band(keep) if keep.shape[-2:] == (n, n_kv) else None
+    if found is not None:
+        upper, lower = found
+        for align, offset in (("top_left", 0), ("bottom_right", n_kv - n)):
+            if upper == offset:  # j ≤ i + offset, and j ≥ i + l: j > i + offset − W, W = offset − l + 1
+                rule = {"causal": True, "causal_align": align}
+                return None, rule if lower is None else rule | {"window": upper - lower + 1}
     return Mask(relax.const(keep), "bool"), {}

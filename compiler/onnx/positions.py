@@ -19,6 +19,7 @@ from tvm import relax, tirx
 from tvm.ir.expr import Expr as PrimExpr
 
 from tvmattn.compiler.onnx import run_checks
+from tvmattn.compiler.onnx.constant_masks import band
 from tvmattn.compiler.onnx.shape_ops import bounded_below
 
 Index = list[PrimExpr]  # one index per axis of the tensor being read
@@ -56,9 +57,9 @@ def _constant(value, index: Index) -> PrimExpr | None:
     index known when the model is compiled (ALiBi's slope of one head: `onnx.alibi`)."""
     if value.size and (value == value.flat[0]).all():
         return tirx.const(value.flat[0].item(), str(value.dtype))
-    band = _band(value, index)
-    if band is not None:
-        return band
+    banded = _band(value, index)
+    if banded is not None:
+        return banded
     analyzer = tvm.sym.Analyzer()
     at = [analyzer.simplify(i) for i in index]
     if len(at) != value.ndim or not all(isinstance(i, tirx.IntImm) for i in at):
@@ -66,24 +67,17 @@ def _constant(value, index: Index) -> PrimExpr | None:
     return tirx.const(value[tuple(int(i.value) for i in at)].item(), str(value.dtype))
 
 
-
 def _band(value, index: Index) -> PrimExpr | None:
-    """A bool constant (…, n, n_kv), the same for every leading index, that is True exactly where
-    l ≤ j − i ≤ u (query i, key j): the rule ``j − i ≤ u`` (and ``j − i ≥ l`` where that hides
-    anything), which `key_rule` then proves causal, windowed or not. None for any other constant."""
-    if value.dtype != np.bool_ or value.ndim < 2 or min(value.shape[-2:]) < 2 or not value.any():
-        return None
-    planes = value.reshape(-1, *value.shape[-2:])
-    if not (planes == planes[0]).all():
-        return None
-    n, n_kv = planes[0].shape
-    offsets = np.arange(n_kv)[None, :] - np.arange(n)[:, None]  # j − i
-    upper, lower = int(offsets[planes[0]].max()), int(offsets[planes[0]].min())
-    if not np.array_equal(planes[0], (offsets <= upper) & (offsets >= lower)):
+    """A bool constant (…, n, n_kv) that is a band of its last two axes (`constant_masks.band`): the
+    rule ``j − i ≤ u`` (and ``j − i ≥ l``) of query i and key j, which `key_rule` then proves causal,
+    windowed or not. None for any other constant."""
+    found = band(value) if value.dtype == np.bool_ and min(value.shape[-2:], default=0) >= 2 else None
+    if found is None:
         return None
     i, j = index[-2], index[-1]
-    rule = j - i <= tirx.const(upper, j.ty.dtype)
-    return rule if lower == offsets.min() else tirx.And(rule, j - i >= tirx.const(lower, j.ty.dtype))
+    upper, lower = (None if v is None else tirx.const(v, j.ty.dtype) for v in found)
+    return j - i <= upper if lower is None else tirx.And(j - i <= upper, j - i >= lower)
+
 
 # ---- one rule per op: the element at ``index`` of the op's output, from its operands' ----------------------
 def _arange(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
