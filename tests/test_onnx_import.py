@@ -61,6 +61,29 @@ def test_buffer_one_diagonal_off_tril_stays_a_mask():
     assert not spec.causal and spec.attn_mask is not None
 
 
+
+@pytest.mark.parametrize("shift, window", [(0, None), (0, 3), (1, 3), (0, 8)])
+def test_constant_band_mask(shift, window):
+    """A constant bool mask where(keep, scores, -inf) of static sizes (8 queries, 8 keys), keep the band
+    j ≤ i + shift (and j > i + shift − window): the causal rule with its window where shift is 0 (a
+    window of every key is plain causal), a mask otherwise."""
+    n = 8
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    keep = (j <= i + shift) & (j > i + shift - (window or n + 1))
+    nodes = [oh.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), oh.make_node("MatMul", ["q", "kt"], ["sc"]),
+             oh.make_node("Where", ["keep", "sc", "fill"], ["logits"]),
+             oh.make_node("Softmax", ["logits"], ["probs"], axis=-1), oh.make_node("MatMul", ["probs", "v"], ["y"])]
+    model = _model(nodes, [(name, TP.FLOAT, [2, 2, n, D]) for name in "qkv"], [("y", TP.FLOAT, [2, 2, n, D])])
+    model.graph.initializer.extend([onnx.numpy_helper.from_array(keep[None, None], "keep"),
+                                    onnx.numpy_helper.from_array(np.array(-np.inf, np.float32), "fill")])
+    rng = np.random.default_rng(3)
+    spec = assert_matches_ort(model, [{name: randn(rng, 2, 2, n, D) for name in "qkv"}], 1).report.replacements[0].spec
+    if shift == 0:
+        assert (spec.causal, spec.window, spec.attn_mask) == (True, window if window and window < n else None, None)
+    else:
+        assert not spec.causal and spec.attn_mask == "bool", spec.describe()
+
+
 def _positional_mask_model(from_past: bool, shift: int, strict: bool, window: int | None) -> onnx.ModelProto:
     """Decomposed attention after a cache (K = concat(past, new), n_kv = P + S) whose additive mask is
     computed from positions when the model runs, as dynamic-shape exports write it: key positions
