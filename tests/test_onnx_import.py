@@ -61,7 +61,6 @@ def test_buffer_one_diagonal_off_tril_stays_a_mask():
     assert not spec.causal and spec.attn_mask is not None
 
 
-
 @pytest.mark.parametrize("shift, window", [(0, None), (0, 3), (1, 3), (0, 8)])
 def test_constant_band_mask(shift, window):
     """A constant bool mask where(keep, scores, -inf) of static sizes (8 queries, 8 keys), keep the band

@@ -93,7 +93,9 @@ def test_polynomial_log_keeps_relative_position_buckets():
         assert np.array_equal(buckets(out.numpy()), buckets(exact))
 
 
-
+AVX512 = resolve_target({"kind": "llvm", "mcpu": "znver4", "num-cores": 2})
+AVX2 = resolve_target({"kind": "llvm", "mcpu": "znver3", "num-cores": 2})
+EXP2_SPECIAL = np.array([-np.inf, np.inf, np.nan, -1e30, 1e30, -200.0, 200.0, 0.0], np.float32)
 MATHS = {"exp": (tvm.tirx.exp, np.exp), "log": (tvm.tirx.log, np.log), "tanh": (tvm.tirx.tanh, np.tanh),
          "sigmoid": (tvm.tirx.sigmoid, lambda v: 1 / (1 + np.exp(-v))), "erf": (tvm.tirx.erf, np.vectorize(math.erf))}
 
@@ -120,11 +122,6 @@ def test_polynomial_math_keeps_the_vector_width(name):
     with np.errstate(over="ignore"):
         want = np_fn(xs.astype(np.float64))
     np.testing.assert_allclose(out.numpy(), want, rtol=2e-6, atol=2e-7)
-
-
-AVX512 = resolve_target({"kind": "llvm", "mcpu": "znver4", "num-cores": 2})
-AVX2 = resolve_target({"kind": "llvm", "mcpu": "znver3", "num-cores": 2})
-EXP2_SPECIAL = np.array([-np.inf, np.inf, np.nan, -1e30, 1e30, -200.0, 200.0, 0.0], np.float32)
 
 
 @pytest.mark.parametrize("target", [AVX512, AVX2], ids=["avx512", "avx2"])
