@@ -63,6 +63,26 @@ def test_rms_normalization(op, opset):
     assert_matches_ort(model, _feeds(model, lambda r, b, n: _hidden(r, b, n, "x")), attentions=0)
 
 
+@pytest.mark.parametrize("square", ["Pow", "Mul"])
+def test_decomposed_rms_norm_is_one_function(square):
+    """RMSNorm as PyTorch exports it, x / sqrt(mean(x², -1) + eps) · γ, with x² a Pow or a Mul: one
+    function (the mean of squares a single reduction, `ops.powers`), no x² written on its own."""
+    nodes = [oh.make_node("Pow", ["x", "two"], ["sq"]) if square == "Pow" else oh.make_node("Mul", ["x", "x"], ["sq"]),
+             oh.make_node("ReduceMean", ["sq"], ["ms"], axes=[-1], keepdims=1),
+             oh.make_node("Add", ["ms", "eps"], ["v"]), oh.make_node("Sqrt", ["v"], ["rms"]),
+             oh.make_node("Div", ["x", "rms"], ["xn"]),
+             oh.make_node("Mul", ["xn", "gamma"], ["y"])]
+    constants = [("two", np.array(2.0, np.float32)), ("eps", np.array(1e-6, np.float32)), ("gamma", GAMMA)]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info(*X3)],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, ["b", "n", H])],
+                          [onnx.numpy_helper.from_array(a, n) for n, a in constants])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 10
+    imported = assert_matches_ort(model, _feeds(model, lambda r, b, n: _hidden(r, b, n, "x")), attentions=0)
+    assert len(imported.report.rule_of) == 1 and "mean_of_squares" in next(iter(imported.report.rule_of)), \
+        imported.report.rule_of
+
+
 @pytest.mark.parametrize("segments", [False, True])
 def test_embed_layer_normalization(segments):
     """BERT's embeddings with a padding mask: the output, mask_index (valid keys per sequence) and the sum."""
