@@ -77,12 +77,12 @@ def _rules(imported: tvmattn.ImportedModel) -> list[tuple]:
                    for r in imported.report.replacements}, key=str)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in QUICK else [pytest.mark.slow])
-                                  for n in ("bert", "llama", "gemma2")])
+@pytest.mark.parametrize("name", _cases(NOT_IMPORTED))
 def test_static_sizes_keep_the_symbolic_imports_rules(name):
-    """Imported at static sizes, where the export's mask folds into constants (an all-True query axis,
-    a causal tril, a sliding window's band), each attention keeps what the symbolic import found: its
-    causal rule and window, and a mask read per key, not per (query, key); and matches ONNX Runtime."""
+    """Imported at static sizes, where the export's mask folds into constants (BERT's all-True query
+    axis, Llama's causal tril, Gemma2's sliding window's band), each attention keeps what the symbolic
+    import found: its causal rule and window, and a mask read per key, not per (query, key); and
+    matches ONNX Runtime."""
     m = zoo.get(name)
     feed = m.feed(m.shapes[0])
     static = tvmattn.import_onnx(m.export(), shapes={k: v.shape for k, v in feed.items()})
