@@ -20,9 +20,10 @@ MS = (("", 17), ("com.microsoft", 1))
 SHAPES = [(1, 3), (2, 5)]  # (batch, seq) at which each model runs
 
 
-def _model(node: onnx.NodeProto, inputs, outputs, initializers=(), opsets=MS) -> onnx.ModelProto:
-    """One node's model; ``outputs`` are (name, dtype, rank): shape inference sizes them."""
-    graph = oh.make_graph([node], "g", [oh.make_tensor_value_info(*i) for i in inputs],
+def _model(node: onnx.NodeProto | list, inputs, outputs, initializers=(), opsets=MS) -> onnx.ModelProto:
+    """One node's model (or a list of nodes'); ``outputs`` are (name, dtype, rank): shape inference sizes them."""
+    nodes = [node] if isinstance(node, onnx.NodeProto) else node
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info(*i) for i in inputs],
                           [oh.make_tensor_value_info(name, dtype, [None] * rank) for name, dtype, rank in outputs],
                           [onnx.numpy_helper.from_array(a, n) for n, a in initializers])
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid(d, v) for d, v in opsets])
@@ -73,11 +74,7 @@ def test_decomposed_rms_norm_is_one_function(square):
              oh.make_node("Div", ["x", "rms"], ["xn"]),
              oh.make_node("Mul", ["xn", "gamma"], ["y"])]
     constants = [("two", np.array(2.0, np.float32)), ("eps", np.array(1e-6, np.float32)), ("gamma", GAMMA)]
-    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info(*X3)],
-                          [oh.make_tensor_value_info("y", TP.FLOAT, ["b", "n", H])],
-                          [onnx.numpy_helper.from_array(a, n) for n, a in constants])
-    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
-    model.ir_version = 10
+    model = _model(nodes, [X3], [("y", TP.FLOAT, 3)], constants, (("", 17),))
     imported = assert_matches_ort(model, _feeds(model, lambda r, b, n: _hidden(r, b, n, "x")), attentions=0)
     assert len(imported.report.rule_of) == 1 and "mean_of_squares" in next(iter(imported.report.rule_of)), \
         imported.report.rule_of
