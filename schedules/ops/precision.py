@@ -20,17 +20,6 @@ from tvmattn.schedules.cpu.plan import MIN_PAIR_ROWS
 from tvmattn.schedules.ops.rewrite import rewrite_functions
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-CACHE_RESIDENT = 1 << 20  # fp32 weight bytes an L2 keeps between a decode step's calls
-
-
-def _cache_resident_gemv(x: relax.Expr, w: np.ndarray) -> bool:
-    """One row (a decode step) by a weight that stays in cache: half its bytes saves nothing, and the
-    activation's cast would be one more kernel of a step that is the VM's fixed cost per kernel."""
-    shape = getattr(x.ty, "shape", None)
-    dims = getattr(shape, "values", None)
-    if dims is None or not all(isinstance(d, tvm.tirx.IntImm) for d in dims[:-1]):
-        return False
-    return int(np.prod([int(d) for d in dims[:-1]])) == 1 and w.nbytes <= CACHE_RESIDENT
 
 
 def matmuls_in(dtype: str, dot_lanes: int | None = None, tiles: Tiles | None = None) -> tvm.transform.Pass:
@@ -82,7 +71,7 @@ class _Matmuls(relax.PyExprMutator):
                 and _dot_shaped(x, w, self.dot_lanes):
             return relax.op.matmul(self._cast(x), self._cast(w), out_dtype="float32")
         if value is None or value.dtype != np.float32 or value.ndim < 2 \
-                or str(getattr(x.ty, "dtype", "")) != "float32" or _cache_resident_gemv(x, value):
+                or str(getattr(x.ty, "dtype", "")) != "float32":
             return call
         x, value = self._padded(self._cast(x), value)
         weight = relax.const(value.astype(DTYPES[self.dtype]), self.dtype)
