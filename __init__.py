@@ -21,11 +21,12 @@ _os.environ.setdefault("TVM_NUM_THREADS", str(len(_os.sched_getaffinity(0)) if h
 # serving one model) would stack on the same cores, and a pinned worker cannot leave a core that other
 # work (torch's, ONNX Runtime's, another process's) is busy on.
 _os.environ.setdefault("TVM_BIND_THREADS", "0")
-# TVM's workers yield this many times after a parallel region before they sleep (~50 µs here: a
-# `sched_yield` takes 0.16 µs), longer than the gaps between one run's kernels, so those find them
-# awake, and a yielding worker gives its core to any other thread that wants it. TVM's default,
-# 300000, spins for tens of milliseconds; 20 (3 µs) left them asleep at most kernels' starts.
-_os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "300")
+# TVM's workers yield this many times after a parallel region before they sleep (~160 µs here: a
+# `sched_yield` takes 0.16 µs), longer than the gaps between one run's kernels and than `run`'s own
+# Python between two runs, so those find them awake; a yielding worker gives its core to any other
+# thread that wants it. TVM's default, 300000, spins for tens of milliseconds; 20 (3 µs) left them
+# asleep at most kernels' starts, and a wake-up takes tens of µs.
+_os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "1000")
 
 from tvmattn.compiler.build import compile_attention as compile  # noqa: E402,A004 (the public name)
 from tvmattn.compiler.errors import TvmAttnError  # noqa: E402

@@ -5,7 +5,7 @@ Peers (each only if installed): PyTorch `scaled_dot_product_attention`, ONNX Run
 after a warm-up, in interleaved rounds (`interleaved`: a slow spell of the machine falls on every
 implementation alike), for the median of its runs; idle worker threads are told not to spin so that
 one implementation does not steal the next one's cores (OMP_WAIT_POLICY=PASSIVE, ORT allow_spinning=0;
-TVM's workers yield a few tens of microseconds before they sleep, tvmattn's default). OpenVINO's TBB
+TVM's workers yield ~160 µs before they sleep, tvmattn's default). OpenVINO's TBB
 workers have no such switch: the pause before each turn lets them go idle.
 
 16-bit specs: torch takes the bf16/fp16 arrays as they are, ONNX Runtime fp16 (it has no CPU bf16
