@@ -38,11 +38,12 @@ from tvmattn.compiler.target import is_foreign
 _CREATE_VIEW = tvm.get_global_func("runtime.TVMTensorCreateView")
 _BFLOAT16 = tvm_ffi.dtype("bfloat16")
 _UINT16 = tvm_ffi.dtype("uint16")
+_NUMPY_BF16 = numpy_dtype("bfloat16")
 
 
 def host_tensor(arr: np.ndarray) -> tvm.runtime.Tensor:
     """A TVM tensor on ``arr``'s memory (no copy); ``arr`` must be C-contiguous and element-aligned."""
-    if arr.dtype == numpy_dtype("bfloat16"):  # DLPack in NumPy has no bfloat16: cross as uint16, view back
+    if arr.dtype == _NUMPY_BF16:  # DLPack in NumPy has no bfloat16: cross as uint16, view back
         return _CREATE_VIEW(tvm_ffi.from_dlpack(arr.view(np.uint16)), arr.shape, _BFLOAT16, 0)
     return tvm_ffi.from_dlpack(arr)
 
@@ -51,7 +52,7 @@ def host_array(tensor: tvm.runtime.Tensor) -> np.ndarray:
     """A CPU ``tensor`` as NumPy without a copy (`host_tensor`'s inverse: bfloat16 crosses as uint16);
     the array keeps the tensor's memory alive."""
     if tensor.dtype == _BFLOAT16:
-        return np.from_dlpack(_CREATE_VIEW(tensor, tensor.shape, _UINT16, 0)).view(numpy_dtype("bfloat16"))
+        return np.from_dlpack(_CREATE_VIEW(tensor, tensor.shape, _UINT16, 0)).view(_NUMPY_BF16)
     return np.from_dlpack(tensor)
 
 

@@ -158,15 +158,11 @@ class ImportedModel:
 
     def run(self, feed: Mapping[str, Any]) -> list[np.ndarray]:
         """The graph's outputs, in order, for the inputs in ``feed`` (name → array)."""
-        if is_foreign(self.target):  # (the C harness runs one kernel; a model needs TVM's VM)
-            raise TvmAttnError(f"this model is compiled for {self.target.attrs.get('mtriple')}: export_library it "
-                               "and run it with TVM's runtime on that CPU (emulation here runs single kernels)")
+        on_cpu, aliases = self._calling
         args = self._arguments(feed)
-        dev = self.device
-        on_cpu = dev.dlpack_device_type() == tvm.cpu().dlpack_device_type()
         # CPU: the arrays cross without a copy (a decode step's KV cache is megabytes; the functions take
         # arrays at any element offset, `passes.element_aligned_arguments`)
-        tensors = [host_tensor(a) if on_cpu else tvm.runtime.tensor(a, dev) for a in args]
+        tensors = [host_tensor(a) for a in args] if on_cpu else [tvm.runtime.tensor(a, self.device) for a in args]
         main = self._mains.take()  # a VM keeps per-call state: one per concurrent run (`concurrency`)
         try:
             out = concurrency.run_on_tvm_pool(main, *tensors) if on_cpu else main(*tensors)
@@ -175,12 +171,22 @@ class ImportedModel:
         finally:
             self._mains.give_back(main)
         outs = [out] if isinstance(out, tvm.runtime.Tensor) else list(out)
-        if on_cpu:
-            names = [i.name for i in self.inputs]
-            into = [self.report.in_place.get(name) for name in self.output_names]
-            return [args[names.index(i)] if i in names and o.data_ptr() == args[names.index(i)].ctypes.data
-                    else _host_view(o, args) for o, i in zip(outs, into)]  # an in-place output: its input
-        return [o.numpy() for o in outs]
+        if not on_cpu:
+            return [o.numpy() for o in outs]
+        return [args[i] if i is not None and o.data_ptr() == args[i].ctypes.data else _host_view(o, args)
+                for o, i in zip(outs, aliases)]  # an in-place output: its input
+
+    @functools.cached_property
+    def _calling(self) -> tuple[bool, list[int | None]]:
+        """What every `run` reads, decided once (a one-token step is ~0.2 ms, a Python line a µs): whether
+        the arrays cross without a copy (the CPU), and the input each output is written into in place."""
+        if is_foreign(self.target):  # (the C harness runs one kernel; a model needs TVM's VM)
+            raise TvmAttnError(f"this model is compiled for {self.target.attrs.get('mtriple')}: export_library it "
+                               "and run it with TVM's runtime on that CPU (emulation here runs single kernels)")
+        on_cpu = self.device.dlpack_device_type() == tvm.cpu().dlpack_device_type()
+        names = [i.name for i in self.inputs]
+        into = [self.report.in_place.get(name) for name in self.output_names]
+        return on_cpu, [names.index(i) if i in names else None for i in into]
 
     def export_library(self, path: str) -> None:
         """A shared library of the model (another CPU's: linked by its cross gcc, `cross.toolchain`)."""
@@ -200,24 +206,31 @@ class ImportedModel:
         """The ``main`` of a VM each over the one executable (its weights are read in place, not copied)."""
         return concurrency.Pool(lambda: relax.VirtualMachine(self.executable, self.device)["main"])
 
+    @functools.cached_property
+    def _expected(self) -> list[tuple[GraphInput, np.dtype]]:
+        return [(spec, numpy_dtype(spec.dtype)) for spec in self.inputs]
+
+    @functools.cached_property
+    def _names(self) -> set[str]:
+        return {spec.name for spec in self.inputs}
+
     def _arguments(self, feed: Mapping[str, Any]) -> list[np.ndarray]:
         if not isinstance(feed, Mapping):
             raise TvmAttnError(f"run takes a mapping of input name → array, not {type(feed).__name__}: "
                                f"run({{{', '.join(repr(i.name) + ': …' for i in self.inputs)}}})")
-        unknown = sorted(set(feed) - {i.name for i in self.inputs})
+        unknown = sorted(set(feed) - self._names)
         if unknown:
             raise TvmAttnError(f"unknown input {unknown[0]!r}: the model's inputs are "
                                f"{', '.join(i.name for i in self.inputs)}")
         sizes: dict[str, int] = {}
         args = []
-        for spec in self.inputs:
+        for spec, want in self._expected:
             if spec.name not in feed:
                 raise TvmAttnError(f"missing input {spec.name!r} ({spec.dtype}, shape {_pretty(spec.shape)})")
             try:
                 arr = np.asarray(feed[spec.name])
             except (TypeError, ValueError) as err:
                 raise TvmAttnError(f"input {spec.name!r} is not an array ({err})") from None
-            want = numpy_dtype(spec.dtype)
             if arr.dtype != want:  # as ONNX Runtime: a silent cast would hide a caller's mistake
                 raise TvmAttnError(f"input {spec.name!r} is {arr.dtype}; the model takes {spec.dtype}: pass "
                                    f"it as .astype(np.{want.name})")
