@@ -1,15 +1,15 @@
 """`tvmattn bench model.onnx`: the imported model against ONNX Runtime and OpenVINO (fp32) on the same
 inputs, in one process, and where tvmattn's time goes by operator class.
 
-Fairness as in the kernel bench (`tvmattn.compiler.bench`): every implementation uses every core,
-warms up first, and runs in interleaved rounds (the median of each is reported); idle worker threads
-do not spin (TVM, ONNX Runtime), and OpenVINO's TBB workers, which have no such switch, get a short
-pause before each turn to go idle. OpenVINO compiles the model reshaped to the inputs' shapes (static:
-how it runs a shape fastest) at fp32 inference precision (it would pick bf16 on a CPU that has it). A
-peer that is not installed or cannot load or run the model is reported as such, not an error. The
-classes come from what computes each function: a tvmattn attention kernel, or the schedule rule that
-took it (`schedules.ops`): matmul (matmul, gemv), norm (reduction), elementwise (injective), other
-(fallback, and the VM's own work: allocation, shapes).
+Fairness as in the kernel bench (`tvmattn.compiler.bench`): every implementation uses every core, warms
+up first, and runs in interleaved rounds (the median of each is reported); ONNX Runtime's idle workers
+do not spin, TVM's yield for ~160 µs and then sleep (tvmattn's default), and OpenVINO's TBB workers,
+which have no such switch, get a short pause before each turn to go idle. OpenVINO compiles the model
+reshaped to the inputs' shapes (static: how it runs a shape fastest) at fp32 inference precision (it
+would pick bf16 on a CPU that has it). A peer that is not installed or cannot load or run the model is
+reported as such, not an error. The classes come from what computes each function: a tvmattn attention
+kernel, or the schedule rule that took it (`schedules.ops`): matmul (matmul, gemv), norm (reduction),
+elementwise (injective), other (fallback, and the VM's own work: allocation, shapes).
 """
 
 from __future__ import annotations
