@@ -18,7 +18,7 @@ import tvmattn
 from tvmattn import AttentionSpec
 from tvmattn.compiler.target import isa_of, resolve_target
 from tvmattn.compiler.verify import check
-from tvmattn.schedules.cpu.plan import plan_of
+from tvmattn.schedules.cpu.plan import padded_for_tiles, plan_of
 
 HOST_HAS_BF16_DOT = isa_of(HOST).dot is not None
 HOST_HAS_AMX = isa_of(HOST).tiles is not None
@@ -234,6 +234,29 @@ def test_fp16_takes_the_tiles_from_128_keys_a_query_sees(kv_seq_len, causal, til
     kernel = tvmattn.compile(spec, target)
     assert plan_of(spec, target).fp16_parts == tiles
     assert ("tdpbf16ps" in kernel.source()) == tiles and bool(products_on(kernel, "tiles")) == tiles
+
+
+@pytest.mark.parametrize("mcpu,dtype,n,d_k,d_v,padded", [
+    ("sapphirerapids", "bfloat16", 256, 80, 80, (96, 96)),  # Phi-2, ViT-H
+    ("sapphirerapids", "float16", 256, 40, 40, (64, 64)),  # Stable Diffusion; fp16 in bf16 parts
+    ("sapphirerapids", "bfloat16", 256, 64, 80, (64, 96)),  # d_v alone
+    ("sapphirerapids", "bfloat16", "n", 112, 112, (128, 128)),  # symbolic lengths, in whole blocks
+    ("sapphirerapids", "bfloat16", 256, 64, 64, None),  # on the tiles as it is
+    ("sapphirerapids", "bfloat16", 1, 80, 80, None),  # a decode step takes no tile products
+    ("sapphirerapids", "float32", 256, 80, 80, None),
+    ("znver4", "bfloat16", 256, 80, 80, None),  # no tiles
+])
+def test_head_widths_padded_for_the_tiles(mcpu, dtype, n, d_k, d_v, padded):
+    """`plan.padded_for_tiles`: the head widths rounded up to the tiles' step and block where that
+    alone puts the kernel on them, with the unpadded width's scale."""
+    target = resolve_target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2})
+    spec = AttentionSpec(batch=1, seq_len=n, kv_seq_len=256, num_heads=2, head_dim=d_k, v_head_dim=d_v,
+                         projections=False, dtype=dtype)
+    got = padded_for_tiles(spec, target)
+    assert (None if got is None else (got.d_k, got.d_v)) == padded
+    if got is not None:
+        assert plan_of(got, target).on_tiles and not plan_of(spec, target).on_tiles
+        assert got.softmax_scale == spec.softmax_scale and got.replace(head_dim=d_k, v_head_dim=d_v, scale=None) == spec
 
 
 def test_one_query_keeps_its_dot_products_along_the_head():

@@ -11,6 +11,7 @@ import re
 
 import ml_dtypes
 import numpy as np
+import onnx
 import onnx.helper as oh
 import pytest
 import tvm
@@ -273,6 +274,42 @@ def test_decode_loop_with_a_16_bit_cache(name):
             assert got[present].shape[2] == n + 1
             assert np.array_equal(got[present][:, :, :n].view(np.uint16), ours[past].view(np.uint16))
         ours.update({past: got[present] for past, present in cache.items()})
+
+
+def _attention_of_width(d: int) -> onnx.ModelProto:
+    """ONNX's Attention on (B, 4, S, d) q, k and v, causal: Phi-2's head width is 80."""
+    node = oh.make_node("Attention", ["q", "k", "v"], ["y"], is_causal=1)
+    shape = ["B", 4, "S", d]
+    graph = oh.make_graph([node], "attention", [oh.make_tensor_value_info(x, TP.FLOAT, shape) for x in "qkv"],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, shape)])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 23)])
+    model.ir_version = 10
+    return model
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_head_widths_padded_for_the_tiles(force, monkeypatch):
+    """A head width the tile registers do not take (80) runs on them padded to 96 where the target has
+    them (`build.tile_widths`): q, k and v get zero columns, the output loses them again, the scale
+    stays 1/√80. ``force`` pads on any CPU (the padded kernel on this CPU's path), so that the graph's
+    padding is checked everywhere against ONNX Runtime in fp32."""
+    from tvmattn.compiler.onnx import kernels
+    from tvmattn.schedules.cpu.plan import padded_for_tiles
+    if force:
+        monkeypatch.setattr(kernels, "tile_widths", lambda spec, _target: spec.replace(
+            head_dim=96, v_head_dim=96, scale=spec.softmax_scale))
+    model = _attention_of_width(80)
+    imported = tvmattn.import_onnx(model, dtype="bfloat16")
+    spec = imported.report.replacements[0].spec
+    unpadded = spec.replace(head_dim=80, v_head_dim=80, scale=None)
+    assert spec.d_k == (96 if force or padded_for_tiles(unpadded, imported.target) else 80), spec
+    assert spec.softmax_scale == pytest.approx(80 ** -0.5)
+    rng = np.random.default_rng(0)
+    for b, s in ((2, 64), (1, 200)):
+        feed = {x: rng.standard_normal((b, 4, s, 80)).astype(np.float32) for x in "qkv"}
+        got, = imported.run(feed)
+        assert got.shape == (b, 4, s, 80)
+        assert errors(got, ort_run(model, feed)[0])[1] <= TOLERANCE["bfloat16"]
 
 
 @pytest.mark.parametrize("dtype", [pytest.param("float16", marks=pytest.mark.slow), "bfloat16"])

@@ -278,6 +278,22 @@ def test_injective_symbolic_transpose_with_a_tail(n):
     assert check([x, y, out], (a + b.transpose(0, 2, 1)).astype(np.float64), a, b, tol=0)[0] == "injective"
 
 
+@pytest.mark.parametrize("n", [3, 40])
+def test_injective_pad_runs_whole_vectors_between_its_bounds(n):
+    """x (n, 3, 40) → (n, 3, 56), zero columns past 40 (`onnx.kernels.attend` pads head widths so), n
+    symbolic: vectors whose lanes divide the bound, so that each vector is all x or all zeros. AVX-512's
+    16 fp32 lanes would put the bound inside a vector, which TVM runs a lane at a time."""
+    m = tirx.Var("n", "int64")
+    x = te.placeholder((m, i64(3), i64(40)), name="x")
+    y = te.compute((m, i64(3), i64(56)), lambda i, h, j: tirx.if_then_else(j < 40, x[i, h, j], tirx.const(0.0)),
+                   name="pad")
+    data = randn(np.random.default_rng(9), n, 3, 40)
+    assert check([x, y], np.pad(data, ((0, 0), (0, 0), (0, 16))).astype(np.float64), data, tol=0)[0] == "injective"
+    avx512 = resolve_target({"kind": "llvm", "mcpu": "znver4"})
+    sch = dict(RULES)["injective"].apply(te.create_prim_func([x, y]), avx512, False)
+    assert re.findall(r"T\.vectorized\(T\.int64\((\d+)\)\)", sch.mod.script()) == ["8"]
+
+
 @pytest.mark.parametrize("n", [1, 1000])
 def test_injective_symbolic_length(n):
     x = te.placeholder((tirx.Var("n", "int64"),), name="x")  # x (n,) · 2 + 1

@@ -18,7 +18,7 @@ from tvm.target import Target
 
 from tvmattn.compiler import arguments
 from tvmattn.compiler.annotations import IS_SCHEDULED, OP_PATTERN, OPAQUE
-from tvmattn.compiler.build import schedule_attention, schedule_paged
+from tvmattn.compiler.build import schedule_attention, schedule_paged, tile_widths
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.paged import PagedSpec
 from tvmattn.compiler.spec import AttentionSpec, Dim
@@ -207,8 +207,21 @@ def attend(bb: relax.BlockBuilder, kernels: Kernels, q: relax.Expr, k: relax.Exp
         fields.setdefault("alibi", "signed")
         given["alibi_slopes"] = _conform(bb, alibi_slopes, [heads], sizes, "the ALiBi slopes")
     spec = AttentionSpec(**fields)
+    padded = tile_widths(spec, kernels.target) if outputs == ("attn",) else None
+    if padded is not None:  # head widths the tile registers do not take: zero columns, sliced off after
+        given.update({x: _widened(bb, given[x], width) for x, width in (("q", padded.d_k), ("k", padded.d_k),
+                                                                          ("v", padded.d_v))})
+        args = [given[a.name] for a in arguments.taken(padded)]
+        out = kernels.call(bb, padded, args, sizes, nodes, source)
+        return [bb.emit(relax.op.strided_slice(out, axes=[3], begin=[0], end=[spec.d_v]))]
     args = [given[a.name] for a in arguments.taken(spec)]
     return [kernels.call(bb, spec.replace(output=o), args, sizes, nodes, source) for o in outputs]
+
+
+def _widened(bb: relax.BlockBuilder, x: relax.Expr, width: int) -> relax.Expr:
+    """``x`` (4-D, its last axis the head width) with zero columns up to ``width``."""
+    extra = width - int(shape_of(x, "q, k or v")[3])
+    return bb.emit(relax.op.nn.pad(x, [0, 0, 0, 0, 0, 0, 0, extra]))
 
 
 def _worth_16_bits(kernels: Kernels, q: relax.Expr, layout: str) -> bool:

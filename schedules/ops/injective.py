@@ -4,9 +4,10 @@ along the innermost (the contiguous axis of the output)."""
 
 from __future__ import annotations
 
+import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
-from tvm.ir.expr import TensorLoad
+from tvm.ir.expr import Call, TensorLoad
 from tvm.s_tir import Schedule
 from tvm.s_tir.dlight import ScheduleRule, normalize_prim_func, try_inline
 from tvm.target import Target
@@ -17,6 +18,8 @@ from tvmattn.compiler.target import vector_lanes
 PARALLEL_GRAIN = 4096  # elements per parallel task at least: below it a thread's start costs more than its work
 PARALLEL_TASKS = 64  # iterations of a parallel loop enough to share among threads (`_parallel_prefix`)
 SYMBOLIC_TASKS = 8  # what a symbolic extent (a batch, a sequence) is assumed to contribute to them
+_IF_THEN_ELSE = tvm.ir.Op.get("prim.if_then_else")
+_COMPARISONS = (tirx.LT, tirx.LE, tirx.GT, tirx.GE, tirx.EQ, tirx.NE)
 
 
 class Injective(ScheduleRule):
@@ -47,6 +50,7 @@ def spatial(sch: Schedule, block: s_tir.schedule.SBlockRV, target: Target) -> No
     *outer, inner = loops
     extent = sch.get(inner).extent
     gathers = _gathers(sch.get(block))
+    lanes = _uniform_lanes(sch.get(block), lanes, extent)
     if not gathers and _transposed_tiles(sch, block, lanes):  # (a gather's reads are its indices')
         return
     if isinstance(extent, tirx.IntImm) and extent.value > 0 and extent.value % lanes == 0 and lanes > 1:
@@ -119,6 +123,32 @@ def _transposed_tiles(sch: Schedule, block, lanes: int) -> bool:
             sch.parallel(outer)
         return True
     return False
+
+
+def _uniform_lanes(block, lanes: int, extent) -> int:
+    """``lanes``, halved until every bound that an ``if_then_else`` sets inside the innermost axis (a
+    Pad's ``j < 80`` of 96) falls between vectors: TVM's vectoriser keeps a choice that is the same for a whole
+    vector and runs one that differs between lanes a lane at a time (a symbolic (2, 4, n, 80) → (…, 96)
+    pad ran 7× slower)."""
+    axis = block.iter_vars[-1].var if block.iter_vars else None
+    bounds: list[int] = []
+
+    def on_compare(compare):
+        for side, other in ((compare.a, compare.b), (compare.b, compare.a)):
+            if isinstance(other, tirx.IntImm) and uses(side, axis) and (
+                    not isinstance(extent, tirx.IntImm) or 0 < other.value < extent.value):
+                bounds.append(int(other.value))
+
+    def on_call(call):
+        if call.op.same_as(_IF_THEN_ELSE):
+            tvm_ffi.structural_walk(call.args[0], [(kind, on_compare) for kind in _COMPARISONS])
+
+    if axis is not None:
+        tvm_ffi.structural_walk(block.body, [(Call, on_call)])
+    for bound in bounds:
+        while lanes > 1 and bound % lanes:
+            lanes //= 2
+    return lanes
 
 
 def _work(sch: Schedule, block) -> int:
