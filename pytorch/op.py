@@ -8,7 +8,7 @@ import torch
 import tvm_ffi
 
 from tvmattn.torch.cache import KERNELS
-from tvmattn.torch.plan import empty_output, kernel_inputs, plan
+from tvmattn.torch.plan import empty_output, kernel_inputs, plan, unpad
 
 MAX_PLANS = 4096  # argument signatures remembered (a growing KV cache adds one per step)
 
@@ -35,7 +35,7 @@ def run_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a
             kernel.run(*args, out)
     else:
         kernel.run(*args, out)
-    return result
+    return unpad(p, out, result, query)
 
 
 @torch.library.custom_op("tvmattn::attention", mutates_args=())

@@ -6,12 +6,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
+from tvmattn.compiler.build import tile_widths
 from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.target import resolve_target
 from tvmattn.torch.cache import KernelKey
 
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -37,6 +40,9 @@ class Plan:
     # they cross as they are (the shapes and strides a plan is remembered for make this hold)
     as_given: bool = False
     sinks: bool = False  # a sink logit per head (`scaled_dot_product_attention`'s ``sinks``)
+    # the kernel's (d_k, d_v) where the head widths are padded for the tile registers (`build.tile_widths`):
+    # q, k and v are copied with zero columns, and the caller gets a view of the output without them
+    padded: tuple[int, int] | None = None
 
     @property
     def batch(self) -> int:
@@ -49,9 +55,10 @@ class Plan:
     @property
     def key(self) -> KernelKey:
         """The kernel this call runs on: lengths symbolic, except a one-query call's."""
+        d_k, d_v = self.padded or (self.head_dim, self.v_head_dim)
+        scale = self.head_dim ** -0.5 if self.padded and self.scale is None else self.scale  # the true width's
         return KernelKey(self.device, self.dtype, 1 if self.q_len == 1 else None, self.heads, self.kv_heads,
-                         self.head_dim, self.v_head_dim, self.layout, self.causal, self.scale, self.mask,
-                         self.mask_dims, self.sinks)
+                         d_k, d_v, self.layout, self.causal, scale, self.mask, self.mask_dims, self.sinks)
 
 
 def plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
@@ -92,9 +99,14 @@ def plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
         t.is_contiguous() for t in (q, k, v)) else "BHSD"
     device = "cpu" if query.device.type == "cpu" else str(query.device)
     as_given = device == "cpu" and layout == "BHSD" and all(t.dim() == 4 and t.is_contiguous() for t in (q, k, v))
-    return Plan(device, DTYPES[query.dtype], lead, heads, kv_heads, q_len, kv_len, head_dim, v_head_dim, layout,
-                bool(is_causal), None if scale is None else float(scale), mask_kind, mask_dims, as_given,
-                sinks is not None)
+    p = Plan(device, DTYPES[query.dtype], lead, heads, kv_heads, q_len, kv_len, head_dim, v_head_dim, layout,
+             bool(is_causal), None if scale is None else float(scale), mask_kind, mask_dims, as_given,
+             sinks is not None)
+    # (a traced call's head counts and widths may be symbolic: it pads nothing, and its output's strides
+    # are the same either way, `empty_output`)
+    static = all(type(x) is int for x in (heads, kv_heads, head_dim, v_head_dim))
+    padded = tile_widths(p.key.spec(), resolve_target("cpu")) if device == "cpu" and static else None
+    return p if padded is None else dataclasses.replace(p, as_given=False, padded=(padded.d_k, padded.d_v))
 
 
 def kernel_inputs(p: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -102,6 +114,9 @@ def kernel_inputs(p: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.
     """The kernel's (B, …) inputs: views of the tensors where their memory order allows (no copy), else
     contiguous copies; then the mask and the sinks (float32)."""
     tensors = [query, key, value] if p.as_given else [_flat(_with_heads(t), p) for t in (query, key, value)]
+    if p.padded:
+        widths = (p.padded[0], p.padded[0], p.padded[1])
+        tensors = [torch.nn.functional.pad(t, (0, w - t.shape[-1])) for t, w in zip(tensors, widths)]
     if attn_mask is not None:
         tensors.append(_flat_mask(attn_mask, p))
     if sinks is not None:
@@ -110,13 +125,26 @@ def kernel_inputs(p: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.
 
 
 def empty_output(p: Plan, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (B, …) output the kernel writes, allocated by torch, and the (…, h, L, Ev) view of it the
-    caller returns."""
+    """The (B, …) output the kernel writes, allocated by torch, and the (…, h, L, Ev) tensor the caller
+    returns: a view of it, or where the head widths are padded a tensor of its own that `unpad` fills,
+    strided as without the padding (a traced call's fake output cannot know whether the host pads)."""
+    bshd = p.layout == "BSHD"
+    shape = (p.batch, p.q_len, p.heads, p.v_head_dim) if bshd else (p.batch, p.heads, p.q_len, p.v_head_dim)
+    out = query.new_empty(shape)
+    result = _caller_view(p, out, query)
+    return (out, result) if p.padded is None else (query.new_empty((*shape[:-1], p.padded[1])), result)
+
+
+def unpad(p: Plan, out: torch.Tensor, result: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """``result`` after the kernel wrote ``out``: its columns past d_v dropped where it is padded."""
+    return result if p.padded is None else result.copy_(_caller_view(p, out[..., :p.v_head_dim], query))
+
+
+def _caller_view(p: Plan, out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """The kernel's (B, …) output as the caller's (…, h, L, Ev)."""
     if p.layout == "BSHD":  # the transposed view is what PyTorch's own fused kernels return too
-        out = query.new_empty((p.batch, p.q_len, p.heads, p.v_head_dim))
-        return out, out.view(*p.lead, p.q_len, p.heads, p.v_head_dim).transpose(-3, -2)
-    out = query.new_empty((p.batch, p.heads, p.q_len, p.v_head_dim))
-    return out, out.view(*query.shape[:-1], p.v_head_dim)
+        return out.view(*p.lead, p.q_len, p.heads, p.v_head_dim).transpose(-3, -2)
+    return out.view(*query.shape[:-1], p.v_head_dim)
 
 
 # ---- checks ----------------------------------------------------------------------------------------

@@ -122,6 +122,36 @@ def test_transposed_views_are_read_in_place_and_one_kernel_serves_every_length()
     assert out.transpose(1, 2).is_contiguous()
 
 
+@pytest.mark.parametrize("force", [False, True])
+@pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
+def test_head_widths_padded_for_the_tiles(force, layout, monkeypatch):
+    """bf16 heads of 80 (Phi-2's) run on a kernel of 96 where the host has tile registers
+    (`build.tile_widths`): q, k and v copied with zero columns, the output copied without them (its
+    strides as unpadded), the scale 1/√80. ``force`` pads on any CPU, so that the padding is checked everywhere against torch's SDPA."""
+    from tvmattn.compiler.build import tile_widths
+    from tvmattn.compiler.target import resolve_target
+    from tvmattn.torch import plan as torch_plan
+    if force:
+        monkeypatch.setattr(torch_plan, "tile_widths", lambda spec, _target: spec.replace(
+            head_dim=96, v_head_dim=96, scale=spec.softmax_scale))
+    KERNELS.clear()
+    for batch, n in ((2, 40), (1, 70)):
+        q, k, v = (torch.randn(batch, n, 4, 80).to(torch.bfloat16) for _ in range(3))
+        if layout == "BHSD":
+            q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        else:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        with torch.no_grad():
+            out = scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert_close(out, reference(q, k, v, is_causal=True), "bfloat16")
+        assert (out.transpose(1, 2) if layout == "BSHD" else out).is_contiguous()  # strided as unpadded
+    (key,) = KERNELS.keys()
+    unpadded = tvmattn.AttentionSpec(batch="b", seq_len="n", kv_seq_len="m", num_heads=4, head_dim=80,
+                                     causal=True, layout=layout, dtype="bfloat16", projections=False)
+    assert key.head_dim == (96 if force or tile_widths(unpadded, resolve_target("cpu")) else 80)
+    assert key.spec().softmax_scale == pytest.approx(80 ** -0.5)
+
+
 def test_a_row_that_sees_no_key_gives_zeros_as_torch_does():
     # torch 2.13 gives zeros too (its older releases gave NaN); tvmattn's kernels always did
     q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
