@@ -127,7 +127,8 @@ def test_transposed_views_are_read_in_place_and_one_kernel_serves_every_length()
 def test_head_widths_padded_for_the_tiles(force, layout, monkeypatch):
     """bf16 heads of 80 (Phi-2's) run on a kernel of 96 where the host has tile registers
     (`build.tile_widths`): q, k and v copied with zero columns, the output copied without them (its
-    strides as unpadded), the scale 1/√80. ``force`` pads on any CPU, so that the padding is checked everywhere against torch's SDPA."""
+    strides as unpadded), the scale 1/√80. ``force`` pads on any CPU, so that the padding is checked
+    everywhere against torch's SDPA."""
     from tvmattn.compiler.build import tile_widths
     from tvmattn.compiler.target import resolve_target
     from tvmattn.torch import plan as torch_plan
