@@ -41,7 +41,7 @@ class Plan:
     as_given: bool = False
     sinks: bool = False  # a sink logit per head (`scaled_dot_product_attention`'s ``sinks``)
     # the kernel's (d_k, d_v) where the head widths are padded for the tile registers (`build.tile_widths`):
-    # q, k and v are copied with zero columns, and the caller gets a view of the output without them
+    # q, k and v are copied with zero columns, and the output is copied back without them (`unpad`)
     padded: tuple[int, int] | None = None
 
     @property

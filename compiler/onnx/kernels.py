@@ -209,8 +209,8 @@ def attend(bb: relax.BlockBuilder, kernels: Kernels, q: relax.Expr, k: relax.Exp
     spec = AttentionSpec(**fields)
     padded = tile_widths(spec, kernels.target) if outputs == ("attn",) else None
     if padded is not None:  # head widths the tile registers do not take: zero columns, sliced off after
-        given.update({x: _widened(bb, given[x], width) for x, width in (("q", padded.d_k), ("k", padded.d_k),
-                                                                          ("v", padded.d_v))})
+        widths = {"q": padded.d_k, "k": padded.d_k, "v": padded.d_v}
+        given.update({x: _zero_padded(bb, given[x], width) for x, width in widths.items()})
         args = [given[a.name] for a in arguments.taken(padded)]
         out = kernels.call(bb, padded, args, sizes, nodes, source)
         return [bb.emit(relax.op.strided_slice(out, axes=[3], begin=[0], end=[spec.d_v]))]
@@ -218,7 +218,7 @@ def attend(bb: relax.BlockBuilder, kernels: Kernels, q: relax.Expr, k: relax.Exp
     return [kernels.call(bb, spec.replace(output=o), args, sizes, nodes, source) for o in outputs]
 
 
-def _widened(bb: relax.BlockBuilder, x: relax.Expr, width: int) -> relax.Expr:
+def _zero_padded(bb: relax.BlockBuilder, x: relax.Expr, width: int) -> relax.Expr:
     """``x`` (4-D, its last axis the head width) with zero columns up to ``width``."""
     extra = width - int(shape_of(x, "q, k or v")[3])
     return bb.emit(relax.op.nn.pad(x, [0, 0, 0, 0, 0, 0, 0, extra]))

@@ -146,10 +146,10 @@ def plan_of(spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue] 
 def padded_for_tiles(spec: AttentionSpec, target: Target) -> AttentionSpec | None:
     """``spec`` with d_k and d_v zero-padded up to the tile registers' step and block, where only its
     head widths keep it off them (Phi-2's and ViT-H's 80, Stable Diffusion's 40), for a caller that can
-    pad q, k and v and slice the output (`onnx.kernels.attend`): zero columns add nothing to QKᵀ, and
+    pad q, k and v and slice the output (`onnx.kernels.attend`, `torch.plan`): zero columns add nothing to QKᵀ, and
     P·V's extra columns are dropped. None where the tiles take ``spec`` as it is, or would not take it
-    padded either (no tiles, decode). The wasted width costs less than the bf16 dot products' path:
-    1.8-4.7× per kernel on AMX, from (1, 4, 64, 80) to (1, 8, 1024, 40)."""
+    padded either (no tiles, decode). The wasted width costs far less than the path off the tiles
+    (the README's AMX paragraph has the measurements)."""
     isa = isa_of(target)
     if isa.tiles is None or spec.projections or plan_of(spec, target).on_tiles:
         return None
