@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -105,8 +106,16 @@ def plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
     # (a traced call's head counts and widths may be symbolic: it pads nothing, and its output's strides
     # are the same either way, `empty_output`)
     static = all(type(x) is int for x in (heads, kv_heads, head_dim, v_head_dim))
-    padded = tile_widths(p.key.spec(), resolve_target("cpu")) if device == "cpu" and static else None
-    return p if padded is None else dataclasses.replace(p, as_given=False, padded=(padded.d_k, padded.d_v))
+    padded = _tile_widths(p.key) if device == "cpu" and static else None
+    return p if padded is None else dataclasses.replace(p, as_given=False, padded=padded)
+
+
+@functools.lru_cache(maxsize=1024)
+def _tile_widths(key: KernelKey) -> tuple[int, int] | None:
+    """The kernel's (d_k, d_v) padded for the host's tile registers (`build.tile_widths`), once per key: a
+    decode loop plans every step anew (its cache grows), and finding the host's target takes ~0.1 ms."""
+    padded = tile_widths(key.spec(), resolve_target("cpu"))
+    return None if padded is None else (padded.d_k, padded.d_v)
 
 
 def kernel_inputs(p: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

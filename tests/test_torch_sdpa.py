@@ -124,7 +124,7 @@ def test_transposed_views_are_read_in_place_and_one_kernel_serves_every_length()
 
 @pytest.mark.parametrize("force", [False, True])
 @pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
-def test_head_widths_padded_for_the_tiles(force, layout, monkeypatch):
+def test_head_widths_padded_for_the_tiles(force, layout, monkeypatch, request):
     """bf16 heads of 80 (Phi-2's) run on a kernel of 96 where the host has tile registers
     (`build.tile_widths`): q, k and v copied with zero columns, the output copied without them (its
     strides as unpadded), the scale 1/√80. ``force`` pads on any CPU, so that the padding is checked
@@ -135,6 +135,8 @@ def test_head_widths_padded_for_the_tiles(force, layout, monkeypatch):
     if force:
         monkeypatch.setattr(torch_plan, "tile_widths", lambda spec, _target: spec.replace(
             head_dim=96, v_head_dim=96, scale=spec.softmax_scale))
+    torch_plan._tile_widths.cache_clear()  # (decided once per key: neither decision may outlive the test)
+    request.addfinalizer(torch_plan._tile_widths.cache_clear)
     KERNELS.clear()
     for batch, n in ((2, 40), (1, 70)):
         q, k, v = (torch.randn(batch, n, 4, 80).to(torch.bfloat16) for _ in range(3))
