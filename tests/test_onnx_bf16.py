@@ -276,29 +276,33 @@ def test_decode_loop_with_a_16_bit_cache(name):
         ours.update({past: got[present] for past, present in cache.items()})
 
 
-def _attention_of_width(d: int) -> onnx.ModelProto:
-    """ONNX's Attention on (B, 4, S, d) q, k and v, causal: Phi-2's head width is 80."""
-    node = oh.make_node("Attention", ["q", "k", "v"], ["y"], is_causal=1)
-    shape = ["B", 4, "S", d]
-    graph = oh.make_graph([node], "attention", [oh.make_tensor_value_info(x, TP.FLOAT, shape) for x in "qkv"],
-                          [oh.make_tensor_value_info("y", TP.FLOAT, shape)])
+def _attention_of_width(d: int, variants: bool) -> onnx.ModelProto:
+    """ONNX's Attention on (B, 4, S, d) q: causal, or with ``variants`` an additive (B, 1, S, S) mask, two
+    KV heads (GQA) and a softcap. Phi-2's head width is 80."""
+    kv_heads = 2 if variants else 4
+    inputs = [("q", ["B", 4, "S", d]), ("k", ["B", kv_heads, "S", d]), ("v", ["B", kv_heads, "S", d])]
+    inputs += [("m", ["B", 1, "S", "S"])] if variants else []
+    node = oh.make_node("Attention", [name for name, _ in inputs], ["y"],
+                        **(dict(softcap=30.0) if variants else dict(is_causal=1)))
+    graph = oh.make_graph([node], "attention", [oh.make_tensor_value_info(n, TP.FLOAT, s) for n, s in inputs],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, ["B", 4, "S", d])])
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 23)])
     model.ir_version = 10
     return model
 
 
-@pytest.mark.parametrize("force", [False, True])
-def test_head_widths_padded_for_the_tiles(force, monkeypatch):
+@pytest.mark.parametrize("force, variants", [(False, False), (True, False), (True, True)])
+def test_head_widths_padded_for_the_tiles(force, variants, monkeypatch):
     """A head width the tile registers do not take (80) runs on them padded to 96 where the target has
     them (`build.tile_widths`): q, k and v get zero columns, the output loses them again, the scale
     stays 1/√80. ``force`` pads on any CPU (the padded kernel on this CPU's path), so that the graph's
-    padding is checked everywhere against ONNX Runtime in fp32."""
+    padding is checked everywhere against ONNX Runtime in fp32, with a mask, GQA and a softcap too."""
     from tvmattn.compiler.onnx import kernels
     from tvmattn.schedules.cpu.plan import padded_for_tiles
     if force:
         monkeypatch.setattr(kernels, "tile_widths", lambda spec, _target: spec.replace(
             head_dim=96, v_head_dim=96, scale=spec.softmax_scale))
-    model = _attention_of_width(80)
+    model = _attention_of_width(80, variants)
     imported = tvmattn.import_onnx(model, dtype="bfloat16")
     spec = imported.report.replacements[0].spec
     unpadded = spec.replace(head_dim=80, v_head_dim=80, scale=None)
@@ -306,7 +310,9 @@ def test_head_widths_padded_for_the_tiles(force, monkeypatch):
     assert spec.softmax_scale == pytest.approx(80 ** -0.5)
     rng = np.random.default_rng(0)
     for b, s in ((2, 64), (1, 200)):
-        feed = {x: rng.standard_normal((b, 4, s, 80)).astype(np.float32) for x in "qkv"}
+        feed = {i.name: rng.standard_normal([b if d == "B" else s if d == "S" else d for d in
+                                             (x.dim_param or x.dim_value for x in i.type.tensor_type.shape.dim)])
+                .astype(np.float32) for i in model.graph.input}
         got, = imported.run(feed)
         assert got.shape == (b, 4, s, 80)
         assert errors(got, ort_run(model, feed)[0])[1] <= TOLERANCE["bfloat16"]
