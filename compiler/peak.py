@@ -6,7 +6,7 @@ sgemm and torch's fp32 matmul reach 235–265 GFLOP/s on 2 cores where our fp32 
 independent chains (`ACCUMULATORS`) of the instruction the kernels' inner loops use, on full vectors
 in registers:
 
-    fp32, fp16   acc = fma(acc, one, STEP)                   2 FLOPs a lane   (fp16 is fp32 arithmetic)
+    fp32, fp16   acc = fma(acc, one, STEP)                   2 FLOPs a lane   (fp16: fp32's, as QKᵀ's sums are)
     bf16         acc = vdpbf16ps(acc, half pairs, half pairs)  4 FLOPs a lane   (AVX512-BF16; else fp32's FMAs)
 
 with half = 2⁻¹⁰ (a product is STEP). The peak is the fastest of that loop and the GEMMs

@@ -110,6 +110,8 @@ def isa_of(target: Target) -> Isa | None:
         isa = next(r for r in RECORDS if r.fits(target, arch))
         if str(target.attrs.get("mcpu", "")) in isa.full_width_cpus:
             isa = dataclasses.replace(isa, full_width=True)
+        if isa.half_feature and has_feature(target, isa.half_feature):
+            isa = dataclasses.replace(isa, half_math=True)
         _ISAS[key] = isa
     return _ISAS[key]
 

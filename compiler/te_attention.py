@@ -35,7 +35,7 @@ from tvm import te, tirx
 from tvm.ir.expr import Expr as PrimExpr
 
 from tvmattn.compiler import arguments, variant
-from tvmattn.compiler.annotations import KEY_STAGE
+from tvmattn.compiler.annotations import KEY_BLOCKS, KEY_STAGE
 from tvmattn.compiler.spec import AttentionSpec, Dim
 from tvmattn.compiler.variant import ACC, MASK_AXES, Operand, size_expr
 
@@ -58,11 +58,12 @@ class AttentionTE:
         return te.create_prim_func(self.inputs + [self.output]).with_attr("global_symbol", "main")
 
 
-def attention_te(spec: AttentionSpec, block: int = 1, parts: Collection[str] = ()) -> AttentionTE:
+def attention_te(spec: AttentionSpec, block: int = 1, parts: Collection[str] = (), half_keys: int = 0) -> AttentionTE:
     """Build the tensor expression of ``spec`` (see the module docstring for the stages); ``block``:
     the core's symbolic lengths run in whole blocks of it; ``parts``: the products whose fp16
     operands are sums of two bf16 parts (`bf16_parts`), "core" (QKᵀ and P·V, `_core`) and any of the
-    projections, q_proj, k_proj, v_proj and out (`linear`)."""
+    projections, q_proj, k_proj, v_proj and out (`linear`); ``half_keys``: fp16 P·V summed in fp16
+    over blocks of that many keys (`_core`)."""
     dims: dict[str, tirx.Var] = {}
 
     def dim(x: Dim):
@@ -74,7 +75,7 @@ def attention_te(spec: AttentionSpec, block: int = 1, parts: Collection[str] = (
         q_at, k_at, v_at = _projections(spec, dim, inputs, stages, parts)
     else:
         q_at, k_at, v_at = _core_inputs(spec, dim, inputs, stages)
-    _core(spec, dim, inputs, stages, q_at, k_at, v_at, block, "core" in parts)
+    _core(spec, dim, inputs, stages, q_at, k_at, v_at, block, "core" in parts, half_keys)
     out = _epilogue(spec, dim, stages, {t.op.name: t for t in inputs}, "out" in parts)
     return AttentionTE(spec, inputs, out, stages, dims)
 
@@ -112,7 +113,7 @@ def _core_inputs(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor],
 
 # ---- the core: scores → logits → softmax → P·V ---------------------------------------------------
 def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: dict[str, te.Tensor],
-          q_at: Reader, k_at: Reader, v_at: Reader, block: int = 1, parts: bool = False) -> None:
+          q_at: Reader, k_at: Reader, v_at: Reader, block: int = 1, parts: bool = False, half_keys: int = 0) -> None:
     """scores … pv. With ``block`` > 1, a symbolic query or key length L, or a static one that is no
     multiple of it, runs to `_whole` blocks, so a kernel's tiles never end inside a block (a tensor
     intrinsic takes no tail predicate): the rows past L read row L-1 again, the keys past it are
@@ -124,7 +125,13 @@ def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: d
 
     With ``parts`` (fp16 on bf16 tile products, `bf16_parts`), each operand of QKᵀ and P·V is the sum
     of two bf16 stages, q_hi + q_lo, k_hi + k_lo, P's p_hi + p_lo, v_hi + v_lo (they replace q_rows,
-    k_rows and v_rows), and each product is hi·hi + hi·lo + lo·hi."""
+    k_rows and v_rows), and each product is hi·hi + hi·lo + lo·hi.
+
+    With ``half_keys`` (fp16 on a CPU's fp16 FMAs, a static n_kv in whole blocks of it), P·V's products
+    and sums are fp16 within each block of that many keys, pv_block (B, h, n_rows, n_kv/half_keys, d_v),
+    and the blocks' sums are added in fp32: fp16 sums over all keys would stop growing (2048 + 1 is 2048),
+    over a block they err by about fp16's rounding of the block's sum. QKᵀ keeps fp32 sums: an error
+    in a logit is one in exp's argument, which fp16 sums over d_k make exceed fp16's tolerance."""
     B, n, n_kv, h, g = dim(spec.batch), dim(spec.n_q), dim(spec.n_kv), spec.h, spec.group
     pad_rows, pad_keys = (block > 1 and (not isinstance(x, int) or x % block > 0) for x in (n, n_kv))
     n_rows = (n + block - 1) // block * block if pad_rows else n  # as the split of n by the tile writes it
@@ -205,9 +212,29 @@ def _core(spec: AttentionSpec, dim: Callable, inputs: list[te.Tensor], stages: d
         weighted = lambda b, i, s, c: _sum_of_parts(p_parts, v_parts, (b, i, t, s), (b, i // g, t, c))  # noqa: E731
     else:
         weighted = lambda b, i, s, c: probs[b, i, s, t] * v_at(b, i // g, t, c).astype(ACC)  # noqa: E731
-    pv = te.compute((B, h, n_rows, spec.d_v), lambda b, i, s, c: te.sum(weighted(b, i, s, c), axis=t),
-                    name="pv", attrs={KEY_STAGE: 1})
+    if half_keys:
+        pv = _pv_in_half(stages, (B, h, n_rows, n_keys, spec.d_v), probs, lambda b, i, t, c: v_at(b, i // g, t, c),
+                         half_keys)
+    else:
+        pv = te.compute((B, h, n_rows, spec.d_v), lambda b, i, s, c: te.sum(weighted(b, i, s, c), axis=t),
+                        name="pv", attrs={KEY_STAGE: 1})
     stages.update(scores=scores, logits=logits, row_max=row_max, probs=probs, row_sum=row_sum, pv=pv)
+
+
+def _pv_in_half(stages: dict[str, te.Tensor], shape: tuple, probs: te.Tensor, v_at: Reader, keys: int) -> te.Tensor:
+    """pv in fp32 as the sum of pv_block, fp16 P·V over blocks of ``keys`` keys (`_core`); both stages
+    range over keys in whole blocks (`KEY_BLOCKS`: the key stages compute whole blocks, P 0 where hidden)."""
+    B, h, n_rows, n_keys, d_v = shape
+    blocks = f"b=v_b,s=v_s,t=v_tb*{keys}"
+    ti = te.reduce_axis((0, keys), "ti")
+    pv_block = stages["pv_block"] = te.compute(  # (B, h, n_rows, n_keys/keys, d_v) fp16
+        (B, h, n_rows, n_keys // keys, d_v),
+        lambda b, i, s, tb, c: te.sum(probs[b, i, s, tb * keys + ti].astype("float16")
+                                      * v_at(b, i, tb * keys + ti, c).astype("float16"), axis=ti),
+        name="pv_block", attrs={KEY_STAGE: 1, KEY_BLOCKS: blocks})
+    tb = te.reduce_axis((0, n_keys // keys), "tb")
+    return te.compute((B, h, n_rows, d_v), lambda b, i, s, c: te.sum(pv_block[b, i, s, tb, c].astype(ACC), axis=tb),
+                      name="pv", attrs={KEY_STAGE: 1, KEY_BLOCKS: blocks})
 
 
 def bf16_parts(x: PrimExpr) -> tuple[PrimExpr, PrimExpr]:

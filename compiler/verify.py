@@ -1,8 +1,8 @@
 """Run a compiled kernel on seeded random data and compare it with the float64 oracle.
 
 The error is normalised by the output's scale: ``max|out - ref| / max|ref|``. It must not exceed the
-dtype's tolerance (fp32 accumulation throughout; fp16/bf16 pay for their rounded inputs, stored
-projections and output):
+dtype's tolerance (fp32 sums, but for fp16 P·V on a CPU's fp16 FMAs, summed in fp16 over blocks of
+32 keys: `te_attention._core`; fp16/bf16 pay for their rounded inputs, stored projections and output):
 """
 
 from __future__ import annotations

@@ -36,13 +36,16 @@ SPEC = dict(batch=1, seq_len=256, num_heads=8, head_dim=64, projections=False)  
 # two count two, its work), and a block of independent ones: the model's peak for it
 MACS = {"fmla.4s": (r"fmla\tv\d+\.4s", 4), "fmla.z": (r"(fmla|fmad)\tz\d+\.s", 8),
         "vfmacc": (r"(vfmacc|vfmadd)\.v[fv]\t", 8), "bfdot": (r"bfdot\tv\d+\.4s", 8),
-        "bfdot.z": (r"bfdot\tz\d+\.s", 16)}
+        "bfdot.z": (r"bfdot\tz\d+\.s", 16), "fmla.8h": (r"fmla\tv\d+\.8h", 8),
+        "fmla.zh": (r"(fmla|fmad)\tz\d+\.h", 16)}
 PEAK_BLOCK = {
     "fmla.4s": [f"fmla\tv{i}.4s, v30.4s, v31.s[0]" for i in range(24)],
     "fmla.z": ["ptrue\tp0.s, vl8"] + [f"fmla\tz{i}.s, p0/m, z30.s, z31.s" for i in range(24)],
     "vfmacc": ["vsetivli\tzero, 8, e32, m1, ta, ma"] + [f"vfmacc.vf\tv{i}, fa0, v30" for i in range(1, 25)],
     "bfdot": [f"bfdot\tv{i}.4s, v30.8h, v31.2h[0]" for i in range(24)],
     "bfdot.z": [f"bfdot\tz{i}.s, z30.h, z31.h" for i in range(24)],
+    "fmla.8h": [f"fmla\tv{i}.8h, v14.8h, v15.h[0]" for i in (*range(14), *range(16, 26))],  # (.h[i]: v0-v15)
+    "fmla.zh": ["ptrue\tp0.h, vl16"] + [f"fmla\tz{i}.h, p0/m, z30.h, z31.h" for i in range(24)],
 }
 
 
@@ -119,10 +122,11 @@ def main() -> None:
     args = parser.parse_args()
     logging.disable(logging.WARNING)
     mca = mca_program()
-    rows = [predict(mca, cpu, mcpu, mattr, dtype) for cpu, mcpu, mattr in MODELS for dtype in ("float32", "bfloat16")]
+    rows = [predict(mca, cpu, mcpu, mattr, dtype) for cpu, mcpu, mattr in MODELS
+            for dtype in ("float32", "bfloat16", "float16")]
     fp32 = {(r["cpu"], r["model"]): r for r in rows if r["dtype"] == "float32"}
     print(f"{mca}; {SPEC}; per loop: its instructions, main instruction, fp32 products per cycle (a bfdot lane's "
-          "two count two), fraction of the model's peak for that instruction; bf16: × fp32's products per cycle")
+          "two count two), fraction of the model's peak for that instruction; bf16, fp16: × fp32's products per cycle")
     if args.markdown:
         print("| CPU (llvm-mca model) | record | dtype | QKᵀ loop | QKᵀ % of peak | P·V loop | P·V % of peak "
               "| × fp32 (QKᵀ, P·V) |")

@@ -23,10 +23,12 @@ from tvmattn.compiler.target import AMX_FEATURES, CPUINFO_FEATURES, has_feature,
 from tvmattn.compiler.verify import check
 
 HOST = host_target()
-# This CPU with AMX's features off: the AVX512-BF16 kernels a CPU without AMX (Zen 4) runs, runnable here
+# This CPU with AMX's features off, and AVX512-FP16's: the AVX512-BF16 kernels a CPU without them (Zen 4) runs,
+# runnable here
+_OFF = (*AMX_FEATURES, "avx512fp16")
 NO_AMX = Target({"kind": "llvm", "mcpu": str(HOST.attrs["mcpu"]), "num-cores": int(HOST.attrs["num-cores"]),
-                 "mattr": [str(f) for f in HOST.attrs.get("mattr", ()) if str(f)[1:] not in AMX_FEATURES]
-                 + [f"-{f}" for f in AMX_FEATURES]})
+                 "mattr": [str(f) for f in HOST.attrs.get("mattr", ()) if str(f)[1:] not in _OFF]
+                 + [f"-{f}" for f in _OFF]})
 
 
 def every_other_slow(*axes, ids=None) -> list:

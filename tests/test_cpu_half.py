@@ -427,6 +427,54 @@ def test_fp16_layers_in_bf16_parts_are_as_accurate_as_widened_fp16(seq_len, kv_s
         assert tiles_error <= max(1.5 * widened_error, 1e-3), (tiles_error, widened_error)
 
 
+HALF = AttentionSpec(batch=1, seq_len=64, num_heads=2, head_dim=64, projections=False, dtype="float16")
+
+
+@pytest.mark.parametrize("target,spec,keys", [
+    (("cpu", "sapphirerapids"), HALF, 32),  # AVX512-FP16; 64 keys: no bf16 parts on the tiles
+    (("cpu", "sapphirerapids"), HALF.replace(kv_seq_len=256), 0),  # the tiles, fp16 as bf16 parts
+    (("cpu", "znver4"), HALF, 0),  # no fp16 arithmetic
+    (("aarch64", "neoverse-v2"), HALF, 32), (("aarch64", "cortex-a76"), HALF, 32),
+    (("aarch64", "neoverse-v2"), HALF.replace(causal=True), 16),  # a mask bounds the tiles' keys
+    (("aarch64", "neoverse-v1"), HALF.replace(head_dim=48), 32),  # SVE-256's 16 fp16 lanes: 48 = 3 vectors
+    (("aarch64", "neoverse-v1"), HALF.replace(head_dim=40), 0),  # d_v in no whole vectors
+    (("aarch64", "aarch64"), HALF, 0),  # a generic aarch64: no FEAT_FP16
+    (("aarch64", "neoverse-v2"), HALF.replace(kv_seq_len=48), 0),  # keys in no whole blocks
+    (("aarch64", "neoverse-v2"), HALF.replace(kv_seq_len="m"), 0),  # symbolic keys
+    (("aarch64", "neoverse-v2"), HALF.replace(seq_len="n", kv_seq_len=64, causal=True), 16),  # symbolic queries
+    (("aarch64", "neoverse-v2"), HALF.replace(seq_len="n", kv_seq_len=64, window=8), 0),  # … a window: not lowered
+    (("aarch64", "neoverse-v2"), HALF.replace(seq_len=1, kv_seq_len=64), 0),  # decode: along d_k
+    (("aarch64", "neoverse-v2"), HALF.replace(dtype="bfloat16"), 0),
+    (("aarch64", "neoverse-v2"), HALF.replace(output="weights"), 0),  # no P·V
+    (("aarch64", "neoverse-v2"), HALF.replace(d_model=128, head_dim=None, causal=True), 16),  # a layer
+])
+def test_fp16_pv_on_fp16_fmas_exactly_where_the_cpu_has_them(target, spec, keys):
+    """P·V of an fp16 core on the CPU's fp16 FMAs (FEAT_FP16, AVX512-FP16) in blocks of 32 keys (16 where
+    masked), where nothing else takes it; QKᵀ keeps fp32 sums everywhere."""
+    arch, mcpu = target
+    resolved = resolve_target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2}) if arch == "cpu" else \
+        resolve_target(arch, mcpu=mcpu)
+    plan = plan_of(spec, resolved)
+    assert plan.half_keys == keys
+    assert not (plan.widen_v and keys)
+
+
+@pytest.mark.skipif(not isa_of(HOST).half_math, reason="this CPU has no fp16 arithmetic (AVX512-FP16)")
+@settings(max_examples=8, deadline=None)
+@given(specs(dtype="float16", symbolic=None, intermediate=False, max_len=80, max_head_dim=64), st.data())
+def test_fp16_pv_on_fp16_fmas_matches_the_oracle(spec, data):
+    """Every axis with P·V on this CPU's fp16 FMAs: keys static in whole blocks of 32 (a symbolic query
+    length at lengths inside and past a query tile, its tail tile computed whole)."""
+    d = data.draw(st.sampled_from((32, 64)))
+    window = None if spec.window is None or spec.symbolic_dims else data.draw(st.integers(1, 32))
+    spec = spec.replace(kv_seq_len=data.draw(st.sampled_from((32, 64, 96))), head_dim=d, v_head_dim=None,
+                        d_model=spec.h * d, window=window, seq_len=max(spec.n_q, 2) if not spec.symbolic_dims else "n")
+    kernel = compiled(spec)
+    assert "P·V on fp16 FMAs" in kernel.schedule, kernel.schedule
+    for i, n in enumerate((1, 37, 70) if spec.symbolic_dims else (None,)):
+        assert_matches_oracle(kernel, {name: 2 if name == "B" else n for name in spec.symbolic_dims}, seed=i)
+
+
 @settings(max_examples=8, deadline=None)
 @given(specs(dtype="float16", symbolic=False, intermediate=False, max_len=80))
 def test_fp16_widened_operands_match_the_oracle(spec):

@@ -80,6 +80,48 @@ def test_emulated_bfdot_kernel_matches_oracle(axis, mcpu):
     assert_emulated_matches_oracle("aarch64", mcpu, **{**BF16, **BFDOT_AXES[axis]})
 
 
+FP16 = dict(dtype="float16", seq_len=32, head_dim=32)  # keys in whole blocks (32; 16 masked): P·V on fp16 FMAs
+HALF_AXES = {"plain": {}, "causal": dict(causal=True), "gqa bshd": dict(num_kv_heads=2, layout="BSHD"),
+             "window": dict(causal=True, window=8), "key padding": dict(key_padding=True),
+             "additive mask": dict(attn_mask="additive"), "rows in tiles": dict(seq_len=21, kv_seq_len=64),
+             "symbolic queries": dict(seq_len="n", kv_seq_len=64),
+             "layer": dict(projections=True, d_model=64, head_dim=None, causal=True)}
+
+
+@needs_tools
+@pytest.mark.parametrize("axis,mcpu", every_other_slow(list(HALF_AXES), ["neoverse-v2", "neoverse-v1"]))
+def test_emulated_fp16_pv_on_fp16_fmas_matches_oracle(axis, mcpu):
+    """fp16 P·V on FEAT_FP16's FMAs, NEON's (Neoverse V2) and SVE-256's (V1), summed in fp16 over blocks
+    of 32 keys (16 where masked), the blocks in fp32."""
+    assert_emulated_matches_oracle("aarch64", mcpu, **{**FP16, **HALF_AXES[axis]})
+
+
+@needs_tools
+def test_emulated_fp16_pv_sums_blocks_of_keys_in_fp32():
+    """fp16 sums over 4096 equal weights of V = 1 would stop at 2048 (2048 + 1 rounds to 2048 in fp16)
+    and return 0.5; blocks of 32 keys added in fp32 return 1."""
+    spec = AttentionSpec(batch=1, seq_len=16, kv_seq_len=4096, num_heads=1, head_dim=16, projections=False,
+                         dtype="float16")
+    kernel = tvmattn.compile(spec, "aarch64", mcpu="neoverse-v2", tuned=False)
+    assert "P·V on fp16 FMAs" in kernel.schedule
+    k = np.random.default_rng(0).standard_normal((1, 1, 4096, 16)).astype(np.float16)
+    ones = np.ones((1, 1, 4096, 16), np.float16)
+    result = check(kernel, inputs={"q": np.zeros((1, 1, 16, 16), np.float16), "k": k, "v": ones})
+    assert result.max_abs <= 1e-3, result.line()
+
+
+@pytest.mark.parametrize("mcpu,pv_fma", [("neoverse-v2", r"\tfmla\tv\d+\.8h"),
+                                         ("neoverse-v1", r"\tfmla\tz\d+\.h|\tfmad\tz\d+\.h")])
+def test_fp16_pv_runs_on_fp16_fmas_qk_on_fp32(mcpu, pv_fma):
+    """P·V on fp16 FMAs where the CPU has FEAT_FP16; QKᵀ on fp32 FMAs (fp32 sums: an error in a logit is
+    one in exp's argument); the generic aarch64 (no FEAT_FP16) widens both."""
+    spec = AttentionSpec(**{**SMALL, **FP16})
+    asm = tvmattn.compile(spec, "aarch64", mcpu=mcpu, tuned=False).source()
+    assert len(re.findall(pv_fma, asm)) >= 8
+    assert len(re.findall(VECTOR_FMA[isa_of(resolve_target("aarch64", mcpu=mcpu)).name], asm)) >= 8
+    assert not re.findall(r"\tfmla\tv\d+\.8h|\tfmla\tz\d+\.h", tvmattn.compile(spec, "aarch64", tuned=False).source())
+
+
 @pytest.mark.slow
 @needs_tools
 @pytest.mark.parametrize("mcpu", list(cpus.CPUS))

@@ -15,6 +15,8 @@ fp32 takes the larger register tiles (`Isa.full_width`), 8 vectors of queries a 
 key (a load and a DUP: SVE has no FMA by element across 256 bits) is shared by 8 FMAs, not 2 (llvm-mca's
 V1 model: QKᵀ 66 % → 89 % of the FMA peak at 64 queries, 80 % at 32; P·V 66 % → 80 %;
 scripts/mca_predict.py). NEON's tiles keep 4 vectors a row (16 queries: its bfdot spills at more).
+Both records take fp16 arithmetic where the CPU has FEAT_FP16 (`HALF`, `Isa.half_math`): fp16 P·V on
+``fmla v.8h`` / ``z.h``, twice fp32's lanes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tvm.target import Target
 
 from tvmattn.compiler.isa.record import Isa
 
+HALF = "fullfp16"  # FEAT_FP16, fp16 vector arithmetic (fmla v.8h, z.h): Cortex-A76, Neoverse, Apple M
 SVE_BITS_OPTION = "-aarch64-sve-vector-bits-min"  # LLVM's option: SVE registers are at least this long
 
 
@@ -35,7 +38,7 @@ def sve_bits(target: Target) -> int:
     return 0
 
 
-NEON = Isa("neon", "generic", bits=128, registers=32, arch="aarch64", requires=("neon",))
+NEON = Isa("neon", "generic", bits=128, registers=32, arch="aarch64", requires=("neon",), half_feature=HALF)
 SVE256 = Isa("sve256", "generic", bits=256, registers=32, arch="aarch64", requires=("sve",), full_width=True,
-             query_vectors=8,
+             query_vectors=8, half_feature=HALF,
              applies=lambda target: sve_bits(target) >= 256)

@@ -64,6 +64,8 @@ class Isa:
     full_width: bool = False  # a vector FMA retires in one pass (not two halves): fp32 takes larger tiles
     full_width_cpus: tuple[str, ...] = ()  # LLVM CPU names (mcpu) whose FMAs are full width
     query_vectors: int = 4  # vectors of queries a row of a wide register tile spans, below AVX-512's 16 lanes
+    half_feature: str = ""  # the LLVM feature of fp16 vector arithmetic on these registers, if any
+    half_math: bool = False  # the target has it (`target.isa_of`): fp16 P·V on fp16 FMAs
     dot: Dot | None = None  # the 16-bit dot product, if any
     tiles: Tiles | None = None  # tile registers, if any
     passes: tuple[tvm.transform.Pass, ...] = ()  # lowering passes its kernels need after scheduling

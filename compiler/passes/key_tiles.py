@@ -137,6 +137,8 @@ def _blocked_iters(iters: dict, annotation) -> tuple[dict, dict]:
     """A `KEY_BLOCKS` block's (extent, value) of v_b, v_s, v_t, and the offsets inside its blocks."""
     out, within = {}, {}
     for axis, (name, f) in _key_blocks(annotation).items():
+        if name not in iters:  # (a reduction's init, which keeps the annotation: over no key)
+            continue
         extent, value = iters[name]
         if f > 1:
             offset = tirx.Var(f"{axis}_in_block", "int32")

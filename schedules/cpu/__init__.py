@@ -60,7 +60,7 @@ class CpuAttention(AttentionRule):
         """The tensor expression's function, its lengths in the plan's blocks and fp16 in the plan's
         bf16 parts (`te_attention._core`)."""
         plan = plan_of(spec, target)
-        return attention_te(spec, plan.padding, plan.parts).prim_func()
+        return attention_te(spec, plan.padding, plan.parts, plan.half_keys).prim_func()
 
     def passes(self, spec: AttentionSpec, target: Target) -> list[tvm.transform.Pass]:
         return super().passes(spec, target) + lowering(spec, target)
@@ -117,6 +117,8 @@ def describe(plan: CpuPlan, knobs: Mapping[str, KnobValue]) -> str:
             if plan.per_head:
                 once = f"widening its {_listed(widened)}" if widened else "packing its V in pairs"
                 what += f", a task per (batch, KV head) {once} once"
+            if plan.half_keys:
+                what += f", P·V on fp16 FMAs summed in fp16 over blocks of {plan.half_keys} keys"
     if "pv_vecs" in used and lanes_for(spec.d_v, lanes) < lanes:  # d_v in narrower vectors: one per tile
         used.remove("pv_vecs")
     if spec.projections:

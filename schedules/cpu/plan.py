@@ -14,6 +14,7 @@ plan and decide nothing themselves. A decision is made here, in order, from the 
     q_tile, qk_keys      the query tile and keys per QKᵀ register tile the knobs give, made whole
     along_head_dim       decode's dot products along d_k (no vector of queries)
     on_tiles, qk/pv_pairs  QKᵀ and P·V on tile registers, or on the bf16 dot products, or on fp32 FMAs
+    half_keys            fp16 P·V on the CPU's fp16 FMAs, summed in fp16 over blocks of this many keys
     widen_k, widen_v     16-bit K and V widened to fp32 once (in head tasks where `per_head`)
     v_pairs              V's pair panel packed in its head's task
 
@@ -54,6 +55,9 @@ MIN_PANEL_ROWS = 128
 # Keys a query sees (about half of them where causal) from which an fp16 core's bf16 parts on the
 # tiles beat its widened fp32 FMAs: the parts' passes cost a task what three tile products save it.
 PARTS_MIN_KEYS = 128
+# Keys per block of fp16 P·V's fp16 sums, each block's sum then added in fp32 (`te_attention._core`):
+# 32, or 16 where a mask bounds a tile's keys (every key stage then skips hidden keys in blocks of it)
+HALF_KEYS, HALF_KEYS_MASKED = 32, 16
 # fp32 lanes the query-tile defaults were measured at (AVX-512: 64 queries, 4 vectors); narrower vectors
 # take the record's `Isa.query_vectors` a row instead
 FULL_LANES = 16
@@ -98,6 +102,7 @@ class CpuPlan:
     on_tiles: bool  # QKᵀ and P·V on tile registers
     qk_pairs: bool
     pv_pairs: bool
+    half_keys: int  # > 0: fp16 P·V on fp16 FMAs, in fp16 over blocks of this many keys (`te_attention._core`)
     widen_k: bool
     widen_v: bool
     v_pairs: bool
@@ -193,12 +198,14 @@ def _plan(spec: AttentionSpec, target: Target, given: Mapping[str, KnobValue] | 
     on_tiles = (_tile_widths(spec, isa, parts_core) and padding in (1, isa.tiles.block)
                 and q_tile % isa.tiles.block == 0 and n_q % q_tile == 0 and n_kv % isa.tiles.block == 0)
     qk_pairs, pv_pairs = (True, True) if on_tiles else _bf16_dots(spec, isa, n_q, n_kv, q_tile, qk_keys)
+    half_keys = _half_keys(spec, isa) if not (parts_core or on_tiles) and s_lanes > 1 else 0
     # 16-bit K and V widened once for fp32 FMAs; not fp16's V with 16 registers, where P·V's conversion
     # per vector of V, shared by the tile's rows, costs less than the copy; not decode's K, read along
     # d_k; a layer's only in head tasks (elsewhere its register tiles widen k_proj, P·V converts V)
     widened = spec.dtype != "float32" and not along_head_dim and (not spec.projections or head_tasks)
     widen_k = widened and not qk_pairs
-    widen_v = widened and not pv_pairs and s_lanes > 1 and (isa.registers >= 32 or spec.dtype == "bfloat16")
+    widen_v = (widened and not pv_pairs and not half_keys and s_lanes > 1
+               and (isa.registers >= 32 or spec.dtype == "bfloat16"))
     # V's pair panel packed in its head's task: not from a layer's v_proj, nor from keys padded to
     # whole blocks (TVM 0.27 cannot bind the pairs' view of the clamped rows there)
     v_pairs = pv_pairs and not on_tiles and not spec.projections and n_kv == spec.n_kv
@@ -206,7 +213,8 @@ def _plan(spec: AttentionSpec, target: Target, given: Mapping[str, KnobValue] | 
     return CpuPlan(spec, isa, cores, knobs, defaults, parts_core, padding, parts, projections, head_tasks, chunks,
                    q_tile, q_tile_is_knob, q_tile_read, qk_keys, qk_keys_is_knob,
                    divisor_at_most(q_tile, knobs["pv_rows"]),
-                   along_head_dim, on_tiles, qk_pairs, pv_pairs, widen_k, widen_v, v_pairs and per_head, per_head)
+                   along_head_dim, on_tiles, qk_pairs, pv_pairs, half_keys, widen_k, widen_v, v_pairs and per_head,
+                   per_head)
 
 
 def _fp16_parts(spec: AttentionSpec, isa: Isa) -> bool:
@@ -219,6 +227,20 @@ def _fp16_parts(spec: AttentionSpec, isa: Isa) -> bool:
     few_keys = isinstance(seen, int) and seen < PARTS_MIN_KEYS
     return (spec.dtype == "float16" and isa.tiles is not None and spec.n_q != 1 and not few_keys
             and spec.d_k % isa.tiles.step == 0 and spec.d_v % isa.tiles.block == 0)
+
+
+def _half_keys(spec: AttentionSpec, isa: Isa) -> int:
+    """The keys per fp16 block of fp16 P·V on the CPU's fp16 FMAs (twice fp32's lanes an instruction),
+    0 for none: static keys in whole blocks, d_v in whole fp16 vectors (the block's register tile has no
+    tail), queries in tiles, the attention returned (measured on Sapphire Rapids' AVX512-FP16: the README's
+    "Default tiles"); not a window over a symbolic query length (TVM 0.27 fails to lower its key blocks'
+    bounds)."""
+    keys = HALF_KEYS_MASKED if spec.causal or spec.window is not None else HALF_KEYS
+    fits = (spec.dtype == "float16" and isa.half_math and spec.n_q != 1 and spec.output == "attn"
+            and isinstance(spec.n_kv, int)
+            and spec.n_kv % keys == 0 and spec.d_v % isa.vector_lanes("float16") == 0
+            and not (spec.window is not None and isinstance(spec.n_q, str)))
+    return keys if fits else 0
 
 
 def _tile_widths(spec: AttentionSpec, isa: Isa, parts: bool) -> bool:

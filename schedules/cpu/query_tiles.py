@@ -118,7 +118,8 @@ def _attention_core(sch: Schedule, plan: CpuPlan, k: Mapping[str, KnobValue], la
     if on_tiles:
         isa.tiles.configure(sch, task)
     vectorize(sch, loops["c"], spec.d_v, lanes)
-    for name in PER_TILE[:1] + (("p_hi", "p_lo") if parts else ()) + PER_TILE[1:]:  # consumers first
+    inner = ("p_hi", "p_lo") if parts else ("pv_block",) if plan.half_keys else ()  # P·V's own stages
+    for name in PER_TILE[:1] + inner + PER_TILE[1:]:  # consumers first
         sch.compute_at(sch.get_sblock(name), task, preserve_unit_loops=True)
     if has_block(sch, "v_rows"):  # keys in whole blocks (`CpuPlan.padding`): P·V's panels are packed from them
         in_blocks(sch, "v_rows", lanes, plan.pv_pairs)
@@ -154,6 +155,8 @@ def _attention_core(sch: Schedule, plan: CpuPlan, k: Mapping[str, KnobValue], la
     if on_tiles:
         tile_stage(sch, isa.tiles, "pv", False, parts, later)
         pv_rows(sch, lanes, later)
+    elif plan.half_keys:
+        _weights_v_in_half(sch, spec, isa.vector_lanes("float16"), q_tile, plan.pv_rows, k["pv_vecs"])
     else:  # whole row groups per tile: a partial group's accumulator has a loop-dependent size
         _weights_v(sch, spec, lanes, plan.pv_rows, k["pv_vecs"], isa.dot if plan.pv_pairs else None, later)
     if panels and parts:
@@ -240,6 +243,42 @@ def _widen_keys(sch: Schedule, scores, t_out, lanes: int) -> None:
     sch.compute_at(tile, t_out, preserve_unit_loops=True)
     sch.unsafe_set_dtype(tile, 0, "float32")
     vectorize(sch, sch.get_loops(tile)[-1], None, lanes)
+
+
+def _weights_v_in_half(sch: Schedule, spec: AttentionSpec, lanes: int, q_tile: int, rows: int, vecs: KnobValue) -> None:
+    """P·V on fp16 FMAs (``lanes``: fp16's): for each block of keys, acc[pv_rows queries][pv_vecs·lanes
+    of d_v] in fp16 registers += probs[t, s] · v[t, c] over the block (pv_block), then added to the
+    task's fp32 pv tile (`te_attention._pv_in_half`)."""
+    # P stored in fp16 as probs computes it: the FMAs take it by element, no conversion each (row_sum
+    # then sums the same rounded weights that P·V does)
+    sch.unsafe_set_dtype(sch.get_sblock("probs"), 0, "float16")
+    pv = sch.get_sblock("pv")
+    s, c, tb = sch.get_loops(pv)[-3:]
+    s_out, s_in = sch.split(s, [None, rows])
+    vecs = divisor_at_most(spec.d_v // lanes, knob_int(sch, vecs))  # (d_v in whole vectors: `plan._half_keys`)
+    c_out, c_mid, c_vec = sch.split(c, [None, vecs, lanes])
+    sch.reorder(s_out, c_out, tb, s_in, c_mid, c_vec)
+    block = sch.get_sblock("pv_block")
+    # (by query tile and row group, as the task's other buffers: its size stays whole query tiles where a
+    # query tail cuts the last one, whose rows all compute: `passes.pad_query_tiles`)
+    sch.transform_layout(block, ("write", 0),
+                         lambda b, i, s, t, c: (b, i, s // q_tile, s % q_tile // rows, t, s % rows, c),
+                         assume_injective_transform=True)
+    sch.compute_at(block, tb, preserve_unit_loops=True)
+    sch.set_scope(block, 0, "local")
+    *_, b_s, b_t, b_c, ti = sch.get_loops(block)  # (the block's rows, its one block of keys, d_v; the keys in it)
+    b_mid, b_vec = sch.split(b_c, [None, lanes])
+    sch.reorder(ti, b_t, b_s, b_mid, b_vec)
+    for loop in (b_t, b_s, b_mid, s_in, c_mid):  # the register tile and its store into pv, unrolled
+        sch.unroll(loop)
+    vectorize(sch, b_vec, lanes, lanes)
+    vectorize(sch, c_vec, lanes, lanes)
+    sch.decompose_reduction(block, ti)
+    init = sch.get_sblock("pv_block_init")
+    vectorize(sch, sch.get_loops(init)[-1], lanes, lanes)
+    for loop in sch.get_loops(init)[-4:-1]:
+        sch.unroll(loop)
+    sch.decompose_reduction(pv, tb)
 
 
 def _weights_v(sch: Schedule, spec: AttentionSpec, lanes: int, rows: int, vecs: KnobValue, dot: Dot | None,
