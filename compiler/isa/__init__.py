@@ -10,9 +10,10 @@
     riscv      RVV-256, -128  RISC-V's vector extension at a fixed VLEN: fp32 FMAs on 8 or 4 lanes
     record     generic        any other LLVM CPU: 128-bit vectors, fp32 FMAs
 
-`dots` makes a dot-product record's tensor intrinsics (any lane count); `panels` and `lane_sums` are
-tensor intrinsics made of shuffles, which every LLVM CPU has: a block of
-words transposed in registers (the query panel), a vector's lanes summed as a tree (decode).
+A record whose CPU has fp16 vector arithmetic (`Isa.half_feature`: AVX512-FP16, FEAT_FP16) runs fp16
+P·V on fp16 FMAs (`Isa.half_math`). `dots` makes a dot-product record's tensor intrinsics (any lane
+count); `panels` and `lane_sums` are tensor intrinsics made of shuffles, which every LLVM CPU has: a
+block of words transposed in registers (the query panel), a vector's lanes summed as a tree (decode).
 """
 
 from tvmattn.compiler.isa.arm import NEON, SVE256
