@@ -9,6 +9,8 @@ QUERY_AXIS = "tvmattn.query_axis"  # block: its iterator over queries (a copy in
 # "b=v_b_o,s=v_s_o*16,t=v_t_o*2" — batch v_b_o, queries 16·v_s_o + [0, 16), keys 2·v_t_o + [0, 2).
 # Keys in blocks make every key stage compute whole blocks (the other keys of a block are hidden: 0).
 KEY_BLOCKS = "tvmattn.key_blocks"
+# Block: its loop over keys runs this many a step (unrolled), so every key stage computes whole blocks of them
+KEY_STEP = "tvmattn.key_step"
 KEEP_16BIT = "tvmattn.keep_16bit"  # block: its bf16 output keeps 16 bits (a copy FMAs widen as they load)
 EXP2_COEFFICIENTS = "tvmattn.exp2_coefficients"  # function: `polynomial_math`'s p, for `vector_exp2`
 AMX_TILES = "tvmattn.amx_tiles"  # loop: each iteration configures the AMX tiles (`x86_amx.tile_configuration`)

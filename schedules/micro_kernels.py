@@ -34,13 +34,15 @@ L2_WEIGHT = 1 << 20  # a weight larger than this does not stay in L2 from one ro
 PADDED_ROW_BLOCK = 16  # the block symbolic rows of a projection are padded to (`cpu.projections`)
 
 
-def gemm_defaults(d_in: int, lanes: int, bits: int, widths: tuple[int, ...] = ()) -> dict[str, int]:
-    """GEMM register tiles: 4 rows × 4 vectors of accumulators where a vector holds 16 of them (32
-    registers); with 16 registers, 4 × 3 where every output width (``widths``) is whole tiles of them
+def gemm_defaults(d_in: int, lanes: int, bits: int, widths: tuple[int, ...] = (),
+                  registers: int = 32) -> dict[str, int]:
+    """GEMM register tiles: 4 rows × 4 vectors of accumulators where a vector holds 16 of them and
+    there are 32 registers; with 16 registers (or narrower vectors), 4 × 3 where every output width
+    (``widths``) is whole tiles of them
     (12 accumulators, 3 W vectors and the broadcast x fill all 16), else 4 × 2 (a tail tile is
     predicated lane by lane). As many column tiles per task as keep the task's W panel (``d_in``
     rows) within `PANEL_BYTES` (wide models: fewer columns, or W streams from memory)."""
-    vecs = 4 if lanes >= 16 else 3 if widths and all(w % (3 * lanes) == 0 for w in widths) else 2
+    vecs = 4 if lanes >= 16 and registers >= 32 else 3 if widths and all(w % (3 * lanes) == 0 for w in widths) else 2
     knobs = {}
     needed = max((-(-w // lanes) for w in widths), default=vecs)  # vectors the widest output has
     if needed < vecs:  # narrow (a grouped conv's 16 channels)

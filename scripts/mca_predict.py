@@ -1,7 +1,8 @@
 """Predicted (not measured) throughput of the CPU kernels' QKᵀ and P·V inner loops on CPUs this
 machine does not have: each loop's body is taken from the generated assembly and run through
 ``llvm-mca`` for the CPU's scheduling model, and its FMA rate compared with the same model's rate for
-a block of independent FMAs of the same instruction (the CPU's peak, by that model).
+a block of independent FMAs of the same instruction (the CPU's peak, by that model; RVV: on the loop's
+register group, `peak_block`).
 
     python scripts/mca_predict.py [--markdown]
 
@@ -50,9 +51,21 @@ PEAK_BLOCK = {
 
 
 def macs(body: list[str]) -> dict[str, int]:
-    """The fp32 lanes' products of ``body``'s multiply-accumulates, by kind."""
+    """The fp32 lanes' products of ``body``'s multiply-accumulates, by kind (RVV's times the register
+    group its ``vsetvli`` sets: RVV-256's kernels run on groups of two)."""
+    group = max((int(m.group(1)) for i in body if i.startswith("vset") and (m := re.search(r", m(\d)", i))), default=1)
     found = {kind: sum(lanes for i in body if re.match(pattern, i)) for kind, (pattern, lanes) in MACS.items()}
-    return {kind: n for kind, n in found.items() if n}
+    return {kind: n * (group if kind == "vfmacc" else 1) for kind, n in found.items() if n}
+
+
+def peak_block(kind: str, body: list[str]) -> list[str]:
+    """A block of independent multiply-accumulates of ``kind`` in the form ``body`` runs them (RVV: on
+    its register groups, by its ``vsetvli``)."""
+    vtype = next((i for i in body if i.startswith("vset")), None)
+    if kind != "vfmacc" or vtype is None:
+        return PEAK_BLOCK[kind]
+    group = int(re.search(r", m(\d)", vtype).group(1))
+    return [vtype] + [f"vfmacc.vf\tv{group * i}, fa0, v{32 - group}" for i in range(1, 32 // group - 1)]
 _LABEL = re.compile(r"^([.\w$]+):")
 _FALLTHROUGH = re.compile(r"^\s*(//|#|;)\s*%bb\.\d+:")
 
@@ -110,7 +123,8 @@ def predict(mca: str, cpu: str, mcpu: str, mattr: str, dtype: str) -> dict:
     for name, body in (("qk", loops[0]), ("pv", loops[-1])):
         found = macs(body)
         kind = max(found, key=found.get)  # the loop's main instruction: its peak is the loop's
-        peak = sum(macs(PEAK_BLOCK[kind]).values()) / cycles(mca, mcpu, mattr, arch, PEAK_BLOCK[kind])
+        block = peak_block(kind, body)
+        peak = sum(macs(block).values()) / cycles(mca, mcpu, mattr, arch, block)
         per_cycle = sum(found.values()) / cycles(mca, mcpu, mattr, arch, body)
         row[name] = (len(body), kind, per_cycle, per_cycle / peak)
     return row

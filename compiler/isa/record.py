@@ -57,13 +57,18 @@ class Isa:
 
     name: str
     family: str  # the CPU rules that take it (`schedules.RULES["llvm"]`)
-    bits: int  # of a vector register
-    registers: int  # vector registers: the register tiles must fit them
+    bits: int  # of a vector register (RVV: of a register group, `riscv`)
+    registers: int  # vector registers (groups): the register tiles must fit them
     arch: str = ""  # the LLVM architecture (mtriple's first part) it is for: x86_64, aarch64, riscv64; "": any
     requires: tuple[str, ...] = ()  # LLVM features a target must have for this record
     full_width: bool = False  # a vector FMA retires in one pass (not two halves): fp32 takes larger tiles
     full_width_cpus: tuple[str, ...] = ()  # LLVM CPU names (mcpu) whose FMAs are full width
     query_vectors: int = 4  # vectors of queries a row of a wide register tile spans, below AVX-512's 16 lanes
+    tile_knobs: tuple[tuple[str, int], ...] = ()  # the core's knob defaults where the record's tiles are its own
+    key_step: int = 1  # keys a step of P·V's loop on fp32 FMAs (unrolled: fewer loop instructions per FMA)
+    # an fp16 V converted per vector in P·V, not widened once: with 16 registers and x86's F16C the
+    # conversion, shared by a tile's rows, costs less than the copy (measured on Zen 3)
+    converts_v: bool = False
     half_feature: str = ""  # the LLVM feature of fp16 vector arithmetic on these registers, if any
     half_math: bool = False  # the target has it (`target.isa_of`): fp16 P·V on fp16 FMAs
     dot: Dot | None = None  # the 16-bit dot product, if any
@@ -94,7 +99,7 @@ class Isa:
 
 
 # Any other LLVM CPU: 128-bit vectors (SSE, NEON's width), 16 of them, fp32 FMAs only
-GENERIC = Isa("generic", "generic", bits=128, registers=16)
+GENERIC = Isa("generic", "generic", bits=128, registers=16, converts_v=True)
 
 
 def has_feature(target: Target, feature: str) -> bool:

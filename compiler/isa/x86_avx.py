@@ -39,6 +39,6 @@ def exp2_avx512(x: PrimExpr, polynomial: Callable[[PrimExpr], PrimExpr]) -> Prim
 
 
 # (AVX without AVX2 has the same 256-bit registers: its kernels are LLVM's to select)
-AVX2 = Isa("avx2", "x86", bits=256, registers=16, arch=ARCH, requires=("avx",))
+AVX2 = Isa("avx2", "x86", bits=256, registers=16, arch=ARCH, requires=("avx",), converts_v=True)
 AVX512 = Isa("avx512", "x86", bits=512, registers=32, arch=ARCH, requires=("avx512f",), full_width_cpus=FULL_WIDTH_CPUS,
              exp2=exp2_avx512, half_feature="avx512fp16")

@@ -15,7 +15,7 @@ from tvm.sym.pattern import detect_linear_equation
 from tvm.tirx import For, ForKind, PrimFunc
 
 from tvmattn.compiler import variant
-from tvmattn.compiler.annotations import KEY_BLOCKS, KEY_STAGE
+from tvmattn.compiler.annotations import KEY_BLOCKS, KEY_STAGE, KEY_STEP
 from tvmattn.compiler.passes.ir import conjuncts, substitute, uses, visit_blocks
 from tvmattn.compiler.spec import AttentionSpec
 
@@ -149,12 +149,15 @@ def _blocked_iters(iters: dict, annotation) -> tuple[dict, dict]:
 
 
 def _key_block(func: PrimFunc) -> int:
-    """The largest block of keys a `KEY_BLOCKS` stage of ``func`` reads at once (1: none)."""
+    """The largest block of keys a `KEY_BLOCKS` stage of ``func`` reads at once, or a `KEY_STEP`
+    stage's loop steps over (1: none)."""
     sizes = [1]
 
     def on_block(node: SBlockRealize, _loops) -> None:
         if KEY_BLOCKS in node.block.annotations:
             sizes.append(_key_blocks(node.block.annotations[KEY_BLOCKS]).get("t", ("", 1))[1])
+        if KEY_STEP in node.block.annotations:
+            sizes.append(int(node.block.annotations[KEY_STEP]))
 
     visit_blocks(func.body, on_block)
     return max(sizes)

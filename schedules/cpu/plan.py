@@ -199,13 +199,13 @@ def _plan(spec: AttentionSpec, target: Target, given: Mapping[str, KnobValue] | 
                 and q_tile % isa.tiles.block == 0 and n_q % q_tile == 0 and n_kv % isa.tiles.block == 0)
     qk_pairs, pv_pairs = (True, True) if on_tiles else _bf16_dots(spec, isa, n_q, n_kv, q_tile, qk_keys)
     half_keys = _half_keys(spec, isa) if not (parts_core or on_tiles) and s_lanes > 1 else 0
-    # 16-bit K and V widened once for fp32 FMAs; not fp16's V with 16 registers, where P·V's conversion
-    # per vector of V, shared by the tile's rows, costs less than the copy; not decode's K, read along
+    # 16-bit K and V widened once for fp32 FMAs; not fp16's V where the record converts it per vector
+    # (`Isa.converts_v`: AVX2's 16 registers beside F16C); not decode's K, read along
     # d_k; a layer's only in head tasks (elsewhere its register tiles widen k_proj, P·V converts V)
     widened = spec.dtype != "float32" and not along_head_dim and (not spec.projections or head_tasks)
     widen_k = widened and not qk_pairs
     widen_v = (widened and not pv_pairs and not half_keys and s_lanes > 1
-               and (isa.registers >= 32 or spec.dtype == "bfloat16"))
+               and not (isa.converts_v and spec.dtype == "float16"))
     # V's pair panel packed in its head's task: not from a layer's v_proj, nor from keys padded to
     # whole blocks (TVM 0.27 cannot bind the pairs' view of the clamped rows there)
     v_pairs = pv_pairs and not on_tiles and not spec.projections and n_kv == spec.n_kv
@@ -348,6 +348,7 @@ def _defaults(spec: AttentionSpec, isa: Isa, cores: int, parts: bool, padding: i
     core = {"q_tile": tile, "pv_vecs": 4} if wide else {}
     if wide and spec.d_v <= 2 * lanes:  # a row of d_v in at most 2 vectors: 8 rows fill the tile
         core["pv_rows"] = 8
+    core.update(isa.tile_knobs)  # (a record's own tiles: RVV-256's register groups)
     if spec.n_q == 1:
         core["pv_vecs"] = _one_pass_vecs(spec, lanes) if spec.dtype != "float32" else 4
     if isinstance(spec.n_q, str) and padding == lanes and isa.tiles is None:
@@ -357,7 +358,7 @@ def _defaults(spec: AttentionSpec, isa: Isa, cores: int, parts: bool, padding: i
     if not spec.projections:
         return core
     d_in = max(spec.d, spec.h * spec.d_v)  # W_O's rows are the merged heads
-    gemms = gemm_defaults(d_in, lanes, tvm.DataType(spec.dtype).bits, gemm_widths(spec))
+    gemms = gemm_defaults(d_in, lanes, tvm.DataType(spec.dtype).bits, gemm_widths(spec), isa.registers)
     rows = spec.batch * spec.n_q if isinstance(spec.batch, int) and isinstance(spec.n_q, int) else None
     if rows is not None and rows < MIN_PAIR_ROWS:  # GEMVs: each W element read once, no panel to keep in L2
         tiles = min(spec.d, spec.h_kv * spec.d_k) // (gemms["gemm_vecs"] * lanes)  # per W's columns

@@ -37,6 +37,7 @@ from typing import Mapping
 
 from tvm.s_tir import Schedule
 
+from tvmattn.compiler.annotations import KEY_STEP
 from tvmattn.compiler.isa.panels import PAIR
 from tvmattn.compiler.isa.record import Dot
 from tvmattn.compiler.spec import AttentionSpec
@@ -158,7 +159,8 @@ def _attention_core(sch: Schedule, plan: CpuPlan, k: Mapping[str, KnobValue], la
     elif plan.half_keys:
         _weights_v_in_half(sch, spec, isa.vector_lanes("float16"), q_tile, plan.pv_rows, k["pv_vecs"])
     else:  # whole row groups per tile: a partial group's accumulator has a loop-dependent size
-        _weights_v(sch, spec, lanes, plan.pv_rows, k["pv_vecs"], isa.dot if plan.pv_pairs else None, later)
+        _weights_v(sch, spec, lanes, plan.pv_rows, k["pv_vecs"], isa.dot if plan.pv_pairs else None, later,
+                   isa.key_step)
     if panels and parts:
         later.append(functools.partial(tensorize_parts, sch, isa, panels, q_tile))
     elif panels:
@@ -282,9 +284,10 @@ def _weights_v_in_half(sch: Schedule, spec: AttentionSpec, lanes: int, q_tile: i
 
 
 def _weights_v(sch: Schedule, spec: AttentionSpec, lanes: int, rows: int, vecs: KnobValue, dot: Dot | None,
-               later: list) -> None:
+               later: list, key_step: int = 1) -> None:
     """acc[pv_rows queries][pv_vecs·lanes of d_v] += probs[t, s] · v[t, c], over t, in registers;
-    with ``dot``, two keys per instruction (``dot.pair_first`` on `pack_pairs`' panels)."""
+    with ``dot``, two keys per instruction (``dot.pair_first`` on `pack_pairs`' panels); else
+    ``key_step`` keys a step of the loop over keys (`Isa.key_step`)."""
     pv = sch.get_sblock("pv")
     s, c, t = sch.get_loops(pv)[-3:]
     s_out, s_in = sch.split(s, [None, rows])
@@ -300,3 +303,7 @@ def _weights_v(sch: Schedule, spec: AttentionSpec, lanes: int, rows: int, vecs: 
     register_tile(sch, pv, c_out, lambda b, i, st, s, c: (b, i, st, s // rows, s % rows, c),
                   (s_in, c_mid), c_vec, lanes_c, t, intrinsic=None if dot is None else dot.pair_first,
                   key_blocks=f"b=v_b_o,s=v_s_o,t=v_t_o*{PAIR}", later=later)
+    if dot is None and key_step > 1:  # the loop over keys in steps of key_step, each unrolled
+        _, t_step = sch.split(t, [None, key_step])
+        sch.unroll(t_step)
+        sch.annotate(pv, KEY_STEP, key_step)

@@ -21,7 +21,7 @@ from tvm.target import Target
 
 from tvmattn.compiler.annotations import CONSTANT_PARAMS, PADDED_AXES
 from tvmattn.compiler.passes import clamp_row_tails, uses
-from tvmattn.compiler.target import vector_lanes
+from tvmattn.compiler.target import isa_of, vector_lanes
 from tvmattn.schedules.knobs import resolve
 from tvmattn.schedules.micro_kernels import GEMM_KNOBS, gemm, gemm_defaults
 from tvmattn.schedules.ops.injective import spatial
@@ -99,20 +99,21 @@ class Matmul(ScheduleRule):
         dtype = gemm_block.writes[0].source.dtype
         lanes = vector_lanes(target, str(dtype))
         width = int(gemm_block.iter_vars[-2].dom.extent)
-        return sch, infos, at, weight, lanes, self.defaults(d_in, width, lanes, dtype.bits)
+        registers = isa_of(target).registers
+        return sch, infos, at, weight, lanes, self.defaults(d_in, width, lanes, dtype.bits, registers)
 
     tiles = staticmethod(gemm)
 
-    def defaults(self, d_in: int, width: int, lanes: int, bits: int) -> dict[str, int]:
+    def defaults(self, d_in: int, width: int, lanes: int, bits: int, registers: int = 32) -> dict[str, int]:
         """The projections' tiles; for a wide output (an LM head; measured: the README's "Default
-        tiles") with 16-lane vectors 8 rows × 2 vectors, the same 16 accumulators reading half as much
+        tiles") with 16-lane vectors and 32 registers 8 rows × 2 vectors, the same 16 accumulators reading half as much
         of the weight panel from L2 per FMA, and for a reduction under `SHORT` (each accumulator is
         stored after a few FMAs, and the tile's store runs faster as 8 rows of two vectors than as 4
         of four: measured in the README's convolution paragraph); with narrower ones 4 × 3 (its
         columns padded to whole tiles where the weight is packed) and 32 tiles of rows per task, so
         that each panel of the weight streams once per 128 rows."""
-        knobs = gemm_defaults(d_in, lanes, bits, (width,))
-        if (width >= WIDE or d_in < SHORT and "gemm_rows" not in knobs) and lanes >= 16:
+        knobs = gemm_defaults(d_in, lanes, bits, (width,), registers)
+        if (width >= WIDE or d_in < SHORT and "gemm_rows" not in knobs) and lanes >= 16 and registers >= 32:
             knobs.update(gemm_rows=8, gemm_vecs=2)
         elif width >= WIDE:
             knobs.update(gemm_vecs=3, gemm_block_rows=32)
