@@ -42,7 +42,6 @@ MACS = {"fmla.4s": (r"fmla\tv\d+\.4s", 4), "fmla.z": (r"(fmla|fmad)\tz\d+\.s", 8
 PEAK_BLOCK = {
     "fmla.4s": [f"fmla\tv{i}.4s, v30.4s, v31.s[0]" for i in range(24)],
     "fmla.z": ["ptrue\tp0.s, vl8"] + [f"fmla\tz{i}.s, p0/m, z30.s, z31.s" for i in range(24)],
-    "vfmacc": ["vsetivli\tzero, 8, e32, m1, ta, ma"] + [f"vfmacc.vf\tv{i}, fa0, v30" for i in range(1, 25)],
     "bfdot": [f"bfdot\tv{i}.4s, v30.8h, v31.2h[0]" for i in range(24)],
     "bfdot.z": [f"bfdot\tz{i}.s, z30.h, z31.h" for i in range(24)],
     "fmla.8h": [f"fmla\tv{i}.8h, v14.8h, v15.h[0]" for i in (*range(14), *range(16, 26))],  # (.h[i]: v0-v15)
@@ -60,10 +59,10 @@ def macs(body: list[str]) -> dict[str, int]:
 
 def peak_block(kind: str, body: list[str]) -> list[str]:
     """A block of independent multiply-accumulates of ``kind`` in the form ``body`` runs them (RVV: on
-    its register groups, by its ``vsetvli``)."""
-    vtype = next((i for i in body if i.startswith("vset")), None)
-    if kind != "vfmacc" or vtype is None:
+    its register groups, by the ``vsetvli`` `inner_loops` gives every RVV loop)."""
+    if kind != "vfmacc":
         return PEAK_BLOCK[kind]
+    vtype = next(i for i in body if i.startswith("vset"))
     group = int(re.search(r", m(\d)", vtype).group(1))
     return [vtype] + [f"vfmacc.vf\tv{group * i}, fa0, v{32 - group}" for i in range(1, 32 // group - 1)]
 _LABEL = re.compile(r"^([.\w$]+):")

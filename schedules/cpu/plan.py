@@ -232,12 +232,11 @@ def _fp16_parts(spec: AttentionSpec, isa: Isa) -> bool:
 def _half_keys(spec: AttentionSpec, isa: Isa) -> int:
     """The keys per fp16 block of fp16 P·V on the CPU's fp16 FMAs (twice fp32's lanes an instruction),
     0 for none: static keys in whole blocks, d_v in whole fp16 vectors (the block's register tile has no
-    tail), queries in tiles, the attention returned (measured on Sapphire Rapids' AVX512-FP16: the README's
-    "Default tiles"); not a window over a symbolic query length (TVM 0.27 fails to lower its key blocks'
-    bounds)."""
+    tail), the attention returned (measured on Sapphire Rapids' AVX512-FP16: the README's "Default
+    tiles"); not a window over a symbolic query length (TVM 0.27 fails to lower its key blocks' bounds).
+    (Queries in vectors, no tiles or bf16 parts: `_plan` asks only then.)"""
     keys = HALF_KEYS_MASKED if spec.causal or spec.window is not None else HALF_KEYS
-    fits = (spec.dtype == "float16" and isa.half_math and spec.n_q != 1 and spec.output == "attn"
-            and isinstance(spec.n_kv, int)
+    fits = (spec.dtype == "float16" and isa.half_math and spec.output == "attn" and isinstance(spec.n_kv, int)
             and spec.n_kv % keys == 0 and spec.d_v % isa.vector_lanes("float16") == 0
             and not (spec.window is not None and isinstance(spec.n_q, str)))
     return keys if fits else 0
