@@ -267,14 +267,12 @@ def test_missing_tools_are_one_line_naming_the_package(tmp_path, monkeypatch):
 
 @needs_tools
 def test_imported_model_is_a_library_for_that_cpu(tmp_path):
-    """A whole model for aarch64: an aarch64 ELF (TVM's runtime runs it there); a run here says so in one line."""
+    """A whole model for aarch64: an aarch64 ELF, for TVM's runtime there (run here: `test_cross_models`)."""
     model, _ = export_onnx(AttentionSpec(batch=1, seq_len=16, num_heads=2, d_model=64), 23, 0)
     imported = tvmattn.import_onnx(model, "aarch64", mcpu="neoverse-v2")
     imported.export_library(str(tmp_path / "model.so"))
     header = (tmp_path / "model.so").read_bytes()[:20]
     assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # EM_AARCH64
-    with pytest.raises(tvmattn.TvmAttnError, match="compiled for aarch64-linux-gnu: export_library it"):
-        imported.run({"x": np.zeros((1, 16, 64), np.float32)})
 
 
 @needs_tools

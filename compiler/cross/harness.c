@@ -7,15 +7,10 @@
  * The kernel reaches its runtime only through the context symbols below (TVM's library loader sets
  * them in a shared library); here the parallel launch runs each task on a thread. */
 #include <pthread.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 
-#include <tvm/ffi/c_api.h>
+#include "arrays.h"
 
 #define MAX_ARGS 32
-#define MAX_DIMS 8
 
 typedef struct {
   void* sync_handle;
@@ -74,8 +69,7 @@ static int parallel_barrier(int task_id, TVMParallelGroupEnv* penv) {
 
 static void* alloc_workspace(int device_type, int device_id, uint64_t nbytes, int code_hint, int bits_hint) {
   (void)device_type; (void)device_id; (void)code_hint; (void)bits_hint;
-  void* ptr = NULL;
-  return posix_memalign(&ptr, 64, nbytes ? nbytes : 1) == 0 ? ptr : NULL;
+  return aligned_bytes(nbytes);
 }
 
 static int free_workspace(int device_type, int device_id, void* ptr) {
@@ -103,29 +97,6 @@ void TVMFFIErrorSetRaisedFromCStrParts(const char* kind, const char** parts, int
 
 int __tvm_ffi_main(void* self, const TVMFFIAny* args, int32_t num_args, TVMFFIAny* result);
 
-static size_t parse(char* spec, DLTensor* t, int64_t* shape, char** path) {
-  char* code = strtok(spec, ":");
-  char* bits = strtok(NULL, ":");
-  char* dims = strtok(NULL, ":");
-  *path = strtok(NULL, "");
-  if (code == NULL || bits == NULL || dims == NULL || *path == NULL) return 0;
-  t->device.device_type = kDLCPU;
-  t->device.device_id = 0;
-  t->dtype.code = (uint8_t)atoi(code);
-  t->dtype.bits = (uint8_t)atoi(bits);
-  t->dtype.lanes = 1;
-  t->ndim = 0;
-  size_t count = 1;
-  for (char* d = strtok(dims, ","); d != NULL && t->ndim < MAX_DIMS; d = strtok(NULL, ",")) {
-    shape[t->ndim] = atoll(d);
-    count *= (size_t)shape[t->ndim++];
-  }
-  t->shape = shape;
-  t->strides = NULL;
-  t->byte_offset = 0;
-  return count * (t->dtype.bits / 8);
-}
-
 int main(int argc, char** argv) {
   static DLTensor tensors[MAX_ARGS];
   static int64_t shapes[MAX_ARGS][MAX_DIMS];
@@ -138,20 +109,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   for (int i = 0; i < n; ++i) {
-    bytes[i] = parse(argv[i + 1], &tensors[i], shapes[i], &paths[i]);
-    tensors[i].data = alloc_workspace(0, 0, bytes[i], 0, 0);
+    bytes[i] = parse_array(argv[i + 1], &tensors[i], shapes[i], &paths[i]);
+    tensors[i].data = aligned_bytes(bytes[i]);
     if (bytes[i] == 0 || tensors[i].data == NULL) {
       fprintf(stderr, "argument %d: cannot read %s\n", i, argv[i + 1]);
       return 2;
     }
-    if (i < n - 1) {
-      FILE* f = fopen(paths[i], "rb");
-      if (f == NULL || fread(tensors[i].data, 1, bytes[i], f) != bytes[i]) {
-        fprintf(stderr, "argument %d: cannot read %zu bytes from %s\n", i, bytes[i], paths[i]);
-        return 2;
-      }
-      fclose(f);
-    }
+    if (i < n - 1 && read_array(paths[i], tensors[i].data, bytes[i])) return 2;
     packed[i].type_index = kTVMFFIDLTensorPtr;
     packed[i].zero_padding = 0;
     packed[i].v_ptr = &tensors[i];
@@ -160,11 +124,5 @@ int main(int argc, char** argv) {
   memset(&result, 0, sizeof(result));
   result.type_index = kTVMFFINone;
   if (__tvm_ffi_main(NULL, packed, n, &result) != 0) return 1;
-  FILE* f = fopen(paths[n - 1], "wb");
-  if (f == NULL || fwrite(tensors[n - 1].data, 1, bytes[n - 1], f) != bytes[n - 1]) {
-    fprintf(stderr, "cannot write the output to %s\n", paths[n - 1]);
-    return 2;
-  }
-  fclose(f);
-  return 0;
+  return write_array(paths[n - 1], tensors[n - 1].data, bytes[n - 1]) ? 2 : 0;
 }

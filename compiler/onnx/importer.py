@@ -13,10 +13,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import tempfile
 import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -158,8 +160,10 @@ class ImportedModel:
 
     def run(self, feed: Mapping[str, Any]) -> list[np.ndarray]:
         """The graph's outputs, in order, for the inputs in ``feed`` (name → array)."""
-        on_cpu, aliases = self._calling
         args = self._arguments(feed)
+        if is_foreign(self.target):
+            return self._emulated(args)
+        on_cpu, aliases = self._calling
         # CPU: the arrays cross without a copy (a decode step's KV cache is megabytes; the functions take
         # arrays at any element offset, `passes.element_aligned_arguments`)
         tensors = [host_tensor(a) for a in args] if on_cpu else [tvm.runtime.tensor(a, self.device) for a in args]
@@ -180,13 +184,23 @@ class ImportedModel:
     def _calling(self) -> tuple[bool, list[int | None]]:
         """What every `run` reads, decided once (a one-token step is ~0.2 ms, a Python line a µs): whether
         the arrays cross without a copy (the CPU), and the input each output is written into in place."""
-        if is_foreign(self.target):  # (the C harness runs one kernel; a model needs TVM's VM)
-            raise TvmAttnError(f"this model is compiled for {self.target.attrs.get('mtriple')}: export_library it "
-                               "and run it with TVM's runtime on that CPU (emulation here runs single kernels)")
         on_cpu = self.device.dlpack_device_type() == tvm.cpu().dlpack_device_type()
         names = [i.name for i in self.inputs]
         into = [self.report.in_place.get(name) for name in self.output_names]
         return on_cpu, [names.index(i) if i in names else None for i in into]
+
+    def _emulated(self, args: list[np.ndarray]) -> list[np.ndarray]:
+        """Another CPU's model: its library run by TVM's runtime for that CPU under qemu-user (slowly; said once)."""
+        emulate.warn_once(self.report.model, "model")
+        return emulate.run_model(self._library, self.target, args)
+
+    @functools.cached_property
+    def _library(self) -> Path:
+        """The library `_emulated` runs: exported once, into a directory that lives as long as the model."""
+        self._library_dir = tempfile.TemporaryDirectory(prefix="tvmattn-model-")
+        path = Path(self._library_dir.name) / "model.so"
+        self.export_library(str(path))
+        return path
 
     def export_library(self, path: str) -> None:
         """A shared library of the model (another CPU's: linked by its cross gcc, `cross.toolchain`)."""
