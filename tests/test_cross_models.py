@@ -89,7 +89,7 @@ def test_emulated_zoo_model_matches_ort(aarch64_runtime, name):
 
 def test_emulated_model_says_so_once_and_reports_its_checks(aarch64_runtime, caplog):
     """An index the model checks at run time (a Gather's, out of its table) fails under emulation as it does
-    here, as one line with the model's message; the emulation itself is said once."""
+    here, as one line with the model's message; the emulation itself is said once, and profiling refused."""
     table = numpy_helper.from_array(np.arange(40, dtype=np.float32).reshape(10, 4), "table")
     graph = helper.make_graph([helper.make_node("Gather", ["table", "ids"], ["y"])], "lookup",
                               [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "n"])],
@@ -101,6 +101,8 @@ def test_emulated_model_says_so_once_and_reports_its_checks(aarch64_runtime, cap
         with pytest.raises(tvmattn.TvmAttnError, match=r"failed under qemu.*Gather.*indices lie in \[-10, 9\]"):
             imported.run({"ids": np.array([[1, 10]])})
     assert sum("qemu-user emulation" in r.message for r in caplog.records) == 1
+    with pytest.raises(tvmattn.TvmAttnError, match="only emulated, which times nothing"):
+        imported.profile({"ids": np.array([[1]])})
 
 
 def test_import_checks_another_cpus_model_against_ort(aarch64_runtime, tmp_path, capsys):

@@ -210,9 +210,10 @@ class ImportedModel:
         self.executable.export_library(path)
 
     def profile(self, feed: Mapping[str, Any], runs: int = 5) -> Profile:
-        """Where a run's time goes, function by function (`compiler.onnx.profile`; CPU)."""
-        if self.target.kind.name != "llvm":
-            raise TvmAttnError("profile times the functions of a CPU model: import it with target='cpu'")
+        """Where a run's time goes, function by function (`compiler.onnx.profile`; this machine's CPU)."""
+        if self.target.kind.name != "llvm" or is_foreign(self.target):
+            raise TvmAttnError(f"profile times the functions of a model for this CPU, not {self.target}: import it "
+                               "with target='cpu' (another CPU's model runs here only emulated, which times nothing)")
         return profile(self, feed, runs)
 
     @functools.cached_property
