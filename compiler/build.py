@@ -27,7 +27,7 @@ from tvmattn.compiler.te_attention import attention_te
 from tvmattn.compiler.tuning.lookup import tuned_knobs, tuned_schedule
 from tvmattn.schedules.cpu.paged_decode import buffer_kernel, paged_kernel
 from tvmattn.schedules.cpu.paged_decode import plan_of as paged_plan_of
-from tvmattn.schedules.cpu.plan import padded_for_tiles
+from tvmattn.schedules.cpu.plan import padded_widths
 from tvmattn.schedules.cuda import schedule_paged as cuda_schedule_paged
 from tvmattn.schedules.ops import BEFORE_LEGALIZE, ScheduleFunctions
 from tvmattn.schedules.ops.precision import matmuls_in
@@ -62,10 +62,10 @@ def compile_attention(spec: AttentionSpec | PagedSpec, target: Any = "cpu", *, a
     return CompiledAttention(spec, tgt, executable, how, time.perf_counter() - start, mod, thread_pool)
 
 
-def tile_widths(spec: AttentionSpec, target: Target) -> AttentionSpec | None:
-    """``spec`` with its head widths padded for the tile registers, for a front end that can pad q, k
-    and v (`schedules.cpu.plan.padded_for_tiles`); None where the kernel is better as it is, or off the CPU."""
-    return padded_for_tiles(spec, target) if is_cpu(target) else None
+def head_widths(spec: AttentionSpec, target: Target) -> AttentionSpec | None:
+    """``spec`` with its head widths padded for the tiles or dot products, for a front end that can pad q, k
+    and v (`schedules.cpu.plan.padded_widths`); None where the kernel is better as it is, or off the CPU."""
+    return padded_widths(spec, target) if is_cpu(target) else None
 
 
 def schedule_attention(spec: AttentionSpec, target: Target, knobs: Mapping[str, int] | None = None, *,

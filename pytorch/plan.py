@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tvmattn.compiler.build import tile_widths
+from tvmattn.compiler.build import head_widths
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.target import resolve_target
 from tvmattn.torch.cache import KernelKey
@@ -41,7 +41,7 @@ class Plan:
     # they cross as they are (the shapes and strides a plan is remembered for make this hold)
     as_given: bool = False
     sinks: bool = False  # a sink logit per head (`scaled_dot_product_attention`'s ``sinks``)
-    # the kernel's (d_k, d_v) where the head widths are padded for the tile registers (`build.tile_widths`):
+    # the kernel's (d_k, d_v) where the head widths are padded for the tiles or dot products (`build.head_widths`):
     # q, k and v are copied with zero columns, and the output is copied back without them (`unpad`)
     padded: tuple[int, int] | None = None
 
@@ -106,15 +106,15 @@ def plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
     # (a traced call's head counts and widths may be symbolic: it pads nothing, and its output's strides
     # are the same either way, `empty_output`)
     static = all(type(x) is int for x in (heads, kv_heads, head_dim, v_head_dim))
-    padded = _tile_widths(p.key) if device == "cpu" and static else None
+    padded = _head_widths(p.key) if device == "cpu" and static else None
     return p if padded is None else dataclasses.replace(p, as_given=False, padded=padded)
 
 
 @functools.lru_cache(maxsize=1024)
-def _tile_widths(key: KernelKey) -> tuple[int, int] | None:
-    """The kernel's (d_k, d_v) padded for the host's tile registers (`build.tile_widths`), once per key: a
+def _head_widths(key: KernelKey) -> tuple[int, int] | None:
+    """The kernel's (d_k, d_v) padded for the host's tiles or dot products (`build.head_widths`), once per key: a
     decode loop plans every step anew (its cache grows), and finding the host's target takes ~0.1 ms."""
-    padded = tile_widths(key.spec(), resolve_target("cpu"))
+    padded = head_widths(key.spec(), resolve_target("cpu"))
     return None if padded is None else (padded.d_k, padded.d_v)
 
 

@@ -18,7 +18,7 @@ import tvmattn
 from tvmattn import AttentionSpec
 from tvmattn.compiler.target import isa_of, resolve_target
 from tvmattn.compiler.verify import check
-from tvmattn.schedules.cpu.plan import padded_for_tiles, plan_of
+from tvmattn.schedules.cpu.plan import padded_widths, plan_of
 
 HOST_HAS_BF16_DOT = isa_of(HOST).dot is not None
 HOST_HAS_AMX = isa_of(HOST).tiles is not None
@@ -244,18 +244,26 @@ def test_fp16_takes_the_tiles_from_128_keys_a_query_sees(kv_seq_len, causal, til
     ("sapphirerapids", "bfloat16", 256, 64, 64, None),  # on the tiles as it is
     ("sapphirerapids", "bfloat16", 1, 80, 80, None),  # a decode step takes no tile products
     ("sapphirerapids", "float32", 256, 80, 80, None),
-    ("znver4", "bfloat16", 256, 80, 80, None),  # no tiles
+    ("znver4", "bfloat16", 256, 80, 80, None),  # no tiles, and whole vectors for the dot products
+    ("znver4", "bfloat16", 256, 40, 40, (40, 48)),  # no tiles: d_v to whole vectors for P·V's dot products
+    ("znver4", "bfloat16", 256, 72, 72, (72, 80)),
+    ("znver4", "bfloat16", "n", 40, 40, (48, 48)),  # symbolic keys: d_k in whole vectors too
+    ("znver4", "bfloat16", 1, 40, 40, None),  # a decode step's dot products run along d_k
+    ("znver4", "float16", 256, 40, 40, None),  # no fp16 dot products
+    ("znver3", "bfloat16", 256, 40, 40, None),  # no bf16 dot products
 ])
-def test_head_widths_padded_for_the_tiles(mcpu, dtype, n, d_k, d_v, padded):
-    """`plan.padded_for_tiles`: the head widths rounded up to the tiles' step and block where that
-    alone puts the kernel on them, with the unpadded width's scale."""
+def test_head_widths_padded_for_the_tiles_or_dot_products(mcpu, dtype, n, d_k, d_v, padded):
+    """`plan.padded_widths`: the head widths rounded up to the tiles' step and block where that alone
+    puts the kernel on them, else to the dot products' pairs and vectors where that puts more of its
+    products on them; the scale stays the unpadded width's."""
     target = resolve_target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2})
-    spec = AttentionSpec(batch=1, seq_len=n, kv_seq_len=256, num_heads=2, head_dim=d_k, v_head_dim=d_v,
-                         projections=False, dtype=dtype)
-    got = padded_for_tiles(spec, target)
+    spec = AttentionSpec(batch=1, seq_len=n, kv_seq_len=256 if n != "n" else n, num_heads=2, head_dim=d_k,
+                         v_head_dim=d_v, projections=False, dtype=dtype)
+    got = padded_widths(spec, target)
     assert (None if got is None else (got.d_k, got.d_v)) == padded
     if got is not None:
-        assert plan_of(got, target).on_tiles and not plan_of(spec, target).on_tiles
+        now, then = plan_of(spec, target), plan_of(got, target)
+        assert then.on_tiles if "sapphire" in mcpu else (then.qk_pairs and then.pv_pairs and not now.pv_pairs)
         assert got.softmax_scale == spec.softmax_scale and got.replace(head_dim=d_k, v_head_dim=d_v, scale=None) == spec
 
 

@@ -15,7 +15,7 @@ import onnx
 import onnx.helper as oh
 import pytest
 import tvm
-from helpers import NO_AMX
+from helpers import NO_AMX, runs_here
 from onnx import TensorProto as TP
 from onnx_testing import ort_run
 from tvm import te, tirx
@@ -291,31 +291,51 @@ def _attention_of_width(d: int, variants: bool) -> onnx.ModelProto:
     return model
 
 
-@pytest.mark.parametrize("force, variants", [(False, False), (True, False), (True, True)])
-def test_head_widths_padded_for_the_tiles(force, variants, monkeypatch):
-    """A head width the tile registers do not take (80) runs on them padded to 96 where the target has
-    them (`build.tile_widths`): q, k and v get zero columns, the output loses them again, the scale
-    stays 1/√80. ``force`` pads on any CPU (the padded kernel on this CPU's path), so that the graph's
-    padding is checked everywhere against ONNX Runtime in fp32, with a mask, GQA and a softcap too."""
-    from tvmattn.compiler.onnx import kernels
-    from tvmattn.schedules.cpu.plan import padded_for_tiles
-    if force:
-        monkeypatch.setattr(kernels, "tile_widths", lambda spec, _target: spec.replace(
-            head_dim=96, v_head_dim=96, scale=spec.softmax_scale))
-    model = _attention_of_width(80, variants)
-    imported = tvmattn.import_onnx(model, dtype="bfloat16")
-    spec = imported.report.replacements[0].spec
-    unpadded = spec.replace(head_dim=80, v_head_dim=80, scale=None)
-    assert spec.d_k == (96 if force or padded_for_tiles(unpadded, imported.target) else 80), spec
-    assert spec.softmax_scale == pytest.approx(80 ** -0.5)
+def _assert_matches_ort(model: onnx.ModelProto, imported: tvmattn.ImportedModel, width: int) -> None:
+    """``imported`` (of `_attention_of_width` ``width``) against ONNX Runtime fp32 at two sizes, in bf16's tolerance."""
     rng = np.random.default_rng(0)
     for b, s in ((2, 64), (1, 200)):
         feed = {i.name: rng.standard_normal([b if d == "B" else s if d == "S" else d for d in
                                              (x.dim_param or x.dim_value for x in i.type.tensor_type.shape.dim)])
                 .astype(np.float32) for i in model.graph.input}
         got, = imported.run(feed)
-        assert got.shape == (b, 4, s, 80)
+        assert got.shape == (b, 4, s, width)
         assert errors(got, ort_run(model, feed)[0])[1] <= TOLERANCE["bfloat16"]
+
+
+@pytest.mark.parametrize("force, variants", [(False, False), (True, False), (True, True)])
+def test_head_widths_padded_for_the_tiles(force, variants, monkeypatch):
+    """A head width the tile registers do not take (80) runs on them padded to 96 where the target has
+    them (`build.head_widths`): q, k and v get zero columns, the output loses them again, the scale
+    stays 1/√80. ``force`` pads on any CPU (the padded kernel on this CPU's path), so that the graph's
+    padding is checked everywhere against ONNX Runtime in fp32, with a mask, GQA and a softcap too."""
+    from tvmattn.compiler.onnx import kernels
+    from tvmattn.schedules.cpu.plan import padded_widths
+    if force:
+        monkeypatch.setattr(kernels, "head_widths", lambda spec, _target: spec.replace(
+            head_dim=96, v_head_dim=96, scale=spec.softmax_scale))
+    model = _attention_of_width(80, variants)
+    imported = tvmattn.import_onnx(model, dtype="bfloat16")
+    spec = imported.report.replacements[0].spec
+    unpadded = spec.replace(head_dim=80, v_head_dim=80, scale=None)
+    assert spec.d_k == (96 if force or padded_widths(unpadded, imported.target) else 80), spec
+    assert spec.softmax_scale == pytest.approx(80 ** -0.5)
+    _assert_matches_ort(model, imported, 80)
+
+
+@pytest.mark.parametrize("variants", [False, True])
+def test_head_widths_padded_for_the_dot_products(variants):
+    """Without tile registers (this CPU with AMX off: Zen 4's AVX512-BF16), a width of 40 is no whole
+    vector: P·V would run widened. Padded to 48 (d_k too, the keys being symbolic: `build.head_widths`),
+    both products run on the dot products, and the output loses the columns again; against ONNX Runtime fp32."""
+    if not runs_here(NO_AMX):
+        pytest.skip("this CPU lacks AVX-512")
+    model = _attention_of_width(40, variants)
+    imported = tvmattn.import_onnx(model, NO_AMX, dtype="bfloat16")
+    spec = imported.report.replacements[0].spec
+    assert (spec.d_k, spec.d_v) == ((48, 48) if isa_of(NO_AMX).dot is not None else (40, 40)), spec
+    assert spec.softmax_scale == pytest.approx(40 ** -0.5)
+    _assert_matches_ort(model, imported, 40)
 
 
 @pytest.mark.parametrize("dtype", [pytest.param("float16", marks=pytest.mark.slow), "bfloat16"])

@@ -126,17 +126,17 @@ def test_transposed_views_are_read_in_place_and_one_kernel_serves_every_length()
 @pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
 def test_head_widths_padded_for_the_tiles(force, layout, monkeypatch, request):
     """bf16 heads of 80 (Phi-2's) run on a kernel of 96 where the host has tile registers
-    (`build.tile_widths`): q, k and v copied with zero columns, the output copied without them (its
+    (`build.head_widths`): q, k and v copied with zero columns, the output copied without them (its
     strides as unpadded), the scale 1/√80. ``force`` pads on any CPU, so that the padding is checked
     everywhere against torch's SDPA."""
-    from tvmattn.compiler.build import tile_widths
+    from tvmattn.compiler.build import head_widths
     from tvmattn.compiler.target import resolve_target
     from tvmattn.torch import plan as torch_plan
     if force:
-        monkeypatch.setattr(torch_plan, "tile_widths", lambda spec, _target: spec.replace(
+        monkeypatch.setattr(torch_plan, "head_widths", lambda spec, _target: spec.replace(
             head_dim=96, v_head_dim=96, scale=spec.softmax_scale))
-    torch_plan._tile_widths.cache_clear()  # (decided once per key: neither decision may outlive the test)
-    request.addfinalizer(torch_plan._tile_widths.cache_clear)
+    torch_plan._head_widths.cache_clear()  # (decided once per key: neither decision may outlive the test)
+    request.addfinalizer(torch_plan._head_widths.cache_clear)
     KERNELS.clear()
     for batch, n in ((2, 40), (1, 70)):
         q, k, v = (torch.randn(batch, n, 4, 80).to(torch.bfloat16) for _ in range(3))
@@ -151,7 +151,7 @@ def test_head_widths_padded_for_the_tiles(force, layout, monkeypatch, request):
     (key,) = KERNELS.keys()
     unpadded = tvmattn.AttentionSpec(batch="b", seq_len="n", kv_seq_len="m", num_heads=4, head_dim=80,
                                      causal=True, layout=layout, dtype="bfloat16", projections=False)
-    assert key.head_dim == (96 if force or tile_widths(unpadded, resolve_target("cpu")) else 80)
+    assert key.head_dim == (96 if force or head_widths(unpadded, resolve_target("cpu")) else 80)
     assert key.spec().softmax_scale == pytest.approx(80 ** -0.5)
 
 

@@ -18,7 +18,7 @@ from tvm.target import Target
 
 from tvmattn.compiler import arguments
 from tvmattn.compiler.annotations import IS_SCHEDULED, OP_PATTERN, OPAQUE
-from tvmattn.compiler.build import schedule_attention, schedule_paged, tile_widths
+from tvmattn.compiler.build import head_widths, schedule_attention, schedule_paged
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.paged import PagedSpec
 from tvmattn.compiler.spec import AttentionSpec, Dim
@@ -207,8 +207,8 @@ def attend(bb: relax.BlockBuilder, kernels: Kernels, q: relax.Expr, k: relax.Exp
         fields.setdefault("alibi", "signed")
         given["alibi_slopes"] = _conform(bb, alibi_slopes, [heads], sizes, "the ALiBi slopes")
     spec = AttentionSpec(**fields)
-    padded = tile_widths(spec, kernels.target) if outputs == ("attn",) else None
-    if padded is not None:  # head widths the tile registers do not take: zero columns, sliced off after
+    padded = head_widths(spec, kernels.target) if outputs == ("attn",) else None
+    if padded is not None:  # head widths the tiles (or dot products) do not take: zero columns, sliced off after
         widths = {"q": padded.d_k, "k": padded.d_k, "v": padded.d_v}
         given.update({x: _zero_padded(bb, given[x], width) for x, width in widths.items()})
         args = [given[a.name] for a in arguments.taken(padded)]

@@ -18,8 +18,8 @@ plan and decide nothing themselves. A decision is made here, in order, from the 
     widen_k, widen_v     16-bit K and V widened to fp32 once (in head tasks where `per_head`)
     v_pairs              V's pair panel packed in its head's task
 
-Before a plan, `padded_for_tiles` tells a caller that can pad q, k and v (the ONNX import) the head
-widths that would put its spec on the tiles.
+Before a plan, `padded_widths` tells a caller that can pad q, k and v (the ONNX import, torch) the head
+widths that would put its spec on the tiles, or on the bf16 dot products where there are no tiles.
 """
 
 from __future__ import annotations
@@ -148,22 +148,38 @@ def plan_of(spec: AttentionSpec, target: Target, knobs: Mapping[str, KnobValue] 
     return _PLANS[key]
 
 
-def padded_for_tiles(spec: AttentionSpec, target: Target) -> AttentionSpec | None:
-    """``spec`` with d_k and d_v zero-padded up to the tile registers' step and block, where only its
-    head widths keep it off them (Phi-2's and ViT-H's 80, Stable Diffusion's 40), for a caller that can
-    pad q, k and v and slice the output (`onnx.kernels.attend`, `torch.plan`): zero columns add nothing to QKᵀ, and
-    P·V's extra columns are dropped. None where the tiles take ``spec`` as it is, or would not take it
-    padded either (no tiles, decode). The wasted width costs far less than the path off the tiles
-    (the README's AMX paragraph has the measurements)."""
+def padded_widths(spec: AttentionSpec, target: Target) -> AttentionSpec | None:
+    """``spec`` with d_k and d_v zero-padded where only its head widths keep its products off the better
+    path, for a caller that can pad q, k and v and slice the output (`onnx.kernels.attend`, `torch.plan`):
+    zero columns add nothing to QKᵀ, and P·V's extra columns are dropped. The paths rank tile registers
+    (d_k to their step, d_v to their block: Phi-2's and ViT-H's 80, Stable Diffusion's 40), then the bf16
+    dot products (d_v to whole vectors, d_k to whole pairs: 40 and 72 on AVX-512 without AMX), then fp32
+    FMAs. None where ``spec`` is on its CPU's best path as it is, or padding would not move it (decode,
+    symbolic lengths off the dot products). The wasted width costs far less than the path it avoids (the
+    README's AMX paragraph and "Default tiles" have the measurements)."""
     isa = isa_of(target)
-    if isa.tiles is None or spec.projections or plan_of(spec, target).on_tiles:
+    if spec.projections:
         return None
-    step, block = isa.tiles.step, isa.tiles.block
-    padded = spec.replace(head_dim=-(-spec.d_k // step) * step, v_head_dim=-(-spec.d_v // block) * block,
-                          scale=spec.softmax_scale)
-    if (padded.d_k, padded.d_v) == (spec.d_k, spec.d_v) or not plan_of(padded, target).on_tiles:
+    plan = plan_of(spec, target)
+    if isa.tiles is not None and not plan.on_tiles:
+        padded = _widened_heads(spec, isa.tiles.step, isa.tiles.block)
+        if padded is not None and plan_of(padded, target).on_tiles:
+            return padded
+    if isa.dot is not None and not plan.on_tiles and not (plan.qk_pairs and plan.pv_pairs):
+        padded = _widened_heads(spec, PAIR if isinstance(spec.n_kv, int) else isa.dot.lanes, isa.dot.lanes)
+        if padded is not None:
+            dots = plan_of(padded, target)
+            if dots.qk_pairs + dots.pv_pairs > plan.qk_pairs + plan.pv_pairs:
+                return padded
+    return None
+
+
+def _widened_heads(spec: AttentionSpec, k_step: int, v_step: int) -> AttentionSpec | None:
+    """``spec`` with d_k and d_v rounded up to whole steps, its scale still 1/√(true d_k); None if whole already."""
+    d_k, d_v = -(-spec.d_k // k_step) * k_step, -(-spec.d_v // v_step) * v_step
+    if (d_k, d_v) == (spec.d_k, spec.d_v):
         return None
-    return padded
+    return spec.replace(head_dim=d_k, v_head_dim=d_v, scale=spec.softmax_scale)
 
 
 def _plan(spec: AttentionSpec, target: Target, given: Mapping[str, KnobValue] | None) -> CpuPlan:
