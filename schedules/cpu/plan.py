@@ -156,17 +156,17 @@ def padded_widths(spec: AttentionSpec, target: Target) -> AttentionSpec | None:
     dot products (d_v to whole vectors, d_k to whole pairs: 40 and 72 on AVX-512 without AMX), then fp32
     FMAs. None where ``spec`` is on its CPU's best path as it is, or padding would not move it (decode,
     symbolic lengths off the dot products). The wasted width costs far less than the path it avoids (the
-    README's AMX paragraph and "Default tiles" have the measurements)."""
+    README's AMX paragraph and its 16-bit inputs have the measurements)."""
     isa = isa_of(target)
     if spec.projections:
         return None
     plan = plan_of(spec, target)
     if isa.tiles is not None and not plan.on_tiles:
-        padded = _widened_heads(spec, isa.tiles.step, isa.tiles.block)
+        padded = _padded_heads(spec, isa.tiles.step, isa.tiles.block)
         if padded is not None and plan_of(padded, target).on_tiles:
             return padded
     if isa.dot is not None and not plan.on_tiles and not (plan.qk_pairs and plan.pv_pairs):
-        padded = _widened_heads(spec, PAIR if isinstance(spec.n_kv, int) else isa.dot.lanes, isa.dot.lanes)
+        padded = _padded_heads(spec, PAIR if isinstance(spec.n_kv, int) else isa.dot.lanes, isa.dot.lanes)
         if padded is not None:
             dots = plan_of(padded, target)
             if dots.qk_pairs + dots.pv_pairs > plan.qk_pairs + plan.pv_pairs:
@@ -174,7 +174,7 @@ def padded_widths(spec: AttentionSpec, target: Target) -> AttentionSpec | None:
     return None
 
 
-def _widened_heads(spec: AttentionSpec, k_step: int, v_step: int) -> AttentionSpec | None:
+def _padded_heads(spec: AttentionSpec, k_step: int, v_step: int) -> AttentionSpec | None:
     """``spec`` with d_k and d_v rounded up to whole steps, its scale still 1/√(true d_k); None if whole already."""
     d_k, d_v = -(-spec.d_k // k_step) * k_step, -(-spec.d_v // v_step) * v_step
     if (d_k, d_v) == (spec.d_k, spec.d_v):
