@@ -1,6 +1,7 @@
 """Whole imported models for aarch64, run by TVM's own aarch64 runtime (the Relax VM of PyPI's aarch64
 wheels, driven by `compiler/cross/model_driver.c`) under qemu-user, against ONNX Runtime run here."""
 
+import concurrent.futures
 import logging
 import os
 
@@ -87,14 +88,28 @@ def test_emulated_zoo_model_matches_ort(aarch64_runtime, name):
     assert_emulated_matches_ort(m.export(), m.feed(small_shape(m)), ZOO.get(name, "neoverse-v1"))
 
 
+def _lookup(name: str):
+    """A Gather of rows of a (10, 4) table whose row i holds 4i … 4i + 3 (named: emulation is said once a name)."""
+    table = numpy_helper.from_array(np.arange(40, dtype=np.float32).reshape(10, 4), "table")
+    graph = helper.make_graph([helper.make_node("Gather", ["table", "ids"], ["y"])], name,
+                              [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "n"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "n", 4])], [table])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_emulated_model_runs_from_threads(aarch64_runtime):
+    """Runs from several threads at once: the library is exported once, each run its own emulated process."""
+    imported = tvmattn.import_onnx(_lookup("lookup-threads"), "aarch64")
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda i: imported.run({"ids": np.array([[i, 9 - i]])})[0], range(6)))
+    for i, out in enumerate(got):
+        np.testing.assert_array_equal(out[0, :, 0], [4 * i, 4 * (9 - i)])
+
+
 def test_emulated_model_says_so_once_and_reports_its_checks(aarch64_runtime, caplog):
     """An index the model checks at run time (a Gather's, out of its table) fails under emulation as it does
     here, as one line with the model's message; the emulation itself is said once, and profiling refused."""
-    table = numpy_helper.from_array(np.arange(40, dtype=np.float32).reshape(10, 4), "table")
-    graph = helper.make_graph([helper.make_node("Gather", ["table", "ids"], ["y"])], "lookup",
-                              [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "n"])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "n", 4])], [table])
-    imported = tvmattn.import_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), "aarch64")
+    imported = tvmattn.import_onnx(_lookup("lookup-checked"), "aarch64")
     with caplog.at_level(logging.WARNING, logger="tvmattn.cross"):
         got = imported.run({"ids": np.array([[1, -1, 9]])})[0]
         np.testing.assert_array_equal(got, [[[4, 5, 6, 7], [36, 37, 38, 39], [36, 37, 38, 39]]])

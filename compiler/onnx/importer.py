@@ -14,6 +14,7 @@ import contextlib
 import functools
 import io
 import tempfile
+import threading
 import time
 import warnings
 from collections import Counter
@@ -42,6 +43,8 @@ from tvmattn.compiler.onnx.shape_ops import as_onnx_value, state_broadcast, stat
 from tvmattn.compiler.spec import DTYPES, AttentionSpec
 from tvmattn.compiler.target import is_cpu, is_foreign, resolve_target
 from tvmattn.compiler.work import AttentionWork
+
+_EXPORTING = threading.Lock()  # an emulated model's library, exported on its first run
 
 
 @dataclass(frozen=True)
@@ -192,7 +195,9 @@ class ImportedModel:
     def _emulated(self, args: list[np.ndarray]) -> list[np.ndarray]:
         """Another CPU's model: its library run by TVM's runtime for that CPU under qemu-user (slowly; said once)."""
         emulate.warn_once(self.report.model, "model")
-        return emulate.run_model(self._library, self.target, args)
+        with _EXPORTING:  # (cached_property locks nothing from Python 3.12: one export, whose directory stays)
+            library = self._library
+        return emulate.run_model(library, self.target, args)
 
     @functools.cached_property
     def _library(self) -> Path:
