@@ -98,7 +98,8 @@ def _lookup(name: str):
 
 
 def test_emulated_model_runs_from_threads(aarch64_runtime):
-    """Runs from several threads at once: the library is exported once, each run its own emulated process."""
+    """Runs from several threads at once, each its own emulated process (racing first runs each export the
+    library; one is kept)."""
     imported = tvmattn.import_onnx(_lookup("lookup-threads"), "aarch64")
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         got = list(pool.map(lambda i: imported.run({"ids": np.array([[i, 9 - i]])})[0], range(6)))

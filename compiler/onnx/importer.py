@@ -14,7 +14,6 @@ import contextlib
 import functools
 import io
 import tempfile
-import threading
 import time
 import warnings
 from collections import Counter
@@ -43,8 +42,6 @@ from tvmattn.compiler.onnx.shape_ops import as_onnx_value, state_broadcast, stat
 from tvmattn.compiler.spec import DTYPES, AttentionSpec
 from tvmattn.compiler.target import is_cpu, is_foreign, resolve_target
 from tvmattn.compiler.work import AttentionWork
-
-_EXPORTING = threading.Lock()  # an emulated model's library, exported on its first run
 
 
 @dataclass(frozen=True)
@@ -195,17 +192,17 @@ class ImportedModel:
     def _emulated(self, args: list[np.ndarray]) -> list[np.ndarray]:
         """Another CPU's model: its library run by TVM's runtime for that CPU under qemu-user (slowly; said once)."""
         emulate.warn_once(self.report.model, "model")
-        with _EXPORTING:  # (cached_property locks nothing from Python 3.12: one export, whose directory stays)
-            library = self._library
-        return emulate.run_model(library, self.target, args)
+        return emulate.run_model(self._library(), self.target, args)
 
-    @functools.cached_property
     def _library(self) -> Path:
-        """The library `_emulated` runs: exported once, into a directory that lives as long as the model."""
-        self._library_dir = tempfile.TemporaryDirectory(prefix="tvmattn-model-")
-        path = Path(self._library_dir.name) / "model.so"
-        self.export_library(str(path))
-        return path
+        """The library `_emulated` runs, in a directory that lives as long as the model: exported on the first
+        run. Threads that race each export one and the first kept wins (no lock: none is held over a fork)."""
+        kept = self.__dict__.get("_library_kept")
+        if kept is None:
+            directory = tempfile.TemporaryDirectory(prefix="tvmattn-model-")
+            self.export_library(str(Path(directory.name) / "model.so"))
+            kept = self.__dict__.setdefault("_library_kept", directory)  # (atomic: one directory stays)
+        return Path(kept.name) / "model.so"
 
     def export_library(self, path: str) -> None:
         """A shared library of the model (another CPU's: linked by its cross gcc, `cross.toolchain`)."""
