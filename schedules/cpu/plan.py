@@ -268,11 +268,14 @@ def _padding(spec: AttentionSpec, isa: Isa, parts: bool) -> int:
     """The block the core's lengths run in (`te_attention._core`; 1: none), for the 16-bit products,
     which take no tail: the tiles' blocks (symbolic lengths and ragged static ones, but for one query,
     which keeps its dot products along d_k), else the dot product's lanes for symbolic lengths, which
-    QKᵀ then always takes (TVM 0.27 cannot build the widened key tiles over padded keys)."""
+    QKᵀ then always takes (TVM 0.27 cannot build the widened key tiles over padded keys, of d_k in whole
+    vectors); none where P·V cannot take them there (d_v no whole vector), as QKᵀ then does not (`_bf16_dots`)."""
     n_q, n_kv = spec.n_q, spec.n_kv
     if parts:
         return isa.tiles.block if any(isinstance(x, str) or x % isa.tiles.block for x in (n_q, n_kv)) else 1
     if not (spec.dtype == "bfloat16" and isa.dot is not None and spec.d_k % PAIR == 0):
+        return 1
+    if spec.d_k % isa.dot.lanes == 0 and spec.d_v % isa.dot.lanes:
         return 1
     if _tile_widths(spec, isa, parts) and n_q != 1 and any(isinstance(x, str) or x % isa.tiles.block
                                                           for x in (n_q, n_kv)):
@@ -299,13 +302,16 @@ def _dot_tile(spec: AttentionSpec, isa: Isa, parts: bool, padding: int, q_tile: 
 def _bf16_dots(spec: AttentionSpec, isa: Isa, n_q: Dim, n_kv: Dim, q_tile: int, qk_keys: int) -> tuple[bool, bool]:
     """Whether QKᵀ and P·V run on the bf16 dot product: bf16, static (padded) lengths in whole query
     tiles (a power of two from the instruction's lanes) and key tiles, whole pairs of the reduction
-    and d_v in whole vectors (a tail's predicate cannot sit inside the instruction)."""
+    and d_v in whole vectors (a tail's predicate cannot sit inside the instruction); QKᵀ only with P·V."""
     if spec.dtype != "bfloat16" or isa.dot is None or q_tile < isa.dot.lanes or q_tile & (q_tile - 1) \
             or not isinstance(n_q, int) or n_q % q_tile or not isinstance(n_kv, int):
         return False, False
     # (K's clamped rows of a symbolic n_kv, d_k not whole vectors: TVM cannot bind the instruction's pair views)
     qk = spec.d_k % PAIR == 0 and n_kv % qk_keys == 0 and (isinstance(spec.n_kv, int) or spec.d_k % isa.dot.lanes == 0)
-    return qk, n_kv % PAIR == 0 and spec.d_v % isa.dot.lanes == 0
+    pv = n_kv % PAIR == 0 and spec.d_v % isa.dot.lanes == 0
+    # QKᵀ alone on them, P·V widened, ran 1.06–1.17× slower than both widened (heads of 40 and 72 on
+    # AVX512-BF16), and failed to build over padded keys (TVM 0.27): QKᵀ takes them with P·V
+    return qk and pv, pv
 
 
 def _few_tasks_of_one_query(spec: AttentionSpec, isa: Isa, cores: int) -> bool:
