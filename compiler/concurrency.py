@@ -37,6 +37,7 @@ _stale_tvm: int | None = None  # the thread (ident) whose TVM pool a fork left w
 _stale_openmp: int | None = None  # the same for libgomp's team
 _fresh: concurrent.futures.ThreadPoolExecutor | None = None  # the child's thread for `_stale_tvm`'s calls
 _lock = threading.Lock()  # guards `Pool`s and `_fresh`; held across a fork, so a child never inherits it taken
+_serial = threading.RLock()  # `one_at_a_time`'s; held across a fork too
 
 
 def run_on_tvm_pool(fn: Callable[..., Any], *args: Any) -> Any:
@@ -58,6 +59,25 @@ def run_on_openmp(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 T = TypeVar("T")
+
+
+def one_at_a_time(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` while no other such call runs: TVM's library export (`export_library`, an object file
+    written for the emulation harness) aborted the process when two threads ran it at once."""
+    with _serial:
+        return fn(*args)
+
+
+def once(owner: Any, name: str, make: Callable[[], T]) -> T:
+    """``owner``'s attribute ``name``, made by ``make()`` on first use (`one_at_a_time`; threads that ask
+    meanwhile wait for it: none is made twice, as a ``cached_property`` may from Python 3.12)."""
+    made = owner.__dict__.get(name)
+    if made is None:
+        with _serial:
+            made = owner.__dict__.get(name)
+            if made is None:
+                made = owner.__dict__[name] = make()
+    return made
 
 
 class Pool(Generic[T]):
@@ -97,16 +117,18 @@ def _one_openmp_thread() -> None:
 
 
 def _before_fork() -> None:
+    _serial.acquire()
     _lock.acquire()
 
 
 def _after_fork_in_parent() -> None:
     _lock.release()
+    _serial.release()
 
 
 def _after_fork_in_child() -> None:
-    global _stale_tvm, _stale_openmp, _fresh, _lock
-    _lock = threading.Lock()
+    global _stale_tvm, _stale_openmp, _fresh, _lock, _serial
+    _lock, _serial = threading.Lock(), threading.RLock()
     me = threading.get_ident()
     if getattr(_local, "tvm", False) or _stale_tvm == me:
         _stale_tvm = me

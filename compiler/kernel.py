@@ -136,11 +136,15 @@ class CompiledAttention:
     def _foreign(self) -> bool:
         return is_foreign(self.target)
 
-    @functools.cached_property
+    @property
     def _harness(self) -> Path:
         """This kernel linked into the emulation harness (built on the first emulated call)."""
-        self._harness_dir = tempfile.TemporaryDirectory(prefix="tvmattn-harness-")  # removed with the kernel
-        return emulate.build_harness(self.executable, self.target, Path(self._harness_dir.name))
+        return Path(concurrency.once(self, "_harness_dir", self._new_harness).name) / "harness"
+
+    def _new_harness(self) -> tempfile.TemporaryDirectory:
+        directory = tempfile.TemporaryDirectory(prefix="tvmattn-harness-")  # removed with the kernel
+        emulate.build_harness(self.executable, self.target, Path(directory.name))
+        return directory
 
     def _output(self, out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
         dtype = numpy_dtype(self.spec.dtype)
@@ -168,14 +172,15 @@ class CompiledAttention:
 
     # ---- artefacts ------------------------------------------------------------------------------
     def export_library(self, path: str) -> None:
-        """A shared library of the kernel (another CPU's: linked by its cross gcc, `cross.toolchain`)."""
+        """A shared library of the kernel (another CPU's: linked by its cross gcc, `cross.toolchain`); one
+        export at a time (`concurrency.one_at_a_time`)."""
         if self._foreign:
-            emulate.export_library(self.executable, self.target, path)
+            concurrency.one_at_a_time(emulate.export_library, self.executable, self.target, path)
             return
         if self.thread_pool == "openmp":
             raise TvmAttnError("this kernel starts its parallel loops through a launcher compiled into this "
                                "process (thread_pool='openmp'): export one built with tvmattn.compile(spec)")
-        self.executable.export_library(path)
+        concurrency.one_at_a_time(self.executable.export_library, path)
 
     def source(self) -> str:
         """CUDA C for a cuda kernel, LLVM assembly for a CPU kernel."""

@@ -1,6 +1,7 @@
 """Kernels for aarch64 (NEON, SVE-256) and RISC-V (RVV): cross-compiled, run under qemu-user against
 the float64 oracle, their assembly on the target's vector FMAs, and one line for a missing tool."""
 
+import concurrent.futures
 import logging
 import os
 import re
@@ -240,6 +241,15 @@ def test_emulated_call_says_so_once(caplog):
         check(kernel)
         check(kernel, seed=1)
     assert sum("qemu-user emulation" in r.message for r in caplog.records) == 1
+
+
+@needs_tools
+def test_emulated_kernel_runs_from_threads():
+    """First calls from three threads at once: the harness is built once (TVM's export of one executable
+    from two threads at once aborted the process), each call its own emulated process."""
+    kernel = tvmattn.compile(AttentionSpec(**{**SMALL, "num_heads": 5}), "aarch64", tuned=False)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        assert all(r.ok for r in pool.map(lambda seed: check(kernel, seed=seed), range(3)))
 
 
 @needs_tools

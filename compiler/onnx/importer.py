@@ -195,21 +195,21 @@ class ImportedModel:
         return emulate.run_model(self._library(), self.target, args)
 
     def _library(self) -> Path:
-        """The library `_emulated` runs, in a directory that lives as long as the model: exported on the first
-        run. Threads that race each export one and the first kept wins (no lock: none is held over a fork)."""
-        kept = self.__dict__.get("_library_kept")
-        if kept is None:
-            directory = tempfile.TemporaryDirectory(prefix="tvmattn-model-")
-            self.export_library(str(Path(directory.name) / "model.so"))
-            kept = self.__dict__.setdefault("_library_kept", directory)  # (atomic: one directory stays)
-        return Path(kept.name) / "model.so"
+        """The library `_emulated` runs (exported on the first run), in a directory kept with the model."""
+        return Path(concurrency.once(self, "_library_dir", self._new_library).name) / "model.so"
+
+    def _new_library(self) -> tempfile.TemporaryDirectory:
+        directory = tempfile.TemporaryDirectory(prefix="tvmattn-model-")
+        self.export_library(str(Path(directory.name) / "model.so"))
+        return directory
 
     def export_library(self, path: str) -> None:
-        """A shared library of the model (another CPU's: linked by its cross gcc, `cross.toolchain`)."""
+        """A shared library of the model (another CPU's: linked by its cross gcc, `cross.toolchain`); one
+        export at a time (`concurrency.one_at_a_time`)."""
         if is_foreign(self.target):
-            emulate.export_library(self.executable, self.target, path)
+            concurrency.one_at_a_time(emulate.export_library, self.executable, self.target, path)
             return
-        self.executable.export_library(path)
+        concurrency.one_at_a_time(self.executable.export_library, path)
 
     def profile(self, feed: Mapping[str, Any], runs: int = 5) -> Profile:
         """Where a run's time goes, function by function (`compiler.onnx.profile`; this machine's CPU)."""
