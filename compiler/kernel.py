@@ -172,15 +172,11 @@ class CompiledAttention:
 
     # ---- artefacts ------------------------------------------------------------------------------
     def export_library(self, path: str) -> None:
-        """A shared library of the kernel (another CPU's: linked by its cross gcc, `cross.toolchain`); one
-        export at a time (`concurrency.one_at_a_time`)."""
-        if self._foreign:
-            concurrency.one_at_a_time(emulate.export_library, self.executable, self.target, path)
-            return
-        if self.thread_pool == "openmp":
+        """A shared library of the kernel (another CPU's: linked by its cross gcc, `cross.toolchain`)."""
+        if self.thread_pool == "openmp" and not self._foreign:
             raise TvmAttnError("this kernel starts its parallel loops through a launcher compiled into this "
                                "process (thread_pool='openmp'): export one built with tvmattn.compile(spec)")
-        concurrency.one_at_a_time(self.executable.export_library, path)
+        emulate.export_library(self.executable, self.target, path)
 
     def source(self) -> str:
         """CUDA C for a cuda kernel, LLVM assembly for a CPU kernel."""

@@ -18,9 +18,11 @@ from tvm.runtime import Executable
 from tvm.support import cc
 from tvm.target import Target
 
+from tvmattn.compiler import concurrency
 from tvmattn.compiler.arguments import numpy_dtype
 from tvmattn.compiler.cross import cpus, runtime, toolchain
 from tvmattn.compiler.errors import TvmAttnError
+from tvmattn.compiler.target import is_foreign
 
 HARNESS = Path(__file__).with_name("harness.c")
 # DLPack's type codes (the programs' DLTensors): int, uint, float, bfloat, bool
@@ -38,9 +40,13 @@ def arch_of(target: Target) -> str:
 
 
 def export_library(executable: Executable, target: Target, path: str | Path) -> None:
-    """``executable`` as a shared library for ``target``'s CPU, linked by its cross gcc."""
-    gcc = toolchain.cross_gcc(arch_of(target))
-    executable.export_library(str(path), fcompile=cc.cross_compiler(gcc))
+    """``executable`` as a shared library for ``target``'s CPU: linked by its cross gcc for another CPU,
+    by this machine's compiler otherwise; one export at a time (`concurrency.one_at_a_time`)."""
+    if not is_foreign(target):
+        concurrency.one_at_a_time(executable.export_library, str(path))
+        return
+    compiler = cc.cross_compiler(toolchain.cross_gcc(arch_of(target)))
+    concurrency.one_at_a_time(functools.partial(executable.export_library, fcompile=compiler), str(path))
 
 
 def build_harness(executable: Executable, target: Target, directory: Path) -> Path:

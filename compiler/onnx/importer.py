@@ -204,12 +204,8 @@ class ImportedModel:
         return directory
 
     def export_library(self, path: str) -> None:
-        """A shared library of the model (another CPU's: linked by its cross gcc, `cross.toolchain`); one
-        export at a time (`concurrency.one_at_a_time`)."""
-        if is_foreign(self.target):
-            concurrency.one_at_a_time(emulate.export_library, self.executable, self.target, path)
-            return
-        concurrency.one_at_a_time(self.executable.export_library, path)
+        """A shared library of the model (another CPU's: linked by its cross gcc, `cross.toolchain`)."""
+        emulate.export_library(self.executable, self.target, path)
 
     def profile(self, feed: Mapping[str, Any], runs: int = 5) -> Profile:
         """Where a run's time goes, function by function (`compiler.onnx.profile`; this machine's CPU)."""

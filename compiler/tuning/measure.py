@@ -155,14 +155,13 @@ def export_shared_library(executable: tvm.runtime.Executable) -> str:
     """The candidate as a shared library the runner loads: linked by the target CPU's cross gcc where it
     is another architecture's (measured on that CPU over RPC), else by this machine's compiler."""
     from tvmattn.compiler.cross import emulate
-    from tvmattn.compiler.target import is_foreign
 
     path = os.path.join(tempfile.mkdtemp(prefix="tvmattn-tune-"), "candidate.so")
     target = getattr(executable, "tvmattn_target", None)
-    if target is not None and is_foreign(target):
-        emulate.export_library(executable, target, path)
-    else:
+    if target is None:
         executable.export_library(path)
+    else:
+        emulate.export_library(executable, target, path)
     return path
 
 
