@@ -14,6 +14,8 @@ KEY_STEP = "tvmattn.key_step"
 KEEP_16BIT = "tvmattn.keep_16bit"  # block: its bf16 output keeps 16 bits (a copy FMAs widen as they load)
 EXP2_COEFFICIENTS = "tvmattn.exp2_coefficients"  # function: `polynomial_math`'s p, for `vector_exp2`
 AMX_TILES = "tvmattn.amx_tiles"  # loop: each iteration configures the AMX tiles (`x86_amx.tile_configuration`)
+# loop: an accumulator block on tiles an iteration, its epilogue after its store (`interleave_tile_epilogues`)
+TILE_BLOCKS = "tvmattn.tile_blocks"
 CONSTANT_PARAMS = "tvmattn.constant_params"  # function: the parameters every call passes a constant
 STACK_TILES = "tvmattn.stack_tiles"  # function: local buffers (by name) to allocate on the stack (`stack_tiles`)
 SPEC = "tvmattn.spec"  # function: a tuning workload's AttentionSpec (JSON), for the build workers

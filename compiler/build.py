@@ -110,7 +110,7 @@ def _cpu_pipeline(thread_pool: str = "tvm"):
     pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("default")
     pool = openmp.install_pass() if thread_pool == "openmp" else passes.one_parallel_launch()
     seq = [passes.element_aligned_arguments(), pipeline, passes.tighten_guarded_loops(), passes.vector_exp2(),
-           passes.stack_tiles(), pool]
+           passes.interleave_tile_epilogues(), passes.stack_tiles(), pool]
     return tvm.transform.Sequential(seq), finalize_host, finalize_device
 
 

@@ -18,6 +18,9 @@ element_aligned_arguments
                        Declare the arguments aligned to their elements, not to TVM's 64 bytes: NumPy
                        arrays (16-byte aligned) and views at any element offset then cross without a
                        copy; the code generator emits unaligned vector moves, as fast on aligned data.
+interleave_tile_epilogues
+                       A tile GEMM's epilogue of one accumulator block computed between the next block's
+                       tile products, a slice a reduction step: the vector units and the tiles overlap.
 stack_tiles            The register tiles a pass names (`clamp_row_tails`) on the stack, not in TVM's
                        workspace: LLVM then keeps them in registers.
 one_parallel_launch    Start a statement list's consecutive parallel loops in one launch of TVM's thread
@@ -32,9 +35,9 @@ keep_operands_16bit    Keep a kernel's own bf16 buffers 16 bits wide (TVM's lega
 
 By module: `key_tiles` (skip_masked_key_tiles, tighten_guarded_loops), `tails` (pad_query_tiles,
 clamp_row_tails, peel_key_tails, unclamp_whole_vectors), `launch` (element_aligned_arguments,
-one_parallel_launch, stack_tiles), `polynomials` (polynomial_math, vector_exp2), `storage16` (exact_widenings,
-keep_operands_16bit), and `ir`, the helpers they share. A schedule rule declares which of them its kernels
-need (`passes`).
+one_parallel_launch, stack_tiles), `tile_epilogue` (interleave_tile_epilogues), `polynomials` (polynomial_math,
+vector_exp2), `storage16` (exact_widenings, keep_operands_16bit), and `ir`, the helpers they share. A schedule
+rule declares which of them its kernels need (`passes`).
 """
 
 from tvmattn.compiler.passes.ir import conjuncts, element_dtype, substitute, uses, visit_blocks
@@ -56,11 +59,12 @@ from tvmattn.compiler.passes.tails import (
     peel_key_tails,
     unclamp_whole_vectors,
 )
+from tvmattn.compiler.passes.tile_epilogue import interleave_tile_epilogues
 
 __all__ = [
     "EXP2_COEFFICIENTS", "EXP2_P", "EXP2_P_BF16", "GUARD_NAME", "KEEP_16BIT", "KEY_BLOCKS", "PADDED_AXES",
     "SMALL_POWER", "clamp_row_tails", "conjuncts", "element_aligned_arguments", "element_dtype", "exact_widenings",
-    "keep_operands_16bit", "one_parallel_launch", "pad_query_tiles", "peel_key_tails", "polynomial_math",
-    "skip_masked_key_tiles", "stack_tiles", "substitute", "tighten_guarded_loops", "unclamp_whole_vectors", "uses",
-    "vector_exp2", "visit_blocks",
+    "interleave_tile_epilogues", "keep_operands_16bit", "one_parallel_launch", "pad_query_tiles", "peel_key_tails",
+    "polynomial_math", "skip_masked_key_tiles", "stack_tiles", "substitute", "tighten_guarded_loops",
+    "unclamp_whole_vectors", "uses", "vector_exp2", "visit_blocks",
 ]

@@ -10,6 +10,7 @@ from typing import Mapping
 import tvm
 from tvm.s_tir import Schedule
 
+from tvmattn.compiler.annotations import TILE_BLOCKS
 from tvmattn.compiler.isa.panels import query_panel_intrinsic
 from tvmattn.compiler.isa.record import Tiles
 from tvmattn.schedules.cpu.packing import tensorize_queries
@@ -93,9 +94,10 @@ def tile_gemm(sch: Schedule, tiles: Tiles, lanes: int, blk, k: Mapping[str, Knob
     task = sch.fuse(*batch, m_task, r_task) if streamed else sch.fuse(*batch, r_task, m_task)
     sch.parallel(task)
     tiles.configure(sch, task)
-    inner = r_out if streamed else m_out  # (the loop over one block of accumulators)
-    _block(sch, tiles, blk, inner, c_out, True, None, later, parts=parts)
-    return inner
+    blocks = sch.fuse(m_out, r_out) if streamed else sch.fuse(r_out, m_out)  # (a task's blocks of accumulators)
+    sch.annotate(blocks, TILE_BLOCKS, 1)  # each block's epilogue beside the next one's products
+    _block(sch, tiles, blk, blocks, c_out, True, None, later, parts=parts)
+    return blocks
 
 
 def pv_rows(sch: Schedule, lanes: int, later: list) -> None:
