@@ -60,11 +60,11 @@ def schedule(func: tirx.PrimFunc, target) -> tuple[str, tvm.IRModule]:
 
 @pytest.mark.parametrize("target", [HOST, pytest.param(NO_AMX, id="no-amx")])
 @pytest.mark.parametrize("rows, k, n", [(64, 256, 128), ("symbolic", 96, 64), (130, 64, 48), (70, 96, 64), (1, 96, 64),
-                                        (6, 64, 96), (1, 64, 40), (96, 1280, 64)])
+                                        (6, 64, 96), (1, 64, 40), (96, 1280, 64), ("symbolic", 64, 512)])
 def test_bf16_gemm_matches_float64(rows, k, n, target):
     """The bf16 GEMM with a bias epilogue: on AMX's tiles where the host has them (rows padded to whole
-    blocks of 32 where ragged: 70, symbolic; more reduction steps than a block's rows, each step beside
-    a slice of the previous block's epilogue: 1280), on the dot products with AMX off (or without it), and
+    blocks of 32 where ragged: 70, symbolic, a symbolic task's wider columns: 512; more reduction steps
+    than a block's rows, each step beside a slice of the previous block's epilogue: 1280), on the dot products with AMX off (or without it), and
     so a decode step's few rows (1: a GEMV; 6), unpadded; widened to fp32 where the width is not
     whole vectors (48, 40)."""
     if target is NO_AMX and not ON_TILES:

@@ -19,6 +19,7 @@ from tvmattn.schedules.micro_kernels import L2_WEIGHT, weight_bytes
 from tvmattn.schedules.primitives import copy_of, divisor_at_most, knob_int, tensorize
 
 X_PANEL_BYTES = 512 * 1024  # a task's rows of x, which stay in L2 while the weight's panels stream past
+SYMBOLIC_TASK_BLOCKS = 16  # accumulator blocks of a task whose rows are symbolic (one block of them)
 
 
 def tile_stage(sch: Schedule, tiles: Tiles, name: str, heads_between: bool, parts: bool, later: list):
@@ -63,11 +64,12 @@ def _block(sch: Schedule, tiles: Tiles, block, outer, reduction, gemm: bool, key
 
 
 def tile_gemm(sch: Schedule, tiles: Tiles, lanes: int, blk, k: Mapping[str, KnobValue], later: list,
-             parts: bool = False):
+             parts: bool = False, cores: int | None = None):
     """y[…, s, m] = Σ_c x[…, s, c]·w[c, m] on the tiles (loops: batch…, s, m, c; rows and columns
     in whole blocks of 32, w a (m/32, c/2, 32, 2) pair panel): parallel over (batch, row block,
     column block) tasks of ``gemm_rows × gemm_block_rows`` rows (one block of 32 where they are
-    symbolic) × ``gemm_vecs × lanes × gemm_block_cols`` columns, the x and W panels a task streams, as
+    symbolic; then, given the ``cores``, up to `SYMBOLIC_TASK_BLOCKS` blocks of columns) × ``gemm_vecs ×
+    lanes × gemm_block_cols`` columns, the x and W panels a task streams, as
     `gemm`'s; per 32 × 32 accumulator block, 32 steps of c per product (``tiles.dot``, x's rows read
     in place; with ``parts``, x's and w's bf16 parts, `CpuPlan.parts`). Returns the loop under which
     each block of accumulators is stored."""
@@ -80,6 +82,12 @@ def tile_gemm(sch: Schedule, tiles: Tiles, lanes: int, blk, k: Mapping[str, Knob
                                            // block))
     cols = divisor_at_most(col_blocks, max(1, knob_int(sch, k["gemm_vecs"]) * lanes
                                            * knob_int(sch, k["gemm_block_cols"]) // block))
+    if cores and not isinstance(extent, tvm.tirx.IntImm):  # a task is one block of rows: more columns
+        # each (its blocks' epilogues overlap the next products, `interleave_tile_epilogues`), a column
+        # per core at least, and its panels kept in L2 for the next task's rows
+        panel = max(1, weight_bytes(sch, blk, sch.get(c).extent, block))
+        wide = min(SYMBOLIC_TASK_BLOCKS, col_blocks // cores, L2_WEIGHT // panel)
+        cols = divisor_at_most(col_blocks, max(cols, wide))
     streamed = weight_bytes(sch, blk, sch.get(c).extent, int(sch.get(m).extent)) > L2_WEIGHT
     if streamed and row_blocks > 1:  # W streams once: a task's column panels against as many rows of x
         # as L2 keeps (`X_PANEL_BYTES`), each panel read once for all of them

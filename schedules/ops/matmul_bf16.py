@@ -73,7 +73,7 @@ class MatmulPairs(Matmul):
         knobs = resolve(KNOBS, {**defaults, **(knobs or {})})
         tiles = isa.tiles
         if not few and tiles is not None and int(depth) % tiles.step == 0 and int(width) % tiles.block == 0:
-            return _on_tiles(sch, infos, at, weight, constant, isa, knobs)
+            return _on_tiles(sch, infos, at, weight, constant, isa, knobs, int(target.attrs.get("num-cores", 1)))
         tile = knobs["gemm_rows"] if isinstance(knobs["gemm_rows"], int) else defaults["gemm_rows"]
         if not few and (not isinstance(rows, tirx.IntImm) or divisor_at_most(rows.value, tile) < tile):
             # symbolic rows, or static ones without the tile's rows as a divisor (ViT's 2·197): padded
@@ -114,7 +114,7 @@ def _bf16_operands(block) -> bool:
 
 
 def _on_tiles(sch: Schedule, infos, at: int, weight: tirx.Buffer, constant: bool, isa: Isa,
-              knobs: Mapping) -> Schedule:
+              knobs: Mapping, cores: int) -> Schedule:
     """The GEMM on tile registers (`tile_gemm`): rows in whole blocks (padded where they are not), a
     constant weight packed at compile time into panels of one block's columns (an activation into
     pairs of its rows in the kernel, `_pair_panel`), and the epilogue (and the padded rows' copy back)
@@ -135,7 +135,7 @@ def _on_tiles(sch: Schedule, infos, at: int, weight: tirx.Buffer, constant: bool
     packing = None if constant else _pair_panel(sch, block, weight, isa.dot, lanes)
     panel = weight if packing is None else packing[0]
     later: list = []
-    columns = tile_gemm(sch, tiles, lanes, block, knobs, later)
+    columns = tile_gemm(sch, tiles, lanes, block, knobs, later, cores=cores)
     index = next(i for i, r in enumerate(sch.get(block).reads) if r.source.same_as(panel))
     sch.transform_layout(block, ("read", index), weight_panels(tiles.block) if constant else _row_pairs(isa.dot.pair))
     if packing is not None:
