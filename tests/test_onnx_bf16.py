@@ -64,9 +64,9 @@ def schedule(func: tirx.PrimFunc, target) -> tuple[str, tvm.IRModule]:
 def test_bf16_gemm_matches_float64(rows, k, n, target):
     """The bf16 GEMM with a bias epilogue: on AMX's tiles where the host has them (rows padded to whole
     blocks of 32 where ragged: 70, symbolic, a symbolic task's wider columns: 512; more reduction steps
-    than a block's rows, each step beside a slice of the previous block's epilogue: 1280), on the dot products with AMX off (or without it), and
-    so a decode step's few rows (1: a GEMV; 6), unpadded; widened to fp32 where the width is not
-    whole vectors (48, 40)."""
+    than a block's rows, each step beside a slice of the previous block's epilogue: 1280), on the dot
+    products with AMX off (or without it), and so a decode step's few rows (1: a GEMV; 6), unpadded;
+    widened to fp32 where the width is not whole vectors (48, 40)."""
     if target is NO_AMX and not ON_TILES:
         pytest.skip("the host has no AMX: HOST already runs the dot products")
     m = tirx.Var("m", "int64") if rows == "symbolic" else i64(rows)
