@@ -27,7 +27,8 @@ def interleave_tile_epilogues() -> tvm.transform.Pass:
 
     It applies only where that is the same computation: the block is calls and binds, the products'
     loop, calls (the stores) and one epilogue loop of constant extent; nothing before the stores writes
-    memory but through the tiles (no buffer store; the products' loop calls no store instruction), and
+    memory but through the tiles (no buffer store, no address before the products' loop, and that loop
+    calls no store instruction), and
     the epilogue calls none of the block's instructions and writes no buffer the block reads. Run after
     TVM's pipeline (vectorised, flat loops), before `stack_tiles`."""
 
@@ -57,7 +58,7 @@ def _interleaved(loop: For):
     if not all(isinstance(st, (tirx.Evaluate, tirx.Bind)) for st in head) or not _sliceable(products, epilogue):
         return loop
     block = [*head, products, *stores]
-    if not stores or _calls(*block) & _calls(epilogue) or _written(*head, products) or \
+    if not stores or _calls(*block) & _calls(epilogue) or _written(*head, products) or _touched(*head) or \
             _calls(*stores) & _calls(products) or _written(epilogue) & _touched(*block):
         return loop  # the products write only the tiles; the epilogue neither the tiles nor their operands
     # block j − 1's epilogue, its bindings (the block's index arithmetic) inlined
