@@ -29,6 +29,11 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def cores_of(target: Target) -> int:
+    """The cores a CPU target's kernels split their work over (its ``num-cores``; 1 where unset)."""
+    return int(target.attrs.get("num-cores", 1))
+
+
 def host_target() -> Target:
     """The CPU we run on: LLVM's name for it, corrected by the features the CPU reports (on x86-64
     Linux: `x86_host.host_mattr`), so the instruction sets are used where present and never where

@@ -32,7 +32,7 @@ from tvm.target import Target
 from tvmattn.compiler import variant
 from tvmattn.compiler.isa.panels import shuffle
 from tvmattn.compiler.paged import PagedSpec
-from tvmattn.compiler.target import isa_of
+from tvmattn.compiler.target import cores_of, isa_of
 from tvmattn.compiler.te_attention import LOG2E
 from tvmattn.compiler.variant import ACC
 from tvmattn.schedules.primitives import lanes_for
@@ -71,7 +71,7 @@ class PagedPlan:
 
 def plan_of(spec: PagedSpec, target: Target) -> PagedPlan:
     isa = isa_of(target)
-    cores = int(target.attrs.get("num-cores", 1))
+    cores = cores_of(target)
     rows = (spec.q_len or QUERY_TILE) * spec.group
     heads = max(k for k in range(1, spec.h_kv + 1) if spec.h_kv % k == 0 and (k == 1 or k * rows * spec.head_dim
                                                                                <= ACCUMULATORS))

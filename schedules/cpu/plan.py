@@ -33,7 +33,7 @@ from tvm.target import Target
 from tvmattn.compiler.isa.panels import PAIR
 from tvmattn.compiler.isa.record import Isa
 from tvmattn.compiler.spec import AttentionSpec, Dim
-from tvmattn.compiler.target import isa_of
+from tvmattn.compiler.target import cores_of, isa_of
 from tvmattn.schedules.knobs import Knob, KnobValue, resolve
 from tvmattn.schedules.micro_kernels import GEMM_KNOBS, gemm_defaults
 from tvmattn.schedules.primitives import at_most, divisor_at_most, lanes_for
@@ -184,7 +184,7 @@ def _padded_heads(spec: AttentionSpec, k_step: int, v_step: int) -> AttentionSpe
 
 def _plan(spec: AttentionSpec, target: Target, given: Mapping[str, KnobValue] | None) -> CpuPlan:
     isa = isa_of(target)
-    cores = int(target.attrs.get("num-cores", 1))
+    cores = cores_of(target)
     parts_core = _fp16_parts(spec, isa)
     padding = _padding(spec, isa, parts_core)
     projections = tuple(_projection(spec, isa, name, weight) for name, weight in PROJECTIONS.items()) \

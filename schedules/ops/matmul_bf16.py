@@ -28,7 +28,7 @@ from tvm.target import Target
 from tvmattn.compiler.isa import RECORDS
 from tvmattn.compiler.isa.record import Dot, Isa
 from tvmattn.compiler.passes import KEEP_16BIT, keep_operands_16bit
-from tvmattn.compiler.target import isa_of
+from tvmattn.compiler.target import cores_of, isa_of
 from tvmattn.schedules.cpu.packing import in_pairs, weight_panels
 from tvmattn.schedules.cpu.plan import MIN_PAIR_ROWS
 from tvmattn.schedules.cpu.tiles import tile_gemm
@@ -73,7 +73,7 @@ class MatmulPairs(Matmul):
         knobs = resolve(KNOBS, {**defaults, **(knobs or {})})
         tiles = isa.tiles
         if not few and tiles is not None and int(depth) % tiles.step == 0 and int(width) % tiles.block == 0:
-            return _on_tiles(sch, infos, at, weight, constant, isa, knobs, int(target.attrs.get("num-cores", 1)))
+            return _on_tiles(sch, infos, at, weight, constant, isa, knobs, cores_of(target))
         tile = knobs["gemm_rows"] if isinstance(knobs["gemm_rows"], int) else defaults["gemm_rows"]
         if not few and (not isinstance(rows, tirx.IntImm) or divisor_at_most(rows.value, tile) < tile):
             # symbolic rows, or static ones without the tile's rows as a divisor (ViT's 2·197): padded
