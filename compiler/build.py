@@ -29,7 +29,7 @@ from tvmattn.schedules.cpu.paged_decode import buffer_kernel, paged_kernel
 from tvmattn.schedules.cpu.paged_decode import plan_of as paged_plan_of
 from tvmattn.schedules.cpu.plan import padded_widths
 from tvmattn.schedules.cuda import schedule_paged as cuda_schedule_paged
-from tvmattn.schedules.ops import BEFORE_LEGALIZE, ScheduleFunctions
+from tvmattn.schedules.ops import ScheduleFunctions, before_legalize
 from tvmattn.schedules.ops.precision import matmuls_in
 
 
@@ -175,7 +175,7 @@ def compile_model(mod: tvm.IRModule, target: Target,
 
 def until_scheduling(target: Target, dtype: str | None = None) -> list[tvm.transform.Pass]:
     """Relax's passes up to the fused PrimFuncs the schedule rules take. CPU: convolutions and x**2
-    rewritten first (`schedules.ops.BEFORE_LEGALIZE`), then the matmuls in ``dtype`` where given; a
+    rewritten first (`schedules.ops.before_legalize`), then the matmuls in ``dtype`` where given; a
     call the graph repeats on the same arguments made once; a reshape kept a view (legalised, one of a
     symbolic flattening was a copy). Both keep symbolic-size producers unfused (`_producers_unfused`)."""
     if is_cpu(target):
@@ -188,7 +188,7 @@ def until_scheduling(target: Target, dtype: str | None = None) -> list[tvm.trans
                     for p in legalize]
     fuse = [p.info.name for p in legalize].index("FuseOps")
     legalize = legalize[:fuse] + [_producers_unfused] + legalize[fuse:]
-    rewrites = list(BEFORE_LEGALIZE) if is_cpu(target) else []
+    rewrites = before_legalize(dtype) if is_cpu(target) else []
     if dtype is not None:
         isa = isa_of(target) if is_cpu(target) else None
         dot = isa.dot if isa is not None else None

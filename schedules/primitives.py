@@ -3,6 +3,7 @@ that respect static extents, knob values under MetaSchedule, copies of an operan
 
 from __future__ import annotations
 
+import tvm
 from tvm.s_tir import Schedule
 
 from tvmattn.compiler.passes import KEY_BLOCKS
@@ -84,5 +85,13 @@ def tensorize(sch: Schedule, loop, intrinsic: str, key_blocks: str | None = None
 
 
 def only_consumer(sch: Schedule, producer, block) -> bool:
+    """``block`` is ``producer``'s one consumer and covers all it writes: TVM 0.27's
+    `reverse_compute_inline` of a consumer over fewer elements (a padded GEMM's real rows) keeps the
+    producer's domain and its stores past the consumer's buffer."""
     consumers = sch.get_consumers(producer)
-    return len(consumers) == 1 and sch.get(consumers[0]).same_as(sch.get(block))
+    if not (len(consumers) == 1 and sch.get(consumers[0]).same_as(sch.get(block))):
+        return False
+    analyzer = tvm.sym.Analyzer()
+    mine, theirs = ([iv.dom.extent for iv in sch.get(b).iter_vars if not analyzer.can_prove_equal(iv.dom.extent, 1)]
+                    for b in (producer, block))  # (a GEMV's unit row axis is on one side only)
+    return len(mine) == len(theirs) and all(analyzer.can_prove_equal(a, b) for a, b in zip(mine, theirs))

@@ -42,14 +42,15 @@ def i64(n: int) -> tirx.IntImm:
     return tirx.IntImm("int64", n)
 
 
-def bf16_gemm(rows, k: int, n: int) -> tirx.PrimFunc:
-    """y = x · W + 1 with bf16 x and W, fp32 accumulation: a projection as the bf16 import writes it."""
+def bf16_gemm(rows, k: int, n: int, bias: bool = True) -> tirx.PrimFunc:
+    """y = x · W + 1 (or, without ``bias``, x · W: no epilogue) with bf16 x and W, fp32 accumulation: a
+    projection (a convolution's GEMM) as the bf16 import writes it."""
     x = te.placeholder((rows, i64(k)), "bfloat16", name="x")
     w = te.placeholder((i64(k), i64(n)), "bfloat16", name="w")
     r = te.reduce_axis((i64(0), i64(k)), name="c")
     y = te.compute((rows, i64(n)), lambda i, j: te.sum(x[i, r].astype("float32") * w[r, j].astype("float32"),
                                                        axis=r), name="matmul")
-    out = te.compute(y.shape, lambda i, j: y[i, j] + 1.0, name="bias")
+    out = te.compute(y.shape, lambda i, j: y[i, j] + 1.0, name="bias") if bias else y
     return te.create_prim_func([x, w, out]).with_attr(CONSTANT_PARAMS, [1])
 
 
@@ -89,6 +90,31 @@ def test_bf16_gemm_matches_float64(rows, k, n, target):
     fn(host_tensor(x), host_tensor(np.ascontiguousarray(pack(w, shape) if shape != [k, n] else w)), host_tensor(out))
     want = x.astype(np.float64) @ w.astype(np.float64) + 1.0  # the bf16 values' exact products
     assert errors(out, want)[1] <= 1e-5  # fp32 accumulation of exact bf16 products
+
+
+@pytest.mark.parametrize("target", [HOST, pytest.param(NO_AMX, id="no-amx")])
+@pytest.mark.parametrize("rows, k, bias", [(70, 10, False), ("symbolic", 10, False), (70, 96, True),
+                                           ("symbolic", 96, True), ("symbolic", 96, False)])
+def test_bf16_gemm_padded_rows_stay_in_the_output(rows, k, bias, target):
+    """Rows padded to whole blocks (70; symbolic, run at 37): each register tile (or block of tiles)
+    stores its real rows itself, the copy back part of its epilogue or its only one (a 10-tap
+    convolution's GEMM has no other), and nothing past the output: it is a view of a larger array whose
+    rows after it keep their sentinel. A padded GEMM's fp32 product is never a whole array."""
+    if target is NO_AMX and not ON_TILES:
+        pytest.skip("the host has no AMX: HOST already runs the dot products")
+    n, count = 64, 37 if rows == "symbolic" else rows
+    rule, mod = schedule(bf16_gemm(tirx.Var("m", "int64") if rows == "symbolic" else i64(rows), k, n, bias), target)
+    assert rule == "matmul-bf16"
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((count, k)).astype(ml_dtypes.bfloat16)
+    w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(ml_dtypes.bfloat16)
+    shape = [int(d) for d in mod["main"].params[1].ty.shape]
+    whole = np.full((count + 40, n), 7.0, np.float32)  # the output, then 40 rows that must stay 7
+    fn = tvm.compile(mod, target, tir_pipeline=build.CPU_PIPELINE)["main"]
+    fn(host_tensor(x), host_tensor(np.ascontiguousarray(pack(w, shape))), host_tensor(whole[:count]))
+    want = x.astype(np.float64) @ w.astype(np.float64) + (1.0 if bias else 0.0)
+    assert errors(whole[:count], want)[1] <= 1e-5
+    assert (whole[count:] == 7.0).all()
 
 
 def bf16_products(heads: int, rows, k: int, n: int) -> tirx.PrimFunc:

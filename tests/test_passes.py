@@ -93,6 +93,26 @@ def test_polynomial_log_keeps_relative_position_buckets():
         assert np.array_equal(buckets(out.numpy()), buckets(exact))
 
 
+def test_erf_of_a_quotient_multiplies_and_other_quotients_divide():
+    """GELU's erf(x / √2) multiplies x by 1/√2 (within an ulp: erf stays within 4e-7 of float64), and a
+    quotient outside erf stays a division, exactly fp32's: T5's position buckets truncate log(r) / log(16)
+    · 8, and r = 16 must give 8, not 7 (one ulp under 1 would)."""
+    x = tvm.te.placeholder((4096,), "float32", "x")
+    root2, log16 = np.float32(1.4142135381698608), np.float32(math.log(16))
+    y = tvm.te.compute(x.shape, lambda i: tvm.tirx.erf(x[i] / tvm.tirx.const(float(root2), "float32")), name="y")
+    w = tvm.te.compute(x.shape, lambda i: tvm.tirx.log(x[i]), name="w")
+    z = tvm.te.compute(x.shape, lambda i: tvm.tirx.log(x[i]) / tvm.tirx.const(float(log16), "float32"), name="z")
+    mod = passes.polynomial_math()(tvm.IRModule({"main": tvm.te.create_prim_func([x, y, w, z])}))
+    xs = np.concatenate([np.linspace(-6, 6, 4000), 2.0 ** np.arange(1, 97) / 2 ** 48]).astype(np.float32)
+    out = [tvm.runtime.empty((4096,), "float32", tvm.cpu()) for _ in range(3)]
+    tvm.compile(mod, CPU)(tvm.runtime.tensor(xs), *out)
+    erf, logs, quotients = (o.numpy() for o in out)
+    assert np.abs(erf - np.vectorize(math.erf)(xs.astype(np.float64) / np.float64(root2))).max() < 4e-7
+    positive = xs > 0
+    assert np.array_equal(quotients[positive], logs[positive] / log16)  # fp32's division, bit for bit
+    assert (quotients[xs == 16] * np.float32(8)).astype(np.int64).tolist() == [8]
+
+
 AVX512 = resolve_target({"kind": "llvm", "mcpu": "znver4", "num-cores": 2})
 AVX2 = resolve_target({"kind": "llvm", "mcpu": "znver3", "num-cores": 2})
 EXP2_SPECIAL = np.array([-np.inf, np.inf, np.nan, -1e30, 1e30, -200.0, 200.0, 0.0], np.float32)

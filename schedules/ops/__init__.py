@@ -60,12 +60,14 @@ RULES: tuple[tuple[str, dlight.ScheduleRule], ...] = (
 )
 
 
-# Relax rewrites before legalisation into what the rules schedule: convolutions as GEMMs, x**2 as x·x,
+# the Relax rewrites before legalisation into what the rules schedule: convolutions as GEMMs, x**2 as x·x,
 # transpositions that undo each other (the convolutions' channels-first output transposed straight back),
 # each concatenation once, elementwise operators before the reshapes that split their GEMM's rows
 # (the transpositions elementwise_before_reshapes brings together cancelled after it)
-BEFORE_LEGALIZE = (conv_as_gemm, small_powers, cancel_transposes, same_concats, elementwise_before_reshapes,
-                   cancel_transposes)
+def before_legalize(dtype: str | None = None) -> list[tvm.transform.Pass]:
+    """Those rewrites, for an import whose matmuls run in ``dtype`` (None: fp32)."""
+    return [conv_as_gemm(dtype), small_powers, cancel_transposes, same_concats, elementwise_before_reshapes,
+            cancel_transposes]
 
 
 def is_scheduled(func: tirx.PrimFunc) -> bool:

@@ -31,17 +31,24 @@ MAX_TAPS = 64  # a per-channel convolution's terms, unrolled (a larger one stays
 _CONVS = {"relax.nn.conv1d": ("NCW", "OIW"), "relax.nn.conv2d": ("NCHW", "OIHW")}
 
 
-@tvm.transform.module_pass(opt_level=0, name="tvmattn.ConvAsGemm")
-def conv_as_gemm(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    """Every convolution of a supported layout with a constant weight as im2col + GEMM."""
-    return _ConvAsGemm(mod).run()
+def conv_as_gemm(dtype: str | None = None) -> tvm.transform.Pass:
+    """The pass rewriting every convolution of a supported layout with a constant weight as im2col +
+    GEMM. With ``dtype`` (a 16-bit import's, `precision`), an fp32 input is converted before the copy,
+    not after: the copy moves half the bytes, the conversion joins x's producer (a GELU), and the GEMM
+    reads the copy through a widening that `precision` cancels, exactly."""
+
+    @tvm.transform.module_pass(opt_level=0, name="tvmattn.ConvAsGemm")
+    def transform(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        return _ConvAsGemm(mod, dtype).run()
+
+    return transform
 
 
 @relax.expr_functor.mutator
 class _ConvAsGemm(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule) -> None:
+    def __init__(self, mod: tvm.IRModule, dtype: str | None = None) -> None:
         super().__init__(mod)
-        self.mod_ = mod
+        self.mod_, self.dtype = mod, dtype
 
     def run(self) -> tvm.IRModule:
         return rewrite_functions(self, self.mod_)
@@ -72,6 +79,9 @@ class _ConvAsGemm(relax.PyExprMutator):
         batch = shape[0]
         positions = out_sizes[0] if dims == 1 else out_sizes[0] * out_sizes[1]
         k = c_group * int(np.prod(kernel))
+        narrowed = self.dtype is not None and str(x.ty.dtype) == "float32"
+        if narrowed:
+            x = self.builder_.emit(relax.op.astype(x, self.dtype))
         if dims == 1:  # channels last, the taps outside the channels: (…, K, C/g) rows
             x = self.builder_.emit(relax.op.permute_dims(x, [0, 2, 1]))
             cols = self.builder_.emit_te(_im2col_nwc, x, kernel[0], strides[0], padding[0], dilation[0],
@@ -88,6 +98,8 @@ class _ConvAsGemm(relax.PyExprMutator):
         else:  # a batch GEMM over the groups
             flat = self.builder_.emit(relax.op.reshape(cols, [batch, groups, positions, k]))
             panel = w.reshape(groups, n_out // groups, k).transpose(0, 2, 1)
+        if narrowed:
+            flat = self.builder_.emit(relax.op.astype(flat, "float32"))
         y = self.builder_.emit(relax.op.matmul(flat, relax.const(np.ascontiguousarray(panel))))
         if groups == 1:  # (B, P, N) → (B, N, P)
             y = self.builder_.emit(relax.op.permute_dims(y, [0, 2, 1]))

@@ -8,7 +8,8 @@ x's reduction. The weight, a constant, is packed at compile time into one panel 
 contiguously rather than a row of pairs a whole output row apart; an activation B (DeBERTa's
 positional keys) is packed into pairs of its rows (c/2, m, 2) in the kernel, once a call. Neither
 instruction takes a tail predicate: symbolic rows run in whole blocks of 16, on the tiles any rows
-in blocks of 32 (``pad_einsum``: x copied with zero rows past its end); the reduction must be whole
+in blocks of 32 (``pad_einsum``: x copied with zero rows past its end; each block of the product
+stores its real rows); the reduction must be whole
 pairs and the width whole vectors. A decode step's few rows (static, under `MIN_PAIR_ROWS`; one row:
 `GemvPairs`, on `micro_kernels.gemv`'s column tiles) by a constant weight take the dot product too,
 unpadded, off the tiles: one pass over a weight packed at compile time, half the bytes of widening it
@@ -75,16 +76,20 @@ class MatmulPairs(Matmul):
         if not few and tiles is not None and int(depth) % tiles.step == 0 and int(width) % tiles.block == 0:
             return _on_tiles(sch, infos, at, weight, constant, isa, knobs, cores_of(target))
         tile = knobs["gemm_rows"] if isinstance(knobs["gemm_rows"], int) else defaults["gemm_rows"]
-        if not few and (not isinstance(rows, tirx.IntImm) or divisor_at_most(rows.value, tile) < tile):
-            # symbolic rows, or static ones without the tile's rows as a divisor (ViT's 2·197): padded
-            _whole_row_blocks(sch, block, len(stmt.iter_vars), lanes)
+        epilogue = list(_chain(sch, [info.block_rv for info in infos[at + 1:]]))
+        padded = not few and (not isinstance(rows, tirx.IntImm) or divisor_at_most(rows.value, tile) < tile)
+        if padded:  # symbolic rows, or static ones without the tile's rows as a divisor (ViT's 2·197)
+            epilogue = _padded_epilogue(sch, block, len(stmt.iter_vars), lanes, PADDED_ROW_BLOCK, epilogue)
         pair = dot.pair
         packing = None if constant else _pair_panel(sch, block, weight, dot, lanes)
         panel = weight if packing is None else packing[0]
         steps: list = []
-        epilogue = _chain(sch, [info.block_rv for info in infos[at + 1:]])
         for rest in self.tiles(sch, block, lanes, knobs, epilogue, dot=dot, later=steps):
-            spatial(sch, rest, target)
+            if padded:  # the real rows of each register tile, after its store (it is in L1)
+                sch.reverse_compute_at(rest, _tile_loop(sch, block), preserve_unit_loops=True)
+                vectorize(sch, sch.get_loops(rest)[-1], None, lanes)
+            else:
+                spatial(sch, rest, target)
         index = next(i for i, r in enumerate(sch.get(block).reads) if r.source.same_as(panel))
         if packing is None:  # the weight, packed at compile time: each register tile's columns one panel
             columns = dot_columns(sch, int(width), lanes, knobs["gemm_vecs"])
@@ -126,12 +131,8 @@ def _on_tiles(sch: Schedule, infos, at: int, weight: tirx.Buffer, constant: bool
     rows = stmt.iter_vars[-3].dom.extent
     padded = not isinstance(rows, tirx.IntImm) or rows.value % tiles.block != 0
     epilogue = list(_chain(sch, [info.block_rv for info in infos[at + 1:]]))
-    if padded:  # (the copy of the real rows back joins the epilogue's first stage, or is its only one)
-        back = _whole_row_blocks(sch, block, len(stmt.iter_vars), lanes, tiles.block, copy_back=False)
-        if epilogue:
-            sch.compute_inline(back)
-        else:
-            epilogue = [back]
+    if padded:
+        epilogue = _padded_epilogue(sch, block, len(stmt.iter_vars), lanes, tiles.block, epilogue)
     packing = None if constant else _pair_panel(sch, block, weight, isa.dot, lanes)
     panel = weight if packing is None else packing[0]
     later: list = []
@@ -154,19 +155,29 @@ def _row_pairs(pair: int):
     return lambda *i: (*i[:-2], i[-2] // pair, i[-1], i[-2] % pair)
 
 
-def _whole_row_blocks(sch: Schedule, block, axes: int, lanes: int, rows: int = PADDED_ROW_BLOCK,
-                      copy_back: bool = True):
-    """Symbolic rows in whole blocks of ``rows`` (x padded with zero rows, the extra rows never stored),
-    x's copy parallel over its rows and vectorised along its columns, and so the copy of the product's
-    real rows back where ``copy_back`` (else left to the caller). Returns that copy back."""
+def _padded_epilogue(sch: Schedule, block, axes: int, lanes: int, rows: int, epilogue: list) -> list:
+    """Rows in whole blocks of ``rows`` (x padded with zero rows, its copy parallel over its rows and
+    vectorised along its columns), the copy of the product's real rows back joining the ``epilogue``'s
+    first stage, or its only one: each block of the product stores its own real rows (the whole padded
+    fp32 product had been an array, read and copied back in a pass of its own: an audio front end's
+    10-tap convolution, 13 MB). Returns the epilogue."""
     sch.pad_einsum(block, [1] * (axes - 3) + [rows, 1, 1])
     back = sch.get_consumers(block)[0]
-    padded = [b for b in sch.get_producers(block) if sch.get(b).name_hint.endswith("_pad")]
-    for copy in padded + ([back] if copy_back else []):
+    for copy in (b for b in sch.get_producers(block) if sch.get(b).name_hint.endswith("_pad")):
         *outer, inner = sch.get_loops(copy)
         sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
         sch.vectorize(sch.split(inner, [None, lanes])[1])
-    return back
+    if epilogue:
+        sch.compute_inline(back)
+        return epilogue
+    return [back]
+
+
+def _tile_loop(sch: Schedule, block):
+    """The loop under which a register tile of ``block`` is stored (its accumulator's, `register_tile`)."""
+    mine = [sch.get(loop) for loop in sch.get_loops(block)]
+    store = sch.get_consumers(block)[0]
+    return [loop for loop in sch.get_loops(store) if any(sch.get(loop).same_as(m) for m in mine)][-1]
 
 
 def _pair_panel(sch: Schedule, block, b: tirx.Buffer, dot: Dot, lanes: int):

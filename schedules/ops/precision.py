@@ -110,12 +110,15 @@ class _Matmuls(relax.PyExprMutator):
     def _cast(self, x: relax.Expr) -> relax.Expr:
         """``x`` in 16 bits, cast before the reshapes that lead to it: a reshape is a view, not a
         function, and a cast behind one ran as a kernel of its own instead of in its producer's
-        epilogue (a decode step's LayerNorm → (1, 1, d) → (1, d) → cast: 13 more kernels a step)."""
+        epilogue (a decode step's LayerNorm → (1, 1, d) → (1, d) → cast: 13 more kernels a step); or
+        the 16-bit values that ``x`` widens."""
         if x not in self.casts:
             value = self.lookup_binding(x) if isinstance(x, relax.Var) else None
-            if isinstance(value, relax.Call) and getattr(value.op, "name", "") == "relax.reshape" \
-                    and str(getattr(value.args[0].ty, "dtype", "")) == "float32":
+            op = getattr(value.op, "name", "") if isinstance(value, relax.Call) else ""
+            if op == "relax.reshape" and str(getattr(value.args[0].ty, "dtype", "")) == "float32":
                 self.casts[x] = self.builder_.emit(relax.op.reshape(self._cast(value.args[0]), value.args[1]))
+            elif op == "relax.astype" and str(getattr(value.args[0].ty, "dtype", "")) == self.dtype:
+                self.casts[x] = value.args[0]  # a widening of ``dtype`` values (`conv`'s copy): exact both ways
             else:
                 self.casts[x] = self.builder_.emit(relax.op.astype(x, self.dtype))
         return self.casts[x]

@@ -125,13 +125,15 @@ class _Before(relax.PyExprMutator):
         return relax.op.permute_dims(inner, axes)
 
     def _epilogue_of_gemm(self, x: relax.Expr) -> bool:
-        """Whether ``x`` comes from a GEMM (a convolution's), through elementwise operators or those
-        this pass moved: only there does an operator moved before the transposition join a producer
-        that could not take the transposition (a LayerNorm's output transposed would just have
-        swapped the two: Wav2Vec2's feature extractor)."""
+        """Whether ``x`` comes from a GEMM (a convolution's) or a norm, through elementwise operators
+        or those this pass moved: only there does an operator moved before the transposition join a
+        producer's epilogue. Wav2Vec2's feature extractor normalises channels-last between its
+        convolutions, then transposes, applies GELU, and the next convolution transposes back: moved,
+        the GELU (and the 16-bit conversion, `conv`) runs once per element in the LayerNorm, not per
+        tap in the next convolution's copy, and that copy moves 16-bit values."""
         value = self._bound(x)
         return isinstance(value, relax.Call) and getattr(value.op, "name", "") in (
-            ELEMENTWISE | {"relax.matmul", "relax.permute_dims"})
+            ELEMENTWISE | {"relax.matmul", "relax.permute_dims", "relax.nn.layer_norm", "relax.nn.rms_norm"})
 
     def _permute_of(self, expr: relax.Expr) -> tuple[relax.Expr, list[int]] | None:
         """(x, p) where ``expr`` is ``permute_dims(x, p)`` with its axes given, through aliases."""
