@@ -13,7 +13,10 @@ from onnx import numpy_helper as nh
 from onnx_testing import ort_run
 
 import tvmattn
+from tvmattn.compiler.target import isa_of, resolve_target
 from tvmattn.compiler.verify import errors
+
+HAS_DOT = isa_of(resolve_target("cpu")).dot is not None  # the host has a bf16 dot product
 
 
 def conv_model(x_shape: list, w_shape: tuple, bias: bool, gelu: bool = False, **attrs) -> onnx.ModelProto:
@@ -60,6 +63,23 @@ def test_conv_matches_onnx_runtime(x_shape, w_shape, bias, gelu, attrs, at):
     got, want = imported.run({"x": x})[0], ort_run(model, {"x": x})[0]
     assert got.shape == want.shape
     assert errors(got, want)[1] <= 1e-5, errors(got, want)
+
+
+@pytest.mark.parametrize("x_shape, w_shape, attrs, at", [
+    (["b", 64, "n"], (64, 16, 16), {"group": 4, "pads": [8, 8]}, (2, 64, 37)),  # W2V2 positions: 16 wide
+    (["b", 48, "n"], (96, 48, 3), {"pads": [1, 1]}, (2, 48, 40)),  # 96 = 3 blocks of 32: as it is
+    (["b", 32, "n"], (48, 32, 2), {"strides": [2]}, (1, 32, 66)),  # 48 wide: padded to 64 on AMX
+])
+def test_bf16_conv_matches_onnx_runtime(x_shape, w_shape, attrs, at):
+    """bf16 imports of convolutions whose GEMM width is not whole tile blocks: on AMX its weight gets
+    zero columns up to them and the product is sliced back (`precision._widened`); else as it is."""
+    model = conv_model(x_shape, w_shape, True, **attrs)
+    imported = tvmattn.import_onnx(model, dtype="bfloat16")
+    assert "matmul-bf16" in imported.report.rule_of.values() or not HAS_DOT, imported.report.rule_of
+    x = np.random.default_rng(1).standard_normal(at).astype(np.float32)
+    got, want = imported.run({"x": x})[0], ort_run(model, {"x": x})[0]
+    assert got.shape == want.shape
+    assert errors(got, want)[1] <= 2e-2, errors(got, want)
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(None, 1e-5), ("bfloat16", 3e-2)])
