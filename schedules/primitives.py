@@ -89,8 +89,11 @@ def only_consumer(sch: Schedule, producer, block) -> bool:
     `reverse_compute_inline` of a consumer over fewer elements (a padded GEMM's real rows) keeps the
     producer's domain and its stores past the consumer's buffer."""
     consumers = sch.get_consumers(producer)
-    if not (len(consumers) == 1 and sch.get(consumers[0]).same_as(sch.get(block))):
-        return False
+    return len(consumers) == 1 and sch.get(consumers[0]).same_as(sch.get(block)) and same_domain(sch, producer, block)
+
+
+def same_domain(sch: Schedule, producer, block) -> bool:
+    """The two blocks iterate over the same elements (their axes of extent one aside)."""
     analyzer = tvm.sym.Analyzer()
     mine, theirs = ([iv.dom.extent for iv in sch.get(b).iter_vars if not analyzer.can_prove_equal(iv.dom.extent, 1)]
                     for b in (producer, block))  # (a GEMV's unit row axis is on one side only)

@@ -65,15 +65,19 @@ def test_conv_matches_onnx_runtime(x_shape, w_shape, bias, gelu, attrs, at):
     assert errors(got, want)[1] <= 1e-5, errors(got, want)
 
 
-@pytest.mark.parametrize("x_shape, w_shape, attrs, at", [
-    (["b", 64, "n"], (64, 16, 16), {"group": 4, "pads": [8, 8]}, (2, 64, 37)),  # W2V2 positions: 16 wide
-    (["b", 48, "n"], (96, 48, 3), {"pads": [1, 1]}, (2, 48, 40)),  # 96 = 3 blocks of 32: as it is
-    (["b", 32, "n"], (48, 32, 2), {"strides": [2]}, (1, 32, 66)),  # 48 wide: padded to 64 on AMX
+@pytest.mark.parametrize("x_shape, w_shape, gelu, attrs, at", [
+    (["b", 64, "n"], (64, 16, 16), False, {"group": 4, "pads": [8, 8]}, (2, 64, 37)),  # W2V2 positions: 16 wide
+    (["b", 48, "n"], (96, 48, 3), False, {"pads": [1, 1]}, (2, 48, 40)),  # 96 = 3 blocks of 32: as it is
+    (["b", 32, "n"], (48, 32, 2), False, {"strides": [2]}, (1, 32, 66)),  # 48 wide: padded to 64 on AMX
+    ([2, 48, 61], (64, 48, 3), True, {"strides": [2]}, (2, 48, 61)),  # 30 static rows, copied as 32, GELU
+    ([1, 32, 75], (32, 16, 3), True, {"group": 2, "pads": [1, 1]}, (1, 32, 75)),  # 75 rows as 96, groups
 ])
-def test_bf16_conv_matches_onnx_runtime(x_shape, w_shape, attrs, at):
-    """bf16 imports of convolutions whose GEMM width is not whole tile blocks: on AMX its weight gets
-    zero columns up to them and the product is sliced back (`precision._widened`); else as it is."""
-    model = conv_model(x_shape, w_shape, True, **attrs)
+def test_bf16_conv_matches_onnx_runtime(x_shape, w_shape, gelu, attrs, at):
+    """bf16 imports of convolutions whose GEMM width is not whole tile blocks (on AMX its weight gets
+    zero columns up to them and the product is sliced back: `precision._widened`) or whose static rows
+    are not whole blocks (the copy writes zero rows up to them, the GEMM's epilogue keeps the real
+    ones: `conv.ROW_BLOCK`)."""
+    model = conv_model(x_shape, w_shape, True, gelu, **attrs)
     imported = tvmattn.import_onnx(model, dtype="bfloat16")
     assert "matmul-bf16" in imported.report.rule_of.values() or not HAS_DOT, imported.report.rule_of
     x = np.random.default_rng(1).standard_normal(at).astype(np.float32)

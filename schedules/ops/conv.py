@@ -27,6 +27,7 @@ from tvm import relax, te, tirx
 
 from tvmattn.schedules.ops.rewrite import rewrite_functions
 
+ROW_BLOCK = 32  # a 16-bit import's 1-D convolution computes its rows in whole blocks (AMX's tiles)
 MAX_TAPS = 64  # a per-channel convolution's terms, unrolled (a larger one stays TVM's)
 _CONVS = {"relax.nn.conv1d": ("NCW", "OIW"), "relax.nn.conv2d": ("NCHW", "OIHW")}
 
@@ -82,10 +83,14 @@ class _ConvAsGemm(relax.PyExprMutator):
         narrowed = self.dtype is not None and str(x.ty.dtype) == "float32"
         if narrowed:
             x = self.builder_.emit(relax.op.astype(x, self.dtype))
+        rows = positions
         if dims == 1:  # channels last, the taps outside the channels: (…, K, C/g) rows
             x = self.builder_.emit(relax.op.permute_dims(x, [0, 2, 1]))
+            if narrowed and isinstance(positions, tirx.IntImm) and int(positions) % ROW_BLOCK:
+                rows = tirx.IntImm("int64", -(-int(positions) // ROW_BLOCK) * ROW_BLOCK)
             cols = self.builder_.emit_te(_im2col_nwc, x, kernel[0], strides[0], padding[0], dilation[0],
-                                         out_sizes[0], groups, primfunc_name_hint="im2col")
+                                         out_sizes[0], groups, None if rows is positions else int(rows),
+                                         primfunc_name_hint="im2col")
             w = w.transpose(0, 2, 1)  # (N, K, C/g): the reduction in the rows' order
         else:
             if any(padding):  # padded once: the copy then reads whole vectors of x, not lane by lane clamped
@@ -93,14 +98,16 @@ class _ConvAsGemm(relax.PyExprMutator):
             cols = self.builder_.emit_te(_im2col, x, kernel, strides, dilation, out_sizes, groups,
                                          primfunc_name_hint="im2col")
         if groups == 1:
-            flat = self.builder_.emit(relax.op.reshape(cols, [batch, positions, k]))
+            flat = self.builder_.emit(relax.op.reshape(cols, [batch, rows, k]))
             panel = w.reshape(n_out, k).T  # (C·KH·KW, N): the GEMM's (reduction, columns)
         else:  # a batch GEMM over the groups
-            flat = self.builder_.emit(relax.op.reshape(cols, [batch, groups, positions, k]))
+            flat = self.builder_.emit(relax.op.reshape(cols, [batch, groups, rows, k]))
             panel = w.reshape(groups, n_out // groups, k).transpose(0, 2, 1)
         if narrowed:
             flat = self.builder_.emit(relax.op.astype(flat, "float32"))
         y = self.builder_.emit(relax.op.matmul(flat, relax.const(np.ascontiguousarray(panel))))
+        if rows is not positions:  # the zero rows' products off again, in the GEMM's epilogue
+            y = self.builder_.emit(relax.op.strided_slice(y, axes=[len(y.ty.shape) - 2], begin=[0], end=[positions]))
         if groups == 1:  # (B, P, N) → (B, N, P)
             y = self.builder_.emit(relax.op.permute_dims(y, [0, 2, 1]))
         else:  # (B, g, P, N/g) → (B, g, N/g, P)
@@ -142,16 +149,24 @@ def _im2col(x: te.Tensor, kernel, strides, dilation, out_sizes, groups: int = 1)
 
 
 def _im2col_nwc(x: te.Tensor, kernel: int, stride: int, padding: int, dilation: int, out_size,
-                groups: int) -> te.Tensor:
+                groups: int, rows=None) -> te.Tensor:
     """A 1-D convolution's rows from channels-last x (B, L, C): (B, OL, K, C), with groups (B, g, OL, K,
     C/g); zero in the padding. Vectors along the channels, contiguous in x: a convolution's input is
     mostly the previous GEMM's output, (B, L, C) in memory, which TVM fuses in (the model's transpose to
     NCW and this one cancel, a GELU between them included). In NCW order, (…, C, K), the copy had K = 3
-    taps innermost, too few for a vector, and ran scalar."""
+    taps innermost, too few for a vector, and ran scalar. With ``rows`` (more than OL), zero rows after
+    OL up to them: a 16-bit GEMM takes its rows in whole blocks (`ROW_BLOCK`), and padded by the GEMM
+    the whole copy was copied again (Wav2Vec2's 2 × 3199 rows of 1536: 20 MB for two rows)."""
     per_group = int(x.shape[2]) // groups
+    rows = out_size if rows is None else rows
 
     def row(b, g, p, tap, c):
         q = p * stride + tap * dilation - padding
+        if rows is not out_size:
+            inside = tirx.all(p < out_size, q < x.shape[1]) if not padding else \
+                tirx.all(p < out_size, 0 <= q, q < x.shape[1])
+            return tirx.Select(inside, x[b, tirx.max(0, tirx.min(q, x.shape[1] - 1)), g * per_group + c],
+                               tirx.const(0, x.dtype))
         if not padding:
             return x[b, q, g * per_group + c]
         inside = tirx.all(0 <= q, q < x.shape[1])  # the same for every channel: one test per vector
@@ -159,9 +174,9 @@ def _im2col_nwc(x: te.Tensor, kernel: int, stride: int, padding: int, dilation: 
                            tirx.const(0, x.dtype))
 
     if groups == 1:
-        return te.compute((x.shape[0], out_size, kernel, x.shape[2]), lambda b, p, tap, c: row(b, 0, p, tap, c),
+        return te.compute((x.shape[0], rows, kernel, x.shape[2]), lambda b, p, tap, c: row(b, 0, p, tap, c),
                           name="im2col")
-    return te.compute((x.shape[0], groups, out_size, kernel, per_group), row, name="im2col")
+    return te.compute((x.shape[0], groups, rows, kernel, per_group), row, name="im2col")
 
 
 def _padded(x: te.Tensor, padding) -> te.Tensor:

@@ -37,7 +37,7 @@ from tvmattn.schedules.knobs import resolve
 from tvmattn.schedules.micro_kernels import PADDED_ROW_BLOCK, dot_columns, gemv
 from tvmattn.schedules.ops.injective import spatial
 from tvmattn.schedules.ops.matmul import CONSTANT_PARAMS, KNOBS, Matmul, _chain
-from tvmattn.schedules.primitives import divisor_at_most, vectorize
+from tvmattn.schedules.primitives import divisor_at_most, same_domain, vectorize
 
 # x's padded copy keeps its bf16 bits for the instruction (whichever record's dot product reads it)
 _READERS = tuple(sorted({reader for isa in RECORDS for reader in isa.packed_readers}))
@@ -85,7 +85,8 @@ class MatmulPairs(Matmul):
         panel = weight if packing is None else packing[0]
         steps: list = []
         for rest in self.tiles(sch, block, lanes, knobs, epilogue, dot=dot, later=steps):
-            if padded:  # the real rows of each register tile, after its store (it is in L1)
+            if padded or not same_domain(sch, sch.get_consumers(block)[0], rest):
+                # the real rows of each register tile (or those a slice keeps), after its store (in L1)
                 sch.reverse_compute_at(rest, _tile_loop(sch, block), preserve_unit_loops=True)
                 vectorize(sch, sch.get_loops(rest)[-1], None, lanes)
             else:

@@ -133,7 +133,8 @@ class _Before(relax.PyExprMutator):
         tap in the next convolution's copy, and that copy moves 16-bit values."""
         value = self._bound(x)
         return isinstance(value, relax.Call) and getattr(value.op, "name", "") in (
-            ELEMENTWISE | {"relax.matmul", "relax.permute_dims", "relax.nn.layer_norm", "relax.nn.rms_norm"})
+            ELEMENTWISE | {"relax.matmul", "relax.permute_dims", "relax.strided_slice", "relax.nn.layer_norm",
+                           "relax.nn.rms_norm"})
 
     def _permute_of(self, expr: relax.Expr) -> tuple[relax.Expr, list[int]] | None:
         """(x, p) where ``expr`` is ``permute_dims(x, p)`` with its axes given, through aliases."""
