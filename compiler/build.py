@@ -104,12 +104,13 @@ def lower(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
 def _cpu_pipeline(thread_pool: str = "tvm"):
     """`passes.element_aligned_arguments` (every CPU kernel takes arrays at any element offset), TVM's
     default TIR pipeline, then `passes.tighten_guarded_loops` (it must follow buffer compaction),
-    `passes.vector_exp2` (it reads the vectors), `passes.stack_tiles` (final allocations) and, after
-    MakePackedAPI, the thread pool's pass:
+    `passes.vector_exp2` and `passes.narrow_bf16` (they read the vectors), `passes.stack_tiles` (final
+    allocations) and, after MakePackedAPI, the thread pool's pass:
     `passes.one_parallel_launch` for TVM's, or `openmp.install_pass` for ``thread_pool="openmp"``."""
     pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("default")
     pool = openmp.install_pass() if thread_pool == "openmp" else passes.one_parallel_launch()
     seq = [passes.element_aligned_arguments(), pipeline, passes.tighten_guarded_loops(), passes.vector_exp2(),
+           passes.narrow_bf16(),
            passes.interleave_tile_epilogues(), passes.stack_tiles(), pool]
     return tvm.transform.Sequential(seq), finalize_host, finalize_device
 

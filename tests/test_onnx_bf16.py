@@ -117,6 +117,31 @@ def test_bf16_gemm_padded_rows_stay_in_the_output(rows, k, bias, target):
     assert (whole[count:] == 7.0).all()
 
 
+@pytest.mark.parametrize("target", [HOST, ZEN4, ZEN3], ids=["host", "znver4", "znver3"])
+def test_bf16_rounding_on_the_conversion_instruction(target):
+    """fp32 → bf16 of a vector: ``vcvtneps2bf16`` (two halves at a time: ``vcvtne2ps2bf16``) where the
+    CPU has AVX512-BF16, TVM's integer rounding elsewhere (`passes.narrow_bf16`); both to nearest even,
+    bit for bit as ml_dtypes rounds, on the CPUs this host runs."""
+    x = te.placeholder((i64(8), i64(64)), "float32", name="x")
+    y = te.compute(x.shape, lambda i, j: (x[i, j] * 3.0).astype("bfloat16"), name="y")
+    rule, mod = schedule(te.create_prim_func([x, y]), target)
+    lib = tvm.compile(mod, target, tir_pipeline=build.CPU_PIPELINE)
+    asm = lib.mod.inspect_source("asm")
+    assert ("vcvtne2ps2bf16" in asm or "vcvtneps2bf16" in asm) == (isa_of(target).dot is not None)
+    if not runs_here(target):
+        return
+    rng = np.random.default_rng(0)
+    xs = (rng.standard_normal((8, 64)) * 10.0 ** rng.integers(-30, 30, (8, 64))).astype(np.float32)
+    xs[0, :4] = [np.inf, -np.inf, 0.0, -0.0]
+    xs[0, 4] = np.nan
+    out = np.zeros((8, 64), ml_dtypes.bfloat16)
+    lib["main"](host_tensor(xs), host_tensor(out))
+    want = (xs * np.float32(3.0)).astype(ml_dtypes.bfloat16)
+    assert np.isnan(out[0, 4].astype(np.float32))
+    keep = ~np.isnan(want.astype(np.float32))
+    assert np.array_equal(out.view(np.uint16)[keep], want.view(np.uint16)[keep])
+
+
 def bf16_products(heads: int, rows, k: int, n: int) -> tirx.PrimFunc:
     """y[h] = x[h] · b[h] with bf16 activations on both sides (no constant): DeBERTa's query × positional
     keys as the bf16 import writes it."""

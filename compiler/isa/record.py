@@ -33,6 +33,15 @@ class Dot:
 
 
 @dataclass(frozen=True)
+class Narrow:
+    """fp32 vectors rounded to bf16 (to nearest even) by the instruction set's conversion: the LLVM
+    function for each lane count, (lanes, name), defined in ``llvm`` (`passes.narrow_bf16`)."""
+
+    functions: tuple[tuple[int, str], ...]
+    llvm: str
+
+
+@dataclass(frozen=True)
 class Tiles:
     """Tile registers of 16-bit products: a ``block`` × ``block`` fp32 accumulator, ``step`` of the
     reduction per product."""
@@ -72,6 +81,7 @@ class Isa:
     half_feature: str = ""  # the LLVM feature of fp16 vector arithmetic on these registers, if any
     half_math: bool = False  # the target has it (`target.isa_of`): fp16 P·V on fp16 FMAs
     dot: Dot | None = None  # the 16-bit dot product, if any
+    narrow: Narrow | None = None  # fp32 → bf16 in one instruction, if any
     tiles: Tiles | None = None  # tile registers, if any
     passes: tuple[tvm.transform.Pass, ...] = ()  # lowering passes its kernels need after scheduling
     exp2: Callable[[PrimExpr, tuple[float, ...]], PrimExpr] | None = field(default=None, compare=False)

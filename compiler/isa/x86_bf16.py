@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from tvmattn.compiler.isa.dots import dot_record
+from tvmattn.compiler.isa.record import Narrow
 from tvmattn.compiler.isa.x86_avx import AVX512
 
 LANES = 16  # fp32 lanes of a zmm register
@@ -41,5 +42,27 @@ declare <32 x bfloat> @llvm.x86.avx512bf16.cvtne2ps2bf16.512(<16 x float>, <16 x
 """
 
 BF16_DOT = dot_record("vdpbf16ps", LANES, DOT_16x2, DOT_FUNCTION, PAIRS_FUNCTION, DOT_LLVM)
+
+# a vector of fp32 rounded to bf16 bits, one instruction per 16 lanes (a 32-lane vector in two halves)
+_HALVES = ", ".join(f"i32 {i}" for i in range(16)), ", ".join(f"i32 {i}" for i in range(16, 32))
+NARROW_LLVM = f"""
+define <16 x i16> @tvmattn_cvtneps2bf16_16(<16 x float> %x) alwaysinline {{
+  %r = call <16 x bfloat> @llvm.x86.avx512bf16.cvtneps2bf16.512(<16 x float> %x)
+  %w = bitcast <16 x bfloat> %r to <16 x i16>
+  ret <16 x i16> %w
+}}
+declare <16 x bfloat> @llvm.x86.avx512bf16.cvtneps2bf16.512(<16 x float>)
+
+define <32 x i16> @tvmattn_cvtneps2bf16_32(<32 x float> %x) alwaysinline {{
+  %lo = shufflevector <32 x float> %x, <32 x float> poison, <16 x i32> <{_HALVES[0]}>
+  %hi = shufflevector <32 x float> %x, <32 x float> poison, <16 x i32> <{_HALVES[1]}>
+  %r = call <32 x bfloat> @llvm.x86.avx512bf16.cvtne2ps2bf16.512(<16 x float> %hi, <16 x float> %lo)
+  %w = bitcast <32 x bfloat> %r to <32 x i16>
+  ret <32 x i16> %w
+}}
+declare <32 x bfloat> @llvm.x86.avx512bf16.cvtne2ps2bf16.512(<16 x float>, <16 x float>)
+"""
+BF16_NARROW = Narrow(((16, "tvmattn_cvtneps2bf16_16"), (32, "tvmattn_cvtneps2bf16_32")), NARROW_LLVM)
 # Zen 4, Sapphire Rapids and later
-AVX512_BF16 = dataclasses.replace(AVX512, name="avx512-bf16", requires=(*AVX512.requires, "avx512bf16"), dot=BF16_DOT)
+AVX512_BF16 = dataclasses.replace(AVX512, name="avx512-bf16", requires=(*AVX512.requires, "avx512bf16"), dot=BF16_DOT,
+                                  narrow=BF16_NARROW)

@@ -29,6 +29,8 @@ polynomial_math        Replace fp32 ``exp``, ``sigmoid``, ``tanh``, ``erf`` and 
                        vectorisable polynomials (LLVM would otherwise call scalar libm per lane).
 vector_exp2            After vectorisation: fp32 ``exp2`` as a polynomial, on a whole vector register as
                        the target's instruction set lowers it (`Isa.exp2`).
+narrow_bf16            Round fp32 vectors to bf16 by the instruction set's conversion (``vcvtneps2bf16``),
+                       not TVM's six integer operations.
 exact_widenings        Read an fp32 copy of 16-bit values as the copy, not narrowed and widened again.
 keep_operands_16bit    Keep a kernel's own bf16 buffers 16 bits wide (TVM's legaliser widens them to fp32)
                        where an instruction reads them as bits or the schedule asks for it.
@@ -43,6 +45,7 @@ rule declares which of them its kernels need (`passes`).
 from tvmattn.compiler.passes.ir import conjuncts, element_dtype, substitute, uses, visit_blocks
 from tvmattn.compiler.passes.key_tiles import GUARD_NAME, KEY_BLOCKS, skip_masked_key_tiles, tighten_guarded_loops
 from tvmattn.compiler.passes.launch import element_aligned_arguments, one_parallel_launch, stack_tiles
+from tvmattn.compiler.passes.narrow import narrow_bf16
 from tvmattn.compiler.passes.polynomials import (
     EXP2_COEFFICIENTS,
     EXP2_P,
@@ -64,7 +67,7 @@ from tvmattn.compiler.passes.tile_epilogue import interleave_tile_epilogues
 __all__ = [
     "EXP2_COEFFICIENTS", "EXP2_P", "EXP2_P_BF16", "GUARD_NAME", "KEEP_16BIT", "KEY_BLOCKS", "PADDED_AXES",
     "SMALL_POWER", "clamp_row_tails", "conjuncts", "element_aligned_arguments", "element_dtype", "exact_widenings",
-    "interleave_tile_epilogues", "keep_operands_16bit", "one_parallel_launch", "pad_query_tiles", "peel_key_tails",
-    "polynomial_math", "skip_masked_key_tiles", "stack_tiles", "substitute", "tighten_guarded_loops",
+    "interleave_tile_epilogues", "keep_operands_16bit", "narrow_bf16", "one_parallel_launch", "pad_query_tiles",
+    "peel_key_tails", "polynomial_math", "skip_masked_key_tiles", "stack_tiles", "substitute", "tighten_guarded_loops",
     "unclamp_whole_vectors", "uses", "vector_exp2", "visit_blocks",
 ]
