@@ -29,6 +29,7 @@ from tvmattn.schedules.cpu.paged_decode import buffer_kernel, paged_kernel
 from tvmattn.schedules.cpu.paged_decode import plan_of as paged_plan_of
 from tvmattn.schedules.cpu.plan import padded_widths
 from tvmattn.schedules.cuda import schedule_paged as cuda_schedule_paged
+from tvmattn.schedules.micro_kernels import PADDED_ROW_BLOCK
 from tvmattn.schedules.ops import ScheduleFunctions, before_legalize
 from tvmattn.schedules.ops.precision import matmuls_in
 
@@ -189,9 +190,12 @@ def until_scheduling(target: Target, dtype: str | None = None) -> list[tvm.trans
                     for p in legalize]
     fuse = [p.info.name for p in legalize].index("FuseOps")
     legalize = legalize[:fuse] + [_producers_unfused] + legalize[fuse:]
-    rewrites = before_legalize(dtype) if is_cpu(target) else []
+    isa = isa_of(target) if is_cpu(target) else None
+    dot = isa.dot if isa is not None and dtype == "bfloat16" else None
+    # the rows a bf16 GEMM pads to (AMX's blocks, the dot product's register tiles; none widened to fp32)
+    row_block = None if dot is None else isa.tiles.block if isa.tiles is not None else PADDED_ROW_BLOCK
+    rewrites = before_legalize(dtype, row_block) if is_cpu(target) else []
     if dtype is not None:
-        isa = isa_of(target) if is_cpu(target) else None
         dot = isa.dot if isa is not None else None
         rewrites.append(matmuls_in(dtype, *((dot.lanes, isa.tiles) if dot is not None else ())))
     # an exporter repeats a computation per layer (T5's position bias plus mask, in every attention)

@@ -76,7 +76,7 @@ def test_bf16_conv_matches_onnx_runtime(x_shape, w_shape, gelu, attrs, at):
     """bf16 imports of convolutions whose GEMM width is not whole tile blocks (on AMX its weight gets
     zero columns up to them and the product is sliced back: `precision._widened`) or whose static rows
     are not whole blocks (the copy writes zero rows up to them, the GEMM's epilogue keeps the real
-    ones: `conv.ROW_BLOCK`)."""
+    ones: `conv.conv_as_gemm`'s ``row_block``)."""
     model = conv_model(x_shape, w_shape, True, gelu, **attrs)
     imported = tvmattn.import_onnx(model, dtype="bfloat16")
     assert "matmul-bf16" in imported.report.rule_of.values() or not HAS_DOT, imported.report.rule_of

@@ -64,9 +64,10 @@ RULES: tuple[tuple[str, dlight.ScheduleRule], ...] = (
 # transpositions that undo each other (the convolutions' channels-first output transposed straight back),
 # each concatenation once, elementwise operators before the reshapes that split their GEMM's rows
 # (the transpositions elementwise_before_reshapes brings together cancelled after it)
-def before_legalize(dtype: str | None = None) -> list[tvm.transform.Pass]:
-    """Those rewrites, for an import whose matmuls run in ``dtype`` (None: fp32)."""
-    return [conv_as_gemm(dtype), small_powers, cancel_transposes, same_concats, elementwise_before_reshapes,
+def before_legalize(dtype: str | None = None, row_block: int | None = None) -> list[tvm.transform.Pass]:
+    """Those rewrites, for an import whose matmuls run in ``dtype`` (None: fp32) and pad their rows to
+    whole blocks of ``row_block`` (`conv.conv_as_gemm`)."""
+    return [conv_as_gemm(dtype, row_block), small_powers, cancel_transposes, same_concats, elementwise_before_reshapes,
             cancel_transposes]
 
 

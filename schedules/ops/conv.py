@@ -27,29 +27,30 @@ from tvm import relax, te, tirx
 
 from tvmattn.schedules.ops.rewrite import rewrite_functions
 
-ROW_BLOCK = 32  # a 16-bit import's 1-D convolution computes its rows in whole blocks (AMX's tiles)
 MAX_TAPS = 64  # a per-channel convolution's terms, unrolled (a larger one stays TVM's)
 _CONVS = {"relax.nn.conv1d": ("NCW", "OIW"), "relax.nn.conv2d": ("NCHW", "OIHW")}
 
 
-def conv_as_gemm(dtype: str | None = None) -> tvm.transform.Pass:
+def conv_as_gemm(dtype: str | None = None, row_block: int | None = None) -> tvm.transform.Pass:
     """The pass rewriting every convolution of a supported layout with a constant weight as im2col +
     GEMM. With ``dtype`` (a 16-bit import's, `precision`), an fp32 input is converted before the copy,
     not after: the copy moves half the bytes, the conversion joins x's producer (a GELU), and the GEMM
-    reads the copy through a widening that `precision` cancels, exactly."""
+    reads the copy through a widening that `precision` cancels, exactly. With ``row_block`` (the rows a
+    bf16 GEMM pads to: AMX's blocks, the dot product's tiles), a 1-D convolution's copy writes its
+    static rows in whole blocks of them (`_im2col_nwc`)."""
 
     @tvm.transform.module_pass(opt_level=0, name="tvmattn.ConvAsGemm")
     def transform(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return _ConvAsGemm(mod, dtype).run()
+        return _ConvAsGemm(mod, dtype, row_block).run()
 
     return transform
 
 
 @relax.expr_functor.mutator
 class _ConvAsGemm(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, dtype: str | None = None) -> None:
+    def __init__(self, mod: tvm.IRModule, dtype: str | None = None, row_block: int | None = None) -> None:
         super().__init__(mod)
-        self.mod_, self.dtype = mod, dtype
+        self.mod_, self.dtype, self.row_block = mod, dtype, row_block
 
     def run(self) -> tvm.IRModule:
         return rewrite_functions(self, self.mod_)
@@ -86,8 +87,9 @@ class _ConvAsGemm(relax.PyExprMutator):
         rows = positions
         if dims == 1:  # channels last, the taps outside the channels: (…, K, C/g) rows
             x = self.builder_.emit(relax.op.permute_dims(x, [0, 2, 1]))
-            if narrowed and isinstance(positions, tirx.IntImm) and int(positions) % ROW_BLOCK:
-                rows = tirx.IntImm("int64", -(-int(positions) // ROW_BLOCK) * ROW_BLOCK)
+            block = self.row_block
+            if narrowed and block and isinstance(positions, tirx.IntImm) and int(positions) % block:
+                rows = tirx.IntImm("int64", -(-int(positions) // block) * block)
             cols = self.builder_.emit_te(_im2col_nwc, x, kernel[0], strides[0], padding[0], dilation[0],
                                          out_sizes[0], groups, None if rows is positions else int(rows),
                                          primfunc_name_hint="im2col")
@@ -155,7 +157,7 @@ def _im2col_nwc(x: te.Tensor, kernel: int, stride: int, padding: int, dilation: 
     mostly the previous GEMM's output, (B, L, C) in memory, which TVM fuses in (the model's transpose to
     NCW and this one cancel, a GELU between them included). In NCW order, (…, C, K), the copy had K = 3
     taps innermost, too few for a vector, and ran scalar. With ``rows`` (more than OL), zero rows after
-    OL up to them: a 16-bit GEMM takes its rows in whole blocks (`ROW_BLOCK`), and padded by the GEMM
+    OL up to them: a bf16 GEMM takes its rows in whole blocks (`conv_as_gemm`'s), and padded by the GEMM
     the whole copy was copied again (Wav2Vec2's 2 × 3199 rows of 1536: 20 MB for two rows)."""
     per_group = int(x.shape[2]) // groups
     rows = out_size if rows is None else rows
