@@ -97,7 +97,7 @@ class _Before(relax.PyExprMutator):
             permuted = self._permute_of(arg)
             if permuted is not None:
                 x, p = permuted
-                if axes is not None and p != axes or not self._epilogue_of_gemm(x):
+                if axes is not None and p != axes or not self._joins_producer(x):
                     return None
                 axes = p
                 args.append(x)
@@ -124,13 +124,13 @@ class _Before(relax.PyExprMutator):
         inner = self.builder_.emit(inner if again is None else again)
         return relax.op.permute_dims(inner, axes)
 
-    def _epilogue_of_gemm(self, x: relax.Expr) -> bool:
-        """Whether ``x`` comes from a GEMM (a convolution's) or a norm, through elementwise operators
-        or those this pass moved: only there does an operator moved before the transposition join a
-        producer's epilogue. Wav2Vec2's feature extractor normalises channels-last between its
-        convolutions, then transposes, applies GELU, and the next convolution transposes back: moved,
-        the GELU (and the 16-bit conversion, `conv`) runs once per element in the LayerNorm, not per
-        tap in the next convolution's copy, and that copy moves 16-bit values."""
+    def _joins_producer(self, x: relax.Expr) -> bool:
+        """Whether ``x`` comes from a function whose epilogue an operator moved before the transposition
+        joins: a GEMM (a convolution's, or its slice of padded rows, `conv`) or a norm, through
+        elementwise operators or those this pass moved. Wav2Vec2's feature extractor normalises
+        channels-last between its convolutions, then transposes, applies GELU, and the next convolution
+        transposes back: moved, the GELU (and the 16-bit conversion, `conv`) runs once per element in
+        the LayerNorm, not per tap in the next convolution's copy, and that copy moves 16-bit values."""
         value = self._bound(x)
         return isinstance(value, relax.Call) and getattr(value.op, "name", "") in (
             ELEMENTWISE | {"relax.matmul", "relax.permute_dims", "relax.strided_slice", "relax.nn.layer_norm",
