@@ -23,6 +23,7 @@ SPEC = "tvmattn.spec"  # function: a tuning workload's AttentionSpec (JSON), for
 # ---- TVM's keys, as tvmattn sets them ------------------------------------------------------------------
 OP_PATTERN = "op_pattern"  # function: relax's OpPatternKind, which FuseOps reads
 INJECTIVE = 2  # kInjective: FuseOps fuses it into its consumers (a lookup in a small table)
+OUT_ELEMWISE_FUSABLE = 4  # kOutEWiseFusable: its elementwise consumers fuse into it (TOPI's LayerNorm)
 OPAQUE = 8  # kOpaque: FuseOps fuses nothing into or out of it (a scheduled kernel, a run-time check)
 DISABLE_LOWER_BUILTIN = "disable_lower_builtin"  # allocation: an LLVM alloca, not TVM's workspace
 IS_SCHEDULED = "tirx.is_scheduled"  # function: scheduled already (dlight and tvmattn's rules leave it)

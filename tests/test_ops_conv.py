@@ -91,7 +91,8 @@ def test_transposes_around_a_norm_cancel(dtype, tolerance):
     """conv → Transpose → LayerNorm → Transpose → Gelu → conv → Transpose (Wav2Vec2's feature extractor): the GEMM's
     rows go to the norm as they are, the GELU (and in bf16 the conversion) runs in the norm's function,
     once per element, and the next convolution's copy reads its output as it is: no function is a
-    transposition alone, none but the norm's computes the GELU."""
+    transposition alone, none but the norm's computes the GELU. In bf16 the GEMM hands the norm its
+    product rounded (`precision._NormInputs`): the rounding is in the GEMM's function."""
     model = conv_model(["b", 1, "n"], (16, 1, 10), False, **{"strides": [5]})
     rng = np.random.default_rng(2)
     w2 = (rng.standard_normal((16, 16, 3)) / np.sqrt(48)).astype(np.float32)
@@ -111,6 +112,7 @@ def test_transposes_around_a_norm_cancel(dtype, tolerance):
     rules = tvmattn.import_onnx(model, dtype=dtype).report.rule_of
     assert not [f for f in rules if f.startswith("transpose")], rules
     assert [f for f in rules if "gelu" in f] == [next(f for f in rules if "layer_norm" in f)], rules
+    assert any("matmul" in f and "cast" in f for f in rules) == (dtype is not None), rules
     x = rng.standard_normal((2, 1, 203)).astype(np.float32)
     imported = tvmattn.import_onnx(model, dtype=dtype)
     got, want = imported.run({"x": x})[0], ort_run(model, {"x": x})[0]

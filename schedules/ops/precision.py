@@ -10,11 +10,14 @@ chains (as OpenVINO keeps them: its bf16 inference precision applies to convolut
 
 from __future__ import annotations
 
+import collections
+
 import ml_dtypes
 import numpy as np
 import tvm
-from tvm import relax
+from tvm import relax, te, topi
 
+from tvmattn.compiler.annotations import OP_PATTERN, OUT_ELEMWISE_FUSABLE
 from tvmattn.compiler.isa.record import Tiles
 from tvmattn.schedules.cpu.plan import MIN_PAIR_ROWS
 from tvmattn.schedules.ops.rewrite import rewrite_functions
@@ -31,7 +34,8 @@ def matmuls_in(dtype: str, dot_lanes: int | None = None, tiles: Tiles | None = N
     @tvm.transform.module_pass(opt_level=0, name=f"tvmattn.MatmulsIn_{dtype}")
     def transform(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         bf16 = dtype == "bfloat16"
-        return _Matmuls(mod, dtype, dot_lanes if bf16 else None, tiles if bf16 and dot_lanes else None).run()
+        mod = _Matmuls(mod, dtype, dot_lanes if bf16 else None, tiles if bf16 and dot_lanes else None).run()
+        return _NormInputs(mod, dtype).run()
 
     return transform
 
@@ -160,3 +164,77 @@ class _Matmuls(relax.PyExprMutator):
             z = inner.args[0]
             return z if shape is None else self.builder_.emit(relax.op.reshape(z, shape))
         return call
+
+
+@relax.expr_functor.visitor
+class _Uses(relax.PyExprVisitor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count: collections.Counter = collections.Counter()
+
+    def visit_var_(self, var: relax.Var) -> None:
+        self.count[var] += 1
+
+    def visit_dataflow_var_(self, var: relax.DataflowVar) -> None:
+        self.count[var] += 1
+
+
+@relax.expr_functor.mutator
+class _NormInputs(relax.PyExprMutator):
+    """A LayerNorm whose input is a 16-bit product's fp32 result that nothing else reads (a convolution
+    front end's: Wav2Vec2's seven, each GEMM → LayerNorm → GELU) reads it rounded to ``dtype``: the
+    product stores half the bytes and the norm reads half, its statistics still summed in fp32 (as
+    OpenVINO's convolutions hand MVN bf16). A norm of a residual sum keeps fp32 (its input is an add)."""
+
+    def __init__(self, mod: tvm.IRModule, dtype: str) -> None:
+        super().__init__(mod)
+        self.mod_, self.dtype, self.uses = mod, dtype, collections.Counter()
+
+    def run(self) -> tvm.IRModule:
+        for func in self.mod_.functions.values():
+            if isinstance(func, relax.Function):
+                counter = _Uses()
+                counter.visit_expr(func)
+                self.uses.update(counter.count)
+        return rewrite_functions(self, self.mod_)
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        if getattr(call.op, "name", "") != "relax.nn.layer_norm" or not call.attrs.center or not call.attrs.scale:
+            return super().visit_call_(call)
+        x, gamma, beta = call.args
+        chain = self._product_alone(x)
+        if chain is None or any(str(getattr(e.ty, "dtype", "")) != "float32" for e in (gamma, beta)):
+            return super().visit_call_(call)
+        product, *slices = chain
+        narrow = self.builder_.emit(relax.op.astype(self.visit_expr(product), self.dtype))
+        for sliced in slices:  # the cast before the slice: it joins the GEMM's epilogue, a slice's consumer did not
+            narrow = self.builder_.emit(relax.Call(sliced.op, [narrow, *sliced.args[1:]], sliced.attrs))
+        norm = self.builder_.call_te(_layer_norm_widened, narrow, self.visit_expr(gamma), self.visit_expr(beta),
+                                     [int(a) for a in call.attrs.axes], float(call.attrs.epsilon),
+                                     primfunc_name_hint="layer_norm")
+        gvar = norm.args[0]  # TOPI's LayerNorm's pattern: its GELU fuses in (not bound to a var of its own,
+        self.builder_.update_func(gvar, self.builder_.get()[gvar].with_attr(OP_PATTERN, OUT_ELEMWISE_FUSABLE))
+        return norm  # which FuseOps does not see through)
+
+    def _product_alone(self, x: relax.Expr) -> list | None:
+        """[the fp32 result of a 16-bit matmul, the row slices after it] where ``x`` is that product (or
+        a slice of it: padded rows off) and nothing else reads it; else None."""
+        slices = []
+        while isinstance(x, relax.Var) and self.uses[x] == 1:
+            bound = self.lookup_binding(x)
+            op = getattr(bound.op, "name", "") if isinstance(bound, relax.Call) else ""
+            if isinstance(bound, relax.Var) or op == "relax.strided_slice":
+                x = bound if isinstance(bound, relax.Var) else bound.args[0]
+                slices = slices if isinstance(bound, relax.Var) else [bound, *slices]
+                continue
+            if op == "relax.matmul" and str(bound.ty.dtype) == "float32" \
+                    and all(str(a.ty.dtype) == self.dtype for a in bound.args):
+                return [x, *slices]
+            return None
+        return None
+
+
+def _layer_norm_widened(x: te.Tensor, gamma: te.Tensor, beta: te.Tensor, axes: list[int], epsilon: float) -> te.Tensor:
+    """TOPI's LayerNorm of 16-bit x, each element widened to fp32 as it is read."""
+    wide = te.compute(x.shape, lambda *i: x(*i).astype("float32"), name="widen")
+    return topi.nn.layer_norm(wide, gamma, beta, axis=axes, epsilon=epsilon)
