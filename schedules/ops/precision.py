@@ -5,7 +5,8 @@ weight converted once, at compile time, and its activations converted as they ar
 fuses into the producer's epilogue: a LayerNorm, a GELU), and accumulates in fp32: the `matmul` rule
 then runs it on the bf16 dot products where the CPU has them, and a one-token step streams half the
 bytes. Everything else stays in fp32: norms' statistics, softmax, residual sums, the elementwise
-chains (as OpenVINO keeps them: its bf16 inference precision applies to convolutions and matmuls).
+chains (as OpenVINO keeps them: its bf16 inference precision applies to convolutions and matmuls). A
+product that only a LayerNorm reads is stored in 16 bits for it (`_NormInputs`).
 """
 
 from __future__ import annotations
