@@ -335,7 +335,8 @@ def test_cumsum_keeps_tvms_parallel_scan():
 def test_layer_norm_and_softmax(rows):
     """LayerNorm and softmax over 768 as Relax legalises them (TOPI), one row (a decode step: dlight's
     rule raced there) to symbolic rows; each partial sum (an rfactor's lanes) a vector inside the
-    reduction's loop, not lanes outside it (TOPI's LayerNorm had been 3.7× slower so, at 256 × 768)."""
+    reduction's loop, not lanes outside it (TOPI's LayerNorm had been 3.7× slower so, at 256 × 768), and
+    the lanes combined in a vector of `COMBINED` sums (two rfactors a reduction)."""
     shape = (tirx.Var("b", "int64"), i64(7)) if rows == "symbolic" else tuple(map(i64, rows))
     sizes = (2, 7) if rows == "symbolic" else rows
     x = te.placeholder((*shape, i64(768)), name="x")  # (b, n, 768)
@@ -347,9 +348,29 @@ def test_layer_norm_and_softmax(rows):
     rule, mod = check([x, gamma, beta, topi.nn.layer_norm(x, gamma, beta, axis=[-1], epsilon=1e-5)], norm,
                       data, g, b, tol=1e-5)
     partial_sums = re.findall(r'(.*)\n\s*with T.sblock\("\w+_rf"\)', mod.script())
-    assert rule == "reduction" and len(partial_sums) == 2 and all("T.vectorized" in line for line in partial_sums)
+    assert rule == "reduction" and len(partial_sums) == 4 and all("T.vectorized" in line for line in partial_sums)
     e = np.exp(d - d.max(-1, keepdims=True))
     assert check([x, topi.nn.softmax(x, axis=-1)], e / e.sum(-1, keepdims=True), data)[0] == "reduction"
+
+
+def test_norm_epilogue_in_the_block_that_writes_the_row():
+    """A LayerNorm's elementwise epilogue (erf-GELU's stages) is inlined into the block that writes the
+    row, and the stages before the statistics stay (softmax's exp would be computed twice)."""
+    x = te.placeholder((i64(6), i64(256)), name="x")  # (6, 256) → (6, 256)
+    gamma, beta = te.placeholder((i64(256),), name="gamma"), te.placeholder((i64(256),), name="beta")
+    norm = topi.nn.layer_norm(x, gamma, beta, axis=[-1], epsilon=1e-5)
+    half = te.compute(norm.shape, lambda i, j: norm[i, j] * 0.5, name="half")
+    y = te.compute(norm.shape, lambda i, j: half[i, j] * (1.0 + te.erf(norm[i, j] * 0.7071067811865476)), name="gelu")
+    rng = np.random.default_rng(4)
+    data, g, b = randn(rng, 6, 256, scale=3.0), randn(rng, 256), randn(rng, 256)
+    d = data.astype(np.float64)
+    n = (d - d.mean(-1, keepdims=True)) / np.sqrt(d.var(-1, keepdims=True) + 1e-5) * g + b
+    rule, mod = check([x, gamma, beta, y], 0.5 * n * (1 + erf(n / np.sqrt(2))), data, g, b, tol=2e-5)
+    blocks = re.findall(r'T.sblock\("(\w+)"\)', mod.script())
+    assert rule == "reduction" and blocks[-1] == "gelu" and not {"half", "T_layer_norm"} & set(blocks), blocks
+    e = np.exp(d - d.max(-1, keepdims=True))
+    _, mod = check([x, topi.nn.softmax(x, axis=-1)], e / e.sum(-1, keepdims=True), data)
+    assert any("exp" in b for b in re.findall(r'T.sblock\("(\w+)"\)', mod.script()))
 
 
 # ---- polynomial maths --------------------------------------------------------------------------------
