@@ -257,6 +257,36 @@ def test_cli_shape_binds_inputs(tmp_path, capsys):
     assert "PASS" in capsys.readouterr().out
 
 
+# ---- a constant tiled along the batch --------------------------------------------------------------------
+@pytest.mark.parametrize("transposed", [True, False])
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_product_by_a_constant_tiled_per_sequence(transposed, dtype):
+    """DeBERTa's queries × positional keys: Tile of a constant (h, r, d) by [batch, 1, 1] (a symbolic
+    batch), transposed, times queries (b·h, n, d). The tile is gone (`tiles.constant_tiles`: the matmul
+    broadcasts the constant, no copy a call) and the product matches ONNX Runtime's."""
+    r = 12
+    keys = np.random.default_rng(5).standard_normal((HEADS, r, D) if transposed else (HEADS, D, r)).astype(np.float32)
+    one, d = np.array([1], np.int64), np.array([D], np.int64)
+    nodes = [oh.make_node("Shape", ["q"], ["s"]),
+             oh.make_node("Gather", ["s", "zero"], ["b"], axis=0), oh.make_node("Gather", ["s", "two"], ["n"], axis=0),
+             oh.make_node("Concat", ["minus", "n", "d"], ["rows"], axis=0),
+             oh.make_node("Reshape", ["q", "rows"], ["q3"]),  # (b·h, n, d)
+             oh.make_node("Concat", ["b", "one", "one"], ["reps"], axis=0),
+             oh.make_node("Tile", ["keys", "reps"], ["tiled"]),  # (b·h, r, d) or (b·h, d, r)
+             *([oh.make_node("Transpose", ["tiled"], ["kt"], perm=[0, 2, 1])] if transposed else []),
+             oh.make_node("MatMul", ["q3", "kt" if transposed else "tiled"], ["y"])]
+    model = _model(nodes, [("q", TP.FLOAT, ["b", HEADS, "n", D])], [("y", TP.FLOAT, 3)],
+                   [("keys", keys), ("zero", np.array([0], np.int64)), ("two", np.array([2], np.int64)),
+                    ("minus", np.array([-1], np.int64)), ("one", one), ("d", d)])
+    imported = tvmattn.import_onnx(model, dtype=dtype)
+    assert not [f for f in imported.report.rule_of if "tile" in f], imported.report.rule_of
+    for b, n in SHAPES:
+        q = randn(np.random.default_rng(b * 10 + n), b, HEADS, n, D)
+        got, want = imported.run({"q": q})[0], ort_run(model, {"q": q})[0]
+        assert got.shape == want.shape == (b * HEADS, n, r)
+        assert np.abs(got - want).max() <= (1e-5 if dtype is None else 2e-2) * np.abs(want).max()
+
+
 # ---- external data -------------------------------------------------------------------------------------
 def test_external_data_imports_from_its_path(tmp_path):
     weights = np.random.default_rng(0).standard_normal((64, H)).astype(np.float32)  # past the threshold

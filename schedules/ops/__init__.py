@@ -45,6 +45,7 @@ from tvmattn.schedules.ops.powers import small_powers
 from tvmattn.schedules.ops.reduction import Reduce, RowReduction
 from tvmattn.schedules.ops.reshapes import elementwise_before_reshapes
 from tvmattn.schedules.ops.sizes import named_sizes
+from tvmattn.schedules.ops.tiles import constant_tiles
 
 RULES: tuple[tuple[str, dlight.ScheduleRule], ...] = (
     ("matmul-bf16", MatmulPairs()),
@@ -67,8 +68,8 @@ RULES: tuple[tuple[str, dlight.ScheduleRule], ...] = (
 def before_legalize(dtype: str | None = None, row_block: int | None = None) -> list[tvm.transform.Pass]:
     """Those rewrites, for an import whose matmuls run in ``dtype`` (None: fp32) and pad their rows to
     whole blocks of ``row_block`` (`conv.conv_as_gemm`)."""
-    return [conv_as_gemm(dtype, row_block), small_powers, cancel_transposes, same_concats, elementwise_before_reshapes,
-            cancel_transposes]
+    return [constant_tiles, conv_as_gemm(dtype, row_block), small_powers, cancel_transposes, same_concats,
+            elementwise_before_reshapes, cancel_transposes]
 
 
 def is_scheduled(func: tirx.PrimFunc) -> bool:
