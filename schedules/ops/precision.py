@@ -6,7 +6,7 @@ fuses into the producer's epilogue: a LayerNorm, a GELU), and accumulates in fp3
 then runs it on the bf16 dot products where the CPU has them, and a one-token step streams half the
 bytes. Everything else stays in fp32: norms' statistics, softmax, residual sums, the elementwise
 chains (as OpenVINO keeps them: its bf16 inference precision applies to convolutions and matmuls). A
-product that only a LayerNorm reads is stored in 16 bits for it (`_NormInputs`).
+product that only a LayerNorm reads is stored in bf16 for it (`_NormInputs`; not fp16, whose range is not fp32's).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def matmuls_in(dtype: str, dot_lanes: int | None = None, tiles: Tiles | None = N
     def transform(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         bf16 = dtype == "bfloat16"
         mod = _Matmuls(mod, dtype, dot_lanes if bf16 else None, tiles if bf16 and dot_lanes else None).run()
-        return _NormInputs(mod, dtype).run()
+        return _NormInputs(mod, dtype).run() if bf16 else mod  # (fp16's range would overflow where fp32's does not)
 
     return transform
 
@@ -182,8 +182,8 @@ class _Uses(relax.PyExprVisitor):
 
 @relax.expr_functor.mutator
 class _NormInputs(relax.PyExprMutator):
-    """A LayerNorm whose input is a 16-bit product's fp32 result that nothing else reads (a convolution
-    front end's: Wav2Vec2's seven, each GEMM → LayerNorm → GELU) reads it rounded to ``dtype``: the
+    """A LayerNorm whose input is a bf16 product's fp32 result that nothing else reads (a convolution
+    front end's: Wav2Vec2's seven, each GEMM → LayerNorm → GELU) reads it rounded to bf16: the
     product stores half the bytes and the norm reads half, its statistics still summed in fp32 (as
     OpenVINO's convolutions hand MVN bf16). A norm of a residual sum keeps fp32 (its input is an add)."""
 
