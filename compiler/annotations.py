@@ -1,6 +1,8 @@
 """The keys tvmattn writes into TVM's IR, and the attribute values it gives TVM's own keys, in one place:
 the builders that write them and the passes and rules that read them import them from here."""
 
+import re
+
 # ---- tvmattn's own ------------------------------------------------------------------------------------
 KEY_STAGE = "tvmattn.key_stage"  # block: a stage of the tensor expression that ranges over keys (tile skipping)
 PADDED_AXES = "tvmattn.padded_axes"  # block: iterators whose tail its inputs are padded for
@@ -21,6 +23,7 @@ STACK_TILES = "tvmattn.stack_tiles"  # function: local buffers (by name) to allo
 SPEC = "tvmattn.spec"  # function: a tuning workload's AttentionSpec (JSON), for the build workers
 
 # ---- TVM's keys, as tvmattn sets them ------------------------------------------------------------------
+TILE_FUNCTION = re.compile(r"(dyn_)?tile\d*")  # TOPI's tile, as TVM's ONNX importer names it (deduplicated)
 OP_PATTERN = "op_pattern"  # function: relax's OpPatternKind, which FuseOps reads
 INJECTIVE = 2  # kInjective: FuseOps fuses it into its consumers (a lookup in a small table)
 OUT_ELEMWISE_FUSABLE = 4  # kOutEWiseFusable: its elementwise consumers fuse into it (TOPI's LayerNorm)

@@ -10,7 +10,6 @@ instead of reading an (n, n_kv) mask.
 
 from __future__ import annotations
 
-import re
 from typing import Callable
 
 import numpy as np
@@ -18,6 +17,7 @@ import tvm
 from tvm import relax, tirx
 from tvm.ir.expr import Expr as PrimExpr
 
+from tvmattn.compiler.annotations import TILE_FUNCTION
 from tvmattn.compiler.onnx import run_checks
 from tvmattn.compiler.onnx.constant_masks import band
 from tvmattn.compiler.onnx.shape_ops import bounded_below
@@ -174,7 +174,6 @@ def _unit_axes(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None
     return None if inner is None else rule(expr.args[0], inner, var2val)
 
 
-_TILE = re.compile(r"(dyn_)?tile\d*")  # topi's, as TVM's importer calls it for ONNX Tile (its names deduplicated)
 
 
 def _call_tir(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
@@ -183,7 +182,7 @@ def _call_tir(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
     callee, args = expr.args[0], getattr(expr.args[1], "fields", [])
     data = args[0] if args else None
     into, out = (_dims(data) if data is not None else None), _dims(expr)
-    if not isinstance(callee, tvm.ir.GlobalVar) or not _TILE.fullmatch(callee.name_hint) or into is None \
+    if not isinstance(callee, tvm.ir.GlobalVar) or not TILE_FUNCTION.fullmatch(callee.name_hint) or into is None \
             or out is None or not len(into) == len(out) == len(index):
         return None
     analyzer = tvm.sym.Analyzer()  # (an axis the tile repeats once keeps its index: i < its size)

@@ -16,15 +16,12 @@ with Cᵀ transposed at import: the matmul reads one constant of (h, d, r) for e
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import tvm
 from tvm import relax
 
+from tvmattn.compiler.annotations import TILE_FUNCTION
 from tvmattn.schedules.ops.rewrite import rewrite_functions
-
-_TILE = re.compile(r"(dyn_)?tile\d*")  # topi's, as TVM's importer names it for ONNX Tile
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvmattn.ConstantTiles")
@@ -111,7 +108,7 @@ class _ConstantTiles(relax.PyExprMutator):
             value = self.cast[b]
             value = self.lookup_binding(value) if isinstance(value, relax.Var) else value
         if not isinstance(value, relax.Call) or getattr(value.op, "name", "") != "relax.call_tir" \
-                or not _TILE.fullmatch(getattr(value.args[0], "name_hint", "")):
+                or not TILE_FUNCTION.fullmatch(getattr(value.args[0], "name_hint", "")):
             return None
         args = value.args[1].fields
         if len(args) != 1 or not isinstance(args[0], tvm.ir.GenericConst):
