@@ -34,14 +34,16 @@ def constant_tiles(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
 
 
 def _without_dead_casts(func: relax.Function) -> relax.Function:
-    """``func`` after dead-code elimination, without the match_casts of values nothing reads whose
-    sizes (the symbolic sizes they define) nothing else uses: Relax's elimination keeps a match_cast, so
-    the tile, cast to the graph's sizes, and the run-time shape arithmetic behind its sizes stayed."""
+    """``func`` after dead-code elimination, without two kinds of match_cast nothing reads, which
+    Relax's elimination keeps: a tile's result cast to the graph's sizes (the tile is gone), and a
+    shape cast that only names new sizes nothing else uses (the run-time shape arithmetic behind the
+    tile's sizes). Any other match_cast (a check of sizes already known) stays."""
     while True:
         func = relax.transform.DeadCodeElimination()(tvm.IRModule({"f": func}))["f"]
         if not isinstance(func.body, relax.SeqExpr):
             return func
         bindings = [b for block in func.body.blocks for b in block.bindings]
+        values = {b.var: b.value for b in bindings if isinstance(b, relax.VarBinding)}
         used = {v for b in bindings for v in relax.analysis.used_vars(b.value)}
         used |= set(relax.analysis.used_vars(func.body.body))
         sizes = [set(relax.analysis.tir_vars_in_type(b.var.ty)) for b in bindings]
@@ -50,14 +52,21 @@ def _without_dead_casts(func: relax.Function) -> relax.Function:
         for i, b in enumerate(bindings):
             fresh = sizes[i] - known
             known |= sizes[i]
-            if isinstance(b, relax.MatchCast) and b.var not in used \
-                    and not any(fresh & later for later in sizes[i + 1:]):
+            if not isinstance(b, relax.MatchCast) or b.var in used or any(fresh & later for later in sizes[i + 1:]):
+                continue
+            tiled = values.get(b.value) if isinstance(b.value, relax.Var) else None
+            if _is_tile(tiled) or isinstance(b.var.ty, relax.ShapeType) and fresh == sizes[i]:
                 dead.add(b)
         if not dead:
             return func
         blocks = [type(block)([b for b in block.bindings if b not in dead]) for block in func.body.blocks]
         func = relax.Function(func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty, func.is_pure,
                               func.attrs)
+
+
+def _is_tile(value) -> bool:
+    return isinstance(value, relax.Call) and getattr(value.op, "name", "") == "relax.call_tir" \
+        and TILE_FUNCTION.fullmatch(getattr(value.args[0], "name_hint", "")) is not None
 
 
 @relax.expr_functor.mutator
@@ -107,8 +116,7 @@ class _ConstantTiles(relax.PyExprMutator):
         if value is None and b in self.cast:  # a match_cast of the tile's result to its shape in the graph's sizes
             value = self.cast[b]
             value = self.lookup_binding(value) if isinstance(value, relax.Var) else value
-        if not isinstance(value, relax.Call) or getattr(value.op, "name", "") != "relax.call_tir" \
-                or not TILE_FUNCTION.fullmatch(getattr(value.args[0], "name_hint", "")):
+        if not _is_tile(value):
             return None
         args = value.args[1].fields
         if len(args) != 1 or not isinstance(args[0], tvm.ir.GenericConst):
