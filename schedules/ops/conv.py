@@ -162,17 +162,16 @@ def _im2col_nwc(x: te.Tensor, kernel: int, stride: int, padding: int, dilation: 
     per_group = int(x.shape[2]) // groups
     rows = out_size if rows is None else rows
 
+    extra = rows is not out_size  # zero rows after OL
+
     def row(b, g, p, tap, c):
         q = p * stride + tap * dilation - padding
-        if rows is not out_size:
-            inside = tirx.all(p < out_size, q < x.shape[1]) if not padding else \
-                tirx.all(p < out_size, 0 <= q, q < x.shape[1])
-            return tirx.Select(inside, x[b, tirx.max(0, tirx.min(q, x.shape[1] - 1)), g * per_group + c],
-                               tirx.const(0, x.dtype))
-        if not padding:
+        inside = ([p < out_size] if extra else []) + ([0 <= q] if padding else []) + \
+            ([q < x.shape[1]] if extra or padding else [])
+        if not inside:
             return x[b, q, g * per_group + c]
-        inside = tirx.all(0 <= q, q < x.shape[1])  # the same for every channel: one test per vector
-        return tirx.Select(inside, x[b, tirx.max(0, tirx.min(q, x.shape[1] - 1)), g * per_group + c],
+        # the same for every channel: one test per vector, the load clamped into x
+        return tirx.Select(tirx.all(*inside), x[b, tirx.max(0, tirx.min(q, x.shape[1] - 1)), g * per_group + c],
                            tirx.const(0, x.dtype))
 
     if groups == 1:

@@ -21,7 +21,7 @@ from tvm import relax, te, topi
 from tvmattn.compiler.annotations import OP_PATTERN, OUT_ELEMWISE_FUSABLE
 from tvmattn.compiler.isa.record import Tiles
 from tvmattn.schedules.cpu.plan import MIN_PAIR_ROWS
-from tvmattn.schedules.ops.rewrite import rewrite_functions
+from tvmattn.schedules.ops.rewrite import readers, rewrite_functions
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -167,19 +167,6 @@ class _Matmuls(relax.PyExprMutator):
         return call
 
 
-@relax.expr_functor.visitor
-class _Uses(relax.PyExprVisitor):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count: collections.Counter = collections.Counter()
-
-    def visit_var_(self, var: relax.Var) -> None:
-        self.count[var] += 1
-
-    def visit_dataflow_var_(self, var: relax.DataflowVar) -> None:
-        self.count[var] += 1
-
-
 @relax.expr_functor.mutator
 class _NormInputs(relax.PyExprMutator):
     """A LayerNorm whose input is a bf16 product's fp32 result that nothing else reads (a convolution
@@ -194,9 +181,7 @@ class _NormInputs(relax.PyExprMutator):
     def run(self) -> tvm.IRModule:
         for func in self.mod_.functions.values():
             if isinstance(func, relax.Function):
-                counter = _Uses()
-                counter.visit_expr(func)
-                self.uses.update(counter.count)
+                self.uses.update(readers(func))
         return rewrite_functions(self, self.mod_)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:

@@ -1,7 +1,10 @@
-"""The Relax rewrites before legalisation (`conv`, `powers`, `precision`) run their mutator over every
-Relax function of a module the same way: this is that loop, once."""
+"""The Relax rewrites before legalisation (`conv`, `powers`, `precision`, `tiles`) run their mutator over
+every Relax function of a module the same way: this is that loop, once; and the count of a function's
+readers of each variable, which two of them ask."""
 
 from __future__ import annotations
+
+import collections
 
 import tvm
 from tvm import relax
@@ -13,3 +16,14 @@ def rewrite_functions(mutator: relax.PyExprMutator, mod: tvm.IRModule) -> tvm.IR
         if isinstance(func, relax.Function):
             mutator.builder_.update_func(gvar, mutator.visit_expr(func))
     return mutator.builder_.get()
+
+
+def readers(func: relax.Function) -> collections.Counter:
+    """Each variable of ``func`` → how many of its bindings (and its result) read it."""
+    count: collections.Counter = collections.Counter()
+    if isinstance(func.body, relax.SeqExpr):
+        for block in func.body.blocks:
+            for binding in block.bindings:
+                count.update(relax.analysis.used_vars(binding.value))
+        count.update(relax.analysis.used_vars(func.body.body))
+    return count

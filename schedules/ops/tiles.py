@@ -21,7 +21,7 @@ import tvm
 from tvm import relax
 
 from tvmattn.compiler.annotations import TILE_FUNCTION
-from tvmattn.schedules.ops.rewrite import rewrite_functions
+from tvmattn.schedules.ops.rewrite import readers, rewrite_functions
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvmattn.ConstantTiles")
@@ -44,8 +44,7 @@ def _without_dead_casts(func: relax.Function) -> relax.Function:
             return func
         bindings = [b for block in func.body.blocks for b in block.bindings]
         values = {b.var: b.value for b in bindings if isinstance(b, relax.VarBinding)}
-        used = {v for b in bindings for v in relax.analysis.used_vars(b.value)}
-        used |= set(relax.analysis.used_vars(func.body.body))
+        used = readers(func)
         sizes = [set(relax.analysis.tir_vars_in_type(b.var.ty)) for b in bindings]
         known = {v for p in func.params for v in relax.analysis.tir_vars_in_type(p.ty)}
         dead = set()
