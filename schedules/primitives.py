@@ -6,6 +6,7 @@ from __future__ import annotations
 import tvm
 from tvm.s_tir import Schedule
 
+from tvmattn.compiler.isa.intrinsics import registered
 from tvmattn.compiler.passes import KEY_BLOCKS
 from tvmattn.compiler.te_attention import KEY_STAGE
 from tvmattn.schedules.knobs import KnobValue
@@ -78,7 +79,7 @@ def tensorize(sch: Schedule, loop, intrinsic: str, key_blocks: str | None = None
     """Tensorize the loop nest from ``loop`` in with ``intrinsic``; ``key_blocks`` (`passes.KEY_BLOCKS`)
     says which of the new block's iterators are its queries and keys, for `skip_masked_key_tiles`."""
     outer = sch.blockize(loop)
-    sch.tensorize(outer, intrinsic)
+    sch.tensorize(outer, registered(intrinsic))
     if key_blocks is not None:
         sch.annotate(outer, KEY_STAGE, 1)
         sch.annotate(outer, KEY_BLOCKS, key_blocks)

@@ -222,6 +222,41 @@ def test_fork_children_use_kernels_and_models():
     assert "children ok" in out
 
 
+def test_first_kernels_of_a_process_compiled_from_threads():
+    """Tensor intrinsics are registered on first use (`isa.intrinsics`), not at import: in a fresh
+    process, four threads compile kernels at once, each the first to use some of them."""
+    out = run_child("""
+    import threading
+    from tvm.s_tir import TensorIntrin
+    import tvmattn
+    from tvmattn.compiler.isa import x86_amx, x86_bf16
+    from tvmattn.compiler.verify import check
+
+    assert all(TensorIntrin.get(name, allow_missing=True) is None for name in (x86_bf16.DOT_16x2, x86_amx.STORE))
+    SPECS = [tvmattn.AttentionSpec(batch=1, seq_len=n, num_heads=2, head_dim=d, dtype=dt, layout=layout,
+                                   projections=False)
+             for n, d, dt, layout in ((64, 64, "bfloat16", "BHSD"), (48, 32, "bfloat16", "BSHD"),
+                                      (40, 64, "float32", "BSHD"), ("n", 32, "bfloat16", "BHSD"))]
+    errors = []
+
+    def work(spec):
+        try:
+            result = check(tvmattn.compile(spec), {"n": 70} if spec.seq_len == "n" else None)
+            assert result.ok, result.line()
+        except BaseException as err:  # noqa: BLE001 (reported by the main thread)
+            errors.append(repr(err))
+
+    threads = [threading.Thread(target=work, args=(spec,)) for spec in SPECS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    print("threads ok")
+    """)
+    assert "threads ok" in out
+
+
 def test_spawn_children_build_their_own():
     out = run_child(_SETUP + """
     def kernel(i):

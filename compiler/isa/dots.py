@@ -25,9 +25,9 @@ from typing import Callable
 import tvm
 from tvm import tirx
 from tvm.ir.expr import Expr as PrimExpr
-from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
 
+from tvmattn.compiler.isa.intrinsics import deferred, registered
 from tvmattn.compiler.isa.panels import PAIR, pair_words
 from tvmattn.compiler.isa.record import Dot
 from tvmattn.compiler.te_attention import bf16_parts, bf16_truncated
@@ -39,8 +39,8 @@ def dot_record(instruction: str, lanes: int, name: str, dot_function: str, pairs
     """The `Dot` of an instruction on ``lanes`` fp32 lanes: its two tensor intrinsics registered as
     ``name`` and ``name``_pair_first; ``dot_function`` (acc, a, b as i32 words) and ``pairs_function``
     (two fp32 rows → pair words) defined in ``llvm``."""
-    TensorIntrin.register(name, *_dot(lanes, dot_function, pair_first=False))
-    TensorIntrin.register(f"{name}_pair_first", *_dot(lanes, dot_function, pair_first=True))
+    deferred(name, lambda: _dot(lanes, dot_function, pair_first=False))
+    deferred(f"{name}_pair_first", lambda: _dot(lanes, dot_function, pair_first=True))
     prefix = "tvmattn_pairs" if lanes == 16 else f"tvmattn_pairs{lanes}"  # (AVX512-BF16's names as tuned)
 
     def pairs(source: str, width: int, heads_between: bool = False, part: int | None = None) -> str:
@@ -87,9 +87,6 @@ def _dot(lanes: int, function: str, pair_first: bool) -> tuple[tirx.PrimFunc, ti
     return desc, impl
 
 
-_REGISTERED: set[str] = set()
-
-
 def pairs_intrinsic(prefix: str, lanes: int, function: str, source: str, width: int, heads_between: bool = False,
                     part: int | None = None) -> str:
     """The name of the tensor intrinsic (registered on first use) that packs rows t and t+1 of
@@ -100,11 +97,8 @@ def pairs_intrinsic(prefix: str, lanes: int, function: str, source: str, width: 
     (`te_attention.bf16_parts`): P's, or an fp16 W's."""
     name = (f"{prefix}_{width}x2_{source}{'_bshd' if heads_between else ''}"
             f"{'' if part is None else f'_part{part}'}")
-    if name not in _REGISTERED:
-        TensorIntrin.register(name, *(_pairs(lanes, function, source, width, heads_between, x, part)
-                                      for x in (False, True)))
-        _REGISTERED.add(name)
-    return name
+    return registered(name, lambda: tuple(_pairs(lanes, function, source, width, heads_between, x, part)
+                                          for x in (False, True)))
 
 
 def _pairs(lanes: int, function: str, source: str, width: int, heads_between: bool, implementation: bool,

@@ -10,22 +10,17 @@ it is a tree: log2(lanes) rounds that add a vector's upper half to its lower hal
 from __future__ import annotations
 
 from tvm import tirx
-from tvm.s_tir import SBlock, SBlockRealize, TensorIntrin
+from tvm.s_tir import SBlock, SBlockRealize
 from tvm.script import tirx as T
 
+from tvmattn.compiler.isa.intrinsics import registered
 from tvmattn.compiler.isa.panels import shuffle
-
-_REGISTERED: set[str] = set()
 
 
 def lane_sum_intrinsic(lanes: int) -> str:
     """The name of the tensor intrinsic (registered on first use) that adds the sum of ``lanes``
     contiguous fp32 values to one accumulator."""
-    name = f"tvmattn_lane_sum_{lanes}"
-    if name not in _REGISTERED:
-        TensorIntrin.register(name, *_lane_sum(lanes))
-        _REGISTERED.add(name)
-    return name
+    return registered(f"tvmattn_lane_sum_{lanes}", lambda: _lane_sum(lanes))
 
 
 def _lane_sum(lanes: int) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:

@@ -18,11 +18,12 @@ from __future__ import annotations
 import tvm
 from tvm import tirx
 from tvm.ir.expr import Expr as PrimExpr
-from tvm.s_tir import SBlock, SBlockRealize, TensorIntrin
+from tvm.s_tir import SBlock, SBlockRealize
 from tvm.script import tirx as T
 
+from tvmattn.compiler.isa.intrinsics import registered
+
 PAIR = 2  # 16-bit values per 32-bit word: the products a dot-product lane sums (`record.Dot.pair`)
-_REGISTERED: set[str] = set()
 
 
 def query_panel_intrinsic(source: str, lanes: int, pairs: bool, argument: bool, heads_between: bool) -> str:
@@ -35,10 +36,7 @@ def query_panel_intrinsic(source: str, lanes: int, pairs: bool, argument: bool, 
     argument = argument or not pairs  # (fp32 panels read values either way)
     name = (f"tvmattn_query_panel_{lanes}x{lanes}_{source}{'_pairs' if pairs else ''}"
             f"{'' if argument else '_own'}{'_bshd' if heads_between else ''}")
-    if name not in _REGISTERED:
-        TensorIntrin.register(name, *_query_panel(source, lanes, pairs, argument, heads_between))
-        _REGISTERED.add(name)
-    return name
+    return registered(name, lambda: _query_panel(source, lanes, pairs, argument, heads_between))
 
 
 def _query_panel(source: str, lanes: int, pairs: bool, argument: bool,

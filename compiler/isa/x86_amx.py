@@ -29,14 +29,16 @@ run oneDNN's AMX kernels too). `tile_configuration` (a pass) places both around 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import tvm
 import tvm_ffi
 from tvm import tirx
-from tvm.s_tir import SBlock, SBlockRealize, Schedule, TensorIntrin
+from tvm.s_tir import SBlock, SBlockRealize, Schedule
 from tvm.script import tirx as T
 
 from tvmattn.compiler.annotations import AMX_TILES
+from tvmattn.compiler.isa.intrinsics import deferred, registered
 from tvmattn.compiler.isa.panels import PAIR, pair_words, transposed
 from tvmattn.compiler.isa.record import Tiles
 from tvmattn.compiler.isa.x86_bf16 import AVX512_BF16, DOT_LLVM
@@ -139,26 +141,29 @@ def _block(func: tirx.PrimFunc, body: list) -> tirx.PrimFunc:
     return func.with_body(SBlockRealize([], True, block))
 
 
-def _register() -> None:
-    for gemm in (False, True):
-        @T.prim_func(s_tir=True)
-        def zero(c: T.handle) -> None:
-            C = T.match_buffer(c, (BLOCK, BLOCK), "float32", scope="local", offset_factor=1)
-            with T.sblock("root"):
-                T.reads()
-                T.writes(C[0:BLOCK, 0:BLOCK])
-                for m, n in T.grid(BLOCK, BLOCK):
-                    with T.sblock("zero"):  # (iterators in the block's order: see `dot_intrinsic`)
-                        if gemm:
-                            vm, vn = T.axis.remap("SS", [m, n])
-                            C[vm, vn] = T.float32(0)
-                        else:
-                            vn, vm = T.axis.remap("SS", [n, m])
-                            C[vm, vn] = T.float32(0)
+def _zero(gemm: bool) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    """`ZERO` (``gemm``: iterating as `dot_intrinsic`'s with ``gemm``)."""
+    @T.prim_func(s_tir=True)
+    def zero(c: T.handle) -> None:
+        C = T.match_buffer(c, (BLOCK, BLOCK), "float32", scope="local", offset_factor=1)
+        with T.sblock("root"):
+            T.reads()
+            T.writes(C[0:BLOCK, 0:BLOCK])
+            for m, n in T.grid(BLOCK, BLOCK):
+                with T.sblock("zero"):  # (iterators in the block's order: see `dot_intrinsic`)
+                    if gemm:
+                        vm, vn = T.axis.remap("SS", [m, n])
+                        C[vm, vn] = T.float32(0)
+                    else:
+                        vn, vm = T.axis.remap("SS", [n, m])
+                        C[vm, vn] = T.float32(0)
 
-        zeros = [_tile("tilezero", _id(2 * i + j)) for i, j in HALVES]
-        TensorIntrin.register(zero_intrinsic(gemm), zero, _block(zero, zeros))
+    zeros = [_tile("tilezero", _id(2 * i + j)) for i, j in HALVES]
+    return zero, _block(zero, zeros)
 
+
+def _store() -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
+    """`STORE`."""
     @T.prim_func(s_tir=True)
     def store(c: T.handle, d: T.handle) -> None:
         ldd = T.int32()
@@ -175,7 +180,7 @@ def _register() -> None:
     _, D = store.params
     stores = [_tile("tilestored64", _id(2 * i + j), _address(D, i * ROWS, j * ROWS),
                     _bytes(D.strides[0], F32_BYTES)) for i, j in HALVES]
-    TensorIntrin.register(STORE, store, _block(store, stores))
+    return store, _block(store, stores)
 
 
 def zero_intrinsic(gemm: bool = False) -> str:
@@ -197,8 +202,9 @@ def _load_pairs(b: tirx.Buffer) -> list:
 
 HALVES = [(i, j) for i in range(2) for j in range(2)]  # the accumulator's tiles: (row half, column half)
 PRODUCTS = [_tile("tdpbf16ps", _id(2 * i + j), _id(4 + i), _id(6 + j)) for i, j in HALVES]  # tmm(2i+j) += A_i·B_j
-_register()
-_REGISTERED: set[str] = set()
+for _gemm in (False, True):
+    deferred(zero_intrinsic(_gemm), functools.partial(_zero, _gemm))
+deferred(STORE, _store)
 
 
 def dot_intrinsic(heads_between: bool = False, gemm: bool = False, parts: bool = False) -> str:
@@ -209,8 +215,10 @@ def dot_intrinsic(heads_between: bool = False, gemm: bool = False, parts: bool =
     if parts:
         return parts_dot(gemm)
     name = DOT + ("_bshd" if heads_between else "") + ("_gemm" if gemm else "")
-    if name in _REGISTERED:
-        return name
+    return registered(name, functools.partial(_dot, heads_between, gemm))
+
+
+def _dot(heads_between: bool, gemm: bool) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
     shape = (BLOCK, 1, STEP) if heads_between else (BLOCK, STEP)
     row = (lambda m, k: [m, 0, k]) if heads_between else (lambda m, k: [m, k])  # noqa: E731
 
@@ -241,9 +249,7 @@ def dot_intrinsic(heads_between: bool = False, gemm: bool = False, parts: bool =
                             A[tuple(row(vm, vk))], "float32")
 
     A, B, _ = dot.params
-    TensorIntrin.register(name, dot, _block(dot, _load_rows(A, row) + _load_pairs(B) + PRODUCTS))
-    _REGISTERED.add(name)
-    return name
+    return dot, _block(dot, _load_rows(A, row) + _load_pairs(B) + PRODUCTS)
 
 
 def parts_dot(gemm: bool = False) -> str:
@@ -251,9 +257,10 @@ def parts_dot(gemm: bool = False) -> str:
     C += B_hi·A_hi + B_hi·A_lo + B_lo·A_hi (``gemm``: A_hi·B_hi + A_hi·B_lo + A_lo·B_hi, iterating as
     `dot_intrinsic`'s), three tile products per pair of tiles (10 tile loads and 12 products per step
     of 32, against 4 and 4), each part in a buffer of its own as `DOT`'s."""
-    name = DOT + "_parts" + ("_gemm" if gemm else "")
-    if name in _REGISTERED:
-        return name
+    return registered(DOT + "_parts" + ("_gemm" if gemm else ""), functools.partial(_parts_dot, gemm))
+
+
+def _parts_dot(gemm: bool) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
 
     @T.prim_func(s_tir=True)
     def dot(c: T.handle, a_hi: T.handle, a_lo: T.handle, b_hi: T.handle, b_lo: T.handle) -> None:
@@ -290,9 +297,7 @@ def parts_dot(gemm: bool = False) -> str:
     row = lambda m, k: [m, k]  # noqa: E731
     body = (_load_rows(A0, row) + _load_pairs(B0) + PRODUCTS + _load_rows(A1, row) + PRODUCTS
             + _load_rows(A0, row) + _load_pairs(B1) + PRODUCTS)  # hi·hi, then lo of A, then lo of B
-    TensorIntrin.register(name, dot, _block(dot, body))
-    _REGISTERED.add(name)
-    return name
+    return dot, _block(dot, body)
 
 
 def transposed_values_intrinsic(heads_between: bool = False) -> str:
@@ -303,8 +308,10 @@ def transposed_values_intrinsic(heads_between: bool = False) -> str:
     V[2p + 1, c]) of 16 columns, and their 16 × 16 transposition (`panels.transposed`) is Vᵀ: row
     c holds word p of every pair, keys 0 … 31 in order."""
     name = "tvmattn_amx_values_transposed_32x16" + ("_bshd" if heads_between else "")
-    if name in _REGISTERED:
-        return name
+    return registered(name, functools.partial(_transposed_values, heads_between))
+
+
+def _transposed_values(heads_between: bool) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
     shape = (STEP, 1, ROWS) if heads_between else (STEP, ROWS)
 
     @T.prim_func(s_tir=True)
@@ -331,9 +338,7 @@ def transposed_values_intrinsic(heads_between: bool = False) -> str:
     words = [pair_words(rows[2 * p], rows[2 * p + 1]) for p in range(STEP // PAIR)]
     stores = [dst.vstore([c, 0], tirx.reinterpret(f"bfloat16x{STEP}", column))
               for c, column in enumerate(transposed(words))]
-    TensorIntrin.register(name, desc, _block(desc, stores))
-    _REGISTERED.add(name)
-    return name
+    return desc, _block(desc, stores)
 
 
 # (the LLVM IR links the dot product's too: P's pairs are rounded by `x86_bf16`'s PAIRS_FUNCTION)
