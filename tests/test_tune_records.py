@@ -98,6 +98,17 @@ def test_append_after_a_truncated_line_starts_a_fresh_one(tmp_path):
     assert latencies == [1.0, 3.0]
 
 
+def test_a_log_read_again_after_it_changes(tmp_path):
+    """Compiles read the logs each time (from a cache while a file is unchanged): records appended since,
+    by this process or another tuner, count."""
+    path = write(tmp_path, record(latency=4.0))
+    assert [r.latency_us for r in read_dirs([tmp_path], KEY)] == [4.0]
+    append(path, [record(latency=2.0)])
+    assert [r.latency_us for r in read_dirs([tmp_path], KEY)] == [4.0, 2.0]
+    path.write_text(record(latency=3.0).to_json() + "\n")  # rewritten in place (a smaller file)
+    assert [r.latency_us for r in read_file(path)] == [3.0]
+
+
 def test_foreign_corrupt_and_binary_files_warn_by_name_and_are_skipped(tmp_path):
     write(tmp_path, record(latency=5.0))
     folder = tmp_path / KEY

@@ -18,6 +18,8 @@ or a choice removed) or the schedule fails, the record is stale: a warning, and 
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import os
 import warnings
@@ -126,8 +128,14 @@ def record_summary(record: Record) -> str:
 def _canonical(stored: dict) -> dict | None:
     """A stored spec with today's defaults filled in (records outlive new spec fields); None if it
     names a field that no longer exists or is no longer valid."""
+    return _canonical_of(json.dumps(stored, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=8192)
+def _canonical_of(stored: str) -> dict | None:
+    """`_canonical` of a stored spec's JSON text, once per process (every compile looks at every record)."""
     try:
-        return spec_key(AttentionSpec.from_dict(stored))
+        return spec_key(AttentionSpec.from_dict(json.loads(stored)))
     except (ValueError, TypeError):
         return None
 

@@ -162,8 +162,19 @@ def append(path: Path, records: Iterable[Record]) -> None:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+_READ: dict[tuple[str, int, int], list[Record]] = {}  # (path, mtime, size) → its records: every compile reads the logs
+
+
 def read_file(path: Path) -> list[Record]:
-    """The records of one file; a file with unusable lines gives one warning naming it."""
+    """The records of one file; a file with unusable lines gives one warning naming it (each time: a
+    clean file is read again only when it changes)."""
+    try:
+        stat = path.stat()
+        key = (str(path), stat.st_mtime_ns, stat.st_size)
+        if key in _READ:
+            return list(_READ[key])
+    except OSError:
+        key = None
     try:
         with open(path, "rb") as f:
             fcntl.flock(f, fcntl.LOCK_SH)  # never read a line a writer is half-way through
@@ -192,7 +203,9 @@ def read_file(path: Path) -> list[Record]:
         shown = ", ".join(map(str, bad[:5])) + (" …" if len(bad) > 5 else "")
         warnings.warn(f"tuning log {path}: {len(bad)} corrupt or truncated line(s) skipped (line {shown}); "
                       f"{len(records)} record(s) used", TuningLogWarning, stacklevel=2)
-    return records
+    elif key is not None:
+        _READ[key] = records
+    return list(records)
 
 
 def read_dirs(directories: Iterable[Path], target: str) -> list[Record]:
