@@ -147,12 +147,15 @@ def quadratic_buffers(spec: AttentionSpec, fallback: bool = False) -> list[str]:
 
 
 QUICK_CONFIGS = ("gpt2-core-fp16-causal", "decode-4k", "gpt2-small-layer", "bloom-alibi-fp16")  # -m slow: all
+# (ptxas takes 12-40 s over this one on 2 cores, 20x the others: its sm_90 build stays in the default run)
+SLOW_BUILDS = {("gpt2-core-fp16-causal", "sm_80")}
 
 
 @needs_nvcc
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in QUICK_CONFIGS else [pytest.mark.slow])
-                                  for n in CONFIGS])
+@pytest.mark.parametrize("name,arch", [
+    pytest.param(n, arch, id=f"{n}-{arch}",
+                 marks=[] if n in QUICK_CONFIGS and (n, arch) not in SLOW_BUILDS else [pytest.mark.slow])
+    for n in CONFIGS for arch in ARCHS])
 def test_default_kernels_compile_without_spills_within_shared_memory(name, arch):
     spec = CONFIGS[name]
     mod, target = scheduled(spec, arch)
