@@ -45,10 +45,11 @@ def test_verify_alibi(capsys):
     assert code == 0 and "PASS at n=19" in out and "alibi(signed)" in out
 
 
-def test_verify_all_presets(capsys):
-    for name in PRESETS:
-        code, out, _ = run(capsys, "verify", "--preset", name)
-        assert code == 0 and "PASS" in out, out
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[] if name in ("gpt2-small", "llama-gqa", "t5-cross")
+                                                 else [pytest.mark.slow]) for name in PRESETS])
+def test_verify_presets(capsys, name):  # (-m slow: every preset)
+    code, out, _ = run(capsys, "verify", "--preset", name)
+    assert code == 0 and "PASS" in out, out
 
 
 def test_explain(capsys):

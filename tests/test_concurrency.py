@@ -257,6 +257,7 @@ def test_first_kernels_of_a_process_compiled_from_threads():
     assert "threads ok" in out
 
 
+@pytest.mark.slow  # (12-28 s on 2 cores: each child imports and compiles anew; forks are in the default run)
 def test_spawn_children_build_their_own():
     out = run_child(_SETUP + """
     def kernel(i):
