@@ -9,6 +9,7 @@ that compile at once: a name registered twice is an error in TVM.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Callable
 
@@ -17,7 +18,7 @@ from tvm.s_tir import TensorIntrin
 
 Make = Callable[[], "tuple[tirx.PrimFunc, tirx.PrimFunc]"]  # () -> (description, implementation)
 
-_LOCK = threading.Lock()
+_LOCK = threading.Lock()  # a child's own (`_after_fork_in_child`): another thread may hold it as the parent forks
 _DEFERRED: dict[str, Make] = {}
 
 
@@ -35,3 +36,14 @@ def registered(name: str, make: Make | None = None) -> str:
         if make is not None and TensorIntrin.get(name, allow_missing=True) is None:
             TensorIntrin.register(name, *make())
     return name
+
+
+def _after_fork_in_child() -> None:
+    """Not held across the fork as `concurrency`'s locks are: taken inside them, it would deadlock
+    against a fork that holds it and waits for theirs."""
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
