@@ -261,7 +261,6 @@ def parts_dot(gemm: bool = False) -> str:
 
 
 def _parts_dot(gemm: bool) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
-
     @T.prim_func(s_tir=True)
     def dot(c: T.handle, a_hi: T.handle, a_lo: T.handle, b_hi: T.handle, b_lo: T.handle) -> None:
         lda, ldb = T.int32(), T.int32()

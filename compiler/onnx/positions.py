@@ -174,8 +174,6 @@ def _unit_axes(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None
     return None if inner is None else rule(expr.args[0], inner, var2val)
 
 
-
-
 def _call_tir(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
     """ONNX Tile, which TVM's importer writes as a call of topi's tile (dyn_tile where the repeats are
     known only at run time): each axis's element i is the input's element i mod its size."""

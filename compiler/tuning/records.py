@@ -162,7 +162,8 @@ def append(path: Path, records: Iterable[Record]) -> None:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-_READ: dict[tuple[str, int, int], list[Record]] = {}  # (path, mtime, size) → its records: every compile reads the logs
+# path → ((mtime, size), its records), the latest version read: every compile reads the logs
+_READ: dict[str, tuple[tuple[int, int], list[Record]]] = {}
 
 
 def read_file(path: Path) -> list[Record]:
@@ -170,11 +171,11 @@ def read_file(path: Path) -> list[Record]:
     clean file is read again only when it changes)."""
     try:
         stat = path.stat()
-        key = (str(path), stat.st_mtime_ns, stat.st_size)
-        if key in _READ:
-            return list(_READ[key])
+        version = (stat.st_mtime_ns, stat.st_size)
+        if _READ.get(str(path), (None,))[0] == version:
+            return list(_READ[str(path)][1])
     except OSError:
-        key = None
+        version = None
     try:
         with open(path, "rb") as f:
             fcntl.flock(f, fcntl.LOCK_SH)  # never read a line a writer is half-way through
@@ -203,8 +204,8 @@ def read_file(path: Path) -> list[Record]:
         shown = ", ".join(map(str, bad[:5])) + (" …" if len(bad) > 5 else "")
         warnings.warn(f"tuning log {path}: {len(bad)} corrupt or truncated line(s) skipped (line {shown}); "
                       f"{len(records)} record(s) used", TuningLogWarning, stacklevel=2)
-    elif key is not None:
-        _READ[key] = records
+    elif version is not None:
+        _READ[str(path)] = (version, records)
     return list(records)
 
 
