@@ -21,8 +21,11 @@ element_aligned_arguments
 interleave_tile_epilogues
                        A tile GEMM's epilogue of one accumulator block computed between the next block's
                        tile products, a slice a reduction step: the vector units and the tiles overlap.
-stack_tiles            The register tiles a pass names (`clamp_row_tails`) on the stack, not in TVM's
-                       workspace: LLVM then keeps them in registers.
+stack_tiles            The register tiles a pass names (`clamp_row_tails`, `register_tiles_on_stack`) on
+                       the stack, not in TVM's workspace: LLVM then keeps them in registers.
+register_tiles_on_stack
+                       Name every local buffer of a scheduled function (a bf16 GEMM's register tiles)
+                       for `stack_tiles`.
 one_parallel_launch    Start a statement list's consecutive parallel loops in one launch of TVM's thread
                        pool, a barrier between them (each launch wakes the pool's sleeping workers).
 polynomial_math        Replace fp32 ``exp``, ``sigmoid``, ``tanh``, ``erf`` and small integer powers by
@@ -37,14 +40,19 @@ keep_operands_16bit    Keep a kernel's own bf16 buffers 16 bits wide (TVM's lega
 
 By module: `key_tiles` (skip_masked_key_tiles, tighten_guarded_loops), `tails` (pad_query_tiles,
 clamp_row_tails, peel_key_tails, unclamp_whole_vectors), `launch` (element_aligned_arguments,
-one_parallel_launch, stack_tiles), `tile_epilogue` (interleave_tile_epilogues), `polynomials` (polynomial_math,
-vector_exp2), `storage16` (exact_widenings, keep_operands_16bit), and `ir`, the helpers they share. A schedule
-rule declares which of them its kernels need (`passes`).
+one_parallel_launch, stack_tiles, register_tiles_on_stack), `tile_epilogue` (interleave_tile_epilogues),
+`polynomials` (polynomial_math, vector_exp2), `storage16` (exact_widenings, keep_operands_16bit), and `ir`,
+the helpers they share. A schedule rule declares which of them its kernels need (`passes`).
 """
 
 from tvmattn.compiler.passes.ir import conjuncts, element_dtype, substitute, uses, visit_blocks
 from tvmattn.compiler.passes.key_tiles import GUARD_NAME, KEY_BLOCKS, skip_masked_key_tiles, tighten_guarded_loops
-from tvmattn.compiler.passes.launch import element_aligned_arguments, one_parallel_launch, stack_tiles
+from tvmattn.compiler.passes.launch import (
+    element_aligned_arguments,
+    one_parallel_launch,
+    register_tiles_on_stack,
+    stack_tiles,
+)
 from tvmattn.compiler.passes.narrow import narrow_bf16
 from tvmattn.compiler.passes.polynomials import (
     EXP2_COEFFICIENTS,
@@ -68,6 +76,6 @@ __all__ = [
     "EXP2_COEFFICIENTS", "EXP2_P", "EXP2_P_BF16", "GUARD_NAME", "KEEP_16BIT", "KEY_BLOCKS", "PADDED_AXES",
     "SMALL_POWER", "clamp_row_tails", "conjuncts", "element_aligned_arguments", "element_dtype", "exact_widenings",
     "interleave_tile_epilogues", "keep_operands_16bit", "narrow_bf16", "one_parallel_launch", "pad_query_tiles",
-    "peel_key_tails", "polynomial_math", "skip_masked_key_tiles", "stack_tiles", "substitute", "tighten_guarded_loops",
-    "unclamp_whole_vectors", "uses", "vector_exp2", "visit_blocks",
+    "peel_key_tails", "polynomial_math", "register_tiles_on_stack", "skip_masked_key_tiles", "stack_tiles",
+    "substitute", "tighten_guarded_loops", "unclamp_whole_vectors", "uses", "vector_exp2", "visit_blocks",
 ]
