@@ -40,7 +40,7 @@ def dot_specs(draw, symbolic: bool = False) -> AttentionSpec:
 
 
 @needs_bf16_dot
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(dot_specs())
 def test_bf16_dot_products_match_the_oracle(spec):
     kernel = compiled(spec, NO_AMX)

@@ -38,7 +38,7 @@ def bases():
     return onnx_fuzz.base_models()
 
 
-@settings(max_examples=16, deadline=None, derandomize=True,
+@settings(max_examples=10, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(base=st.sampled_from(sorted(onnx_fuzz.base_models())), kind=st.sampled_from(onnx_fuzz.MUTATIONS),
        seed=st.integers(0, 2**16))

@@ -194,7 +194,9 @@ def check(family: str, exporter: str) -> None:
         assert all(r.spec.attn_mask_dims == "bt" for r in imported.report.replacements if r.spec.attn_mask)
 
 
-@pytest.mark.parametrize("family, exporter", [("gpt2", "dynamo"), ("llama", "dynamo23"), ("bert", "ort")])
+# (-m slow: GPT-2's dynamo export too; test_onnx_kv_cache imports and runs it by default)
+@pytest.mark.parametrize("family, exporter", [pytest.param("gpt2", "dynamo", marks=pytest.mark.slow),
+                                              ("llama", "dynamo23"), ("bert", "ort")])
 def test_model_as_exported(family, exporter):
     check(family, exporter)
 
