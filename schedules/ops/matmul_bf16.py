@@ -80,12 +80,13 @@ class MatmulPairs(Matmul):
             return _on_tiles(sch, infos, at, weight, constant, isa, knobs, cores_of(target))
         tile = knobs["gemm_rows"] if isinstance(knobs["gemm_rows"], int) else defaults["gemm_rows"]
         epilogue = list(_chain(sch, [info.block_rv for info in infos[at + 1:]]))
+        static = isinstance(rows, tirx.IntImm)
+        ragged = not few and static and rows.value % tile > 0
         vecs = dot_columns(sch, int(width), lanes, knobs["gemm_vecs"]) // lanes
-        whole = None if few or not isinstance(rows, tirx.IntImm) else _whole_row_tile(
-            rows.value, tile, vecs, int(width) // lanes, isa.registers)
-        if whole is not None:
-            knobs = {**knobs, "gemm_rows": whole[0], "gemm_vecs": whole[1]}
-        padded = not few and whole is None
+        retiled = _whole_row_tile(rows.value, tile, vecs, int(width) // lanes, isa.registers) if ragged else None
+        if retiled is not None:
+            knobs = {**knobs, "gemm_rows": retiled[0], "gemm_vecs": retiled[1]}
+        padded = not few and (not static or ragged and retiled is None)
         if padded:  # symbolic rows, or static ones without the tile's rows as a divisor (ViT's 2·197)
             epilogue = _padded_epilogue(sch, block, len(stmt.iter_vars), lanes, PADDED_ROW_BLOCK, epilogue)
         pair = dot.pair
@@ -121,15 +122,20 @@ class GemvPairs(MatmulPairs):
 
 
 def _whole_row_tile(rows: int, tile: int, vecs: int, width: int, registers: int) -> tuple[int, int] | None:
-    """Rows of a register tile that divide a static row count: ``tile`` where it does, else the most
-    rows from 3 to 8 that do and whose accumulators (``vecs`` a row), the weight's vectors and the
-    broadcast fit the registers; None: the rows are padded to whole blocks. A CLIP's 50 tokens a
-    sequence padded to 64 spent 22 % of the GEMM on zero rows; 5-row tiles spend none."""
-    if rows % tile == 0:
-        return tile, vecs
+    """(rows, vectors) of a register tile for a static row count the knobs' ``tile`` (of ``vecs``
+    vectors) does not divide: the most accumulators from 3 to 8 rows that divide it, at most ``vecs``
+    vectors that divide the ``width`` (in vectors), the accumulators, the weight's vectors and the
+    broadcast within the ``registers``; None where the knobs' tile over rows padded to whole blocks
+    does more useful work (16 accumulators over a Wav2Vec2's 6399 rows padded to 6400, not 3 × 4; no
+    divisor at all: a ViT's 197). A CLIP's 50 tokens a sequence padded to 64 spent 22 % of the GEMM
+    on zero rows; 5-row tiles spend none."""
     fits = [(r * v, r, v) for r in range(3, 9) for v in range(1, vecs + 1)
             if rows % r == 0 and width % v == 0 and r * v + v + 1 <= registers]
-    return max(fits)[1:] if fits else None
+    if not fits:
+        return None
+    accumulators, r, v = max(fits)
+    padded = -(-rows // PADDED_ROW_BLOCK) * PADDED_ROW_BLOCK
+    return (r, v) if min(accumulators, tile * vecs) * padded > tile * vecs * rows else None
 
 
 def _bf16_operands(block) -> bool:
