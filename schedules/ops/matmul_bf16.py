@@ -8,16 +8,15 @@ x's reduction. The weight, a constant, is packed at compile time into one panel 
 contiguously rather than a row of pairs a whole output row apart; an activation B (DeBERTa's
 positional keys) is packed into pairs of its rows (c/2, m, 2) in the kernel, once a call. Neither
 instruction takes a tail predicate: static rows run in register tiles of rows that divide them
-(`_whole_row_tile`), symbolic ones, and static ones no such tile divides, in whole blocks of 16, on the
-tiles any rows in blocks of 32 (``pad_einsum``: x copied with zero rows past its end; each block of the
-product stores its real rows); the register tiles are on the stack (`passes.register_tiles_on_stack`);
-the reduction must be whole
-pairs and the width whole vectors. A decode step's few rows (static, under `MIN_PAIR_ROWS`; one row:
-`GemvPairs`, on `micro_kernels.gemv`'s column tiles) by a constant weight take the dot product too,
-unpadded, off the tiles: one pass over a weight packed at compile time, half the bytes of widening it
-to fp32 FMAs (gpt2-decode 1.42× → 1.56× our fp32). Elsewhere (a record without a dot product, odd
-sizes, an activation cast inside the function, an activation B of a few rows) the `matmul` rule
-widens the operands to fp32 FMAs.
+(`_whole_row_tile`, where those do more useful work than padding), symbolic ones and the other static
+ones in whole blocks of 16, on the tiles any rows in blocks of 32 (``pad_einsum``: x copied with zero
+rows past its end; each block of the product stores its real rows); the register tiles are on the stack
+(`passes.register_tiles_on_stack`); the reduction must be whole pairs and the width whole vectors. A
+decode step's few rows (static, under `MIN_PAIR_ROWS`; one row: `GemvPairs`, on `micro_kernels.gemv`'s
+column tiles) by a constant weight take the dot product too, unpadded, off the tiles: one pass over a
+weight packed at compile time, half the bytes of widening it to fp32 FMAs (gpt2-decode 1.42× → 1.56× our
+fp32). Elsewhere (a record without a dot product, odd sizes, an activation cast inside the function, an
+activation B of a few rows) the `matmul` rule widens the operands to fp32 FMAs.
 """
 
 from __future__ import annotations
