@@ -125,7 +125,7 @@ def _whole_row_tile(rows: int, tile: int, vecs: int, width: int, registers: int)
     vectors) does not divide: the most accumulators from 3 to 8 rows that divide it, at most ``vecs``
     vectors that divide the ``width`` (in vectors), the accumulators, the weight's vectors and the
     broadcast within the ``registers``; None where the knobs' tile over rows padded to whole blocks
-    does more useful work (16 accumulators over a Wav2Vec2's 6399 rows padded to 6400, not 3 × 4; no
+    does more useful work (8 × 2 over a Wav2Vec2's 6399 rows padded to 6400, not 3 × 2; no
     divisor at all: a ViT's 197). A CLIP's 50 tokens a sequence padded to 64 spent 22 % of the GEMM
     on zero rows; 5-row tiles spend none."""
     fits = [(r * v, r, v) for r in range(3, 9) for v in range(1, vecs + 1)
