@@ -38,6 +38,9 @@ def _attention_specs() -> dict[str, dict]:
             f"core-{t}-gqa-bshd": dict(batch=2, seq_len=128, num_heads=8, num_kv_heads=2, head_dim=64,
                                        layout="BSHD", **core),
             f"core-{t}-sym-causal": dict(batch="B", seq_len="n", num_heads=4, head_dim=64, causal=True, **core),
+            # (2 × 4 KV heads: a task per head on the corpus's 8 cores)
+            f"core-{t}-sym-gqa-heads": dict(batch=2, seq_len="n", num_heads=16, num_kv_heads=4, head_dim=64,
+                                            causal=True, **core),
             f"core-{t}-decode-splitk": dict(batch=1, seq_len=1, kv_seq_len=4096, num_heads=4, head_dim=128,
                                             causal=True, causal_align="bottom_right", **core),
             f"core-{t}-decode-padded": dict(batch=4, seq_len=1, kv_seq_len=600, num_heads=8, num_kv_heads=2,

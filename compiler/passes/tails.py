@@ -237,6 +237,10 @@ def peel_key_tails() -> tvm.transform.Pass:
             inner: list[For] = []
             realizes: list[SBlockRealize] = []
             tvm_ffi.structural_walk(node.body, [(For, inner.append), (SBlockRealize, realizes.append)])
+            if any(r.block.match_buffers for r in realizes):
+                # (a copy would share a tensorized block's match buffers, whose offsets TVM binds once:
+                # over the original's loop variables, not the copy's, which `ConvertSSA` renames)
+                return node
             relax = {lp.loop_var: IntervalSet(lp.min, lp.min + lp.extent - 1) for lp in inner}
             tests, cuts = [], []
             for realize in realizes:

@@ -112,13 +112,15 @@ def pack_mask(sch: Schedule, spec: AttentionSpec, task, q_tile: int, lanes: int,
         sch.annotate(tile, QUERY_AXIS, MASK_AXES.index("s"))
 
 
-def pack_pairs(sch: Schedule, spec: AttentionSpec, pair_loop, step: int | None = None, head=None) -> tuple[str, str]:
+def pack_pairs(sch: Schedule, spec: AttentionSpec, pair_loop, step: int | None = None, head=None,
+               lanes: int = 1) -> tuple[str, str]:
     """The operands of P·V as the bf16 dot product reads them: P rounded to bf16 (as FlashAttention
     rounds it for 16-bit inputs; the row sums keep fp32), per pair of keys as probs computes it
     (``pair_loop``), and V once: in a pass before the tasks (a copy per query tile would be a pass
     over V per tile; the price is a workspace the size of V), or ``head``, a head task's loop
     (`CpuPlan.per_head`), its head's rows in each task, kept in its cache for the head's tiles (no
-    pass of its own, no barrier). ``step``: V's keys in blocks of the tiles' reduction step (their Vᵀ).
+    pass of its own, no barrier; keys padded to whole blocks: V's padded rows, v_rows, copied there
+    too, in vectors of ``lanes``). ``step``: V's keys in blocks of the tiles' reduction step (their Vᵀ).
     Both with keys 2t, 2t+1 side by side: P (t/2, q_tile, 2), V (t/2, d_v, 2). Their copies' names, for
     `tensorize_pairs`."""
     pv = sch.get_sblock("pv")
@@ -145,6 +147,10 @@ def pack_pairs(sch: Schedule, spec: AttentionSpec, pair_loop, step: int | None =
     sch.transform_layout(v_panel, ("write", 0), v_layout, assume_injective_transform=True)
     if head is not None:
         sch.compute_at(v_panel, head, preserve_unit_loops=True)
+        if padded:  # (after the panel: moved first, its copy would sit in the task already, which compute_at refuses)
+            rows = sch.get_sblock("v_rows")
+            sch.compute_at(rows, head, preserve_unit_loops=True)
+            vectorize(sch, sch.get_loops(rows)[-1], spec.d_v, lanes)
     return p_name, sch.get(v_panel).name_hint
 
 

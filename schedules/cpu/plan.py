@@ -222,9 +222,9 @@ def _plan(spec: AttentionSpec, target: Target, given: Mapping[str, KnobValue] | 
     widen_k = widened and not qk_pairs
     widen_v = (widened and not pv_pairs and not half_keys and s_lanes > 1
                and not (isa.converts_v and spec.dtype == "float16"))
-    # V's pair panel packed in its head's task: not from a layer's v_proj, nor from keys padded to
-    # whole blocks (TVM 0.27 cannot bind the pairs' view of the clamped rows there)
-    v_pairs = pv_pairs and not on_tiles and not spec.projections and n_kv == spec.n_kv
+    # V's pair panel packed in its head's task (keys padded to whole blocks: from their padded rows,
+    # copied there too); not from a layer's v_proj
+    v_pairs = pv_pairs and not on_tiles and not spec.projections
     per_head = (widen_k or widen_v or v_pairs) and head_tasks
     return CpuPlan(spec, isa, cores, knobs, defaults, parts_core, padding, parts, projections, head_tasks, chunks,
                    q_tile, q_tile_is_knob, q_tile_read, qk_keys, qk_keys_is_knob,

@@ -123,7 +123,8 @@ def _attention_core(sch: Schedule, plan: CpuPlan, k: Mapping[str, KnobValue], la
     for name in PER_TILE[:1] + inner + PER_TILE[1:]:  # consumers first
         sch.compute_at(sch.get_sblock(name), task, preserve_unit_loops=True)
     if has_block(sch, "v_rows"):  # keys in whole blocks (`CpuPlan.padding`): P·V's panels are packed from them
-        in_blocks(sch, "v_rows", lanes, plan.pv_pairs)
+        if not plan.v_pairs:  # (else in the head's task, before V's panel: `pack_pairs`)
+            in_blocks(sch, "v_rows", lanes, plan.pv_pairs)
         in_blocks(sch, "k_rows", lanes, on_tiles)
     if parts:  # K's and V's parts, once before the tasks, in one pass
         before_tasks(sch, ("k_hi", "k_lo", "v_hi", "v_lo"), lanes)
@@ -150,7 +151,8 @@ def _attention_core(sch: Schedule, plan: CpuPlan, k: Mapping[str, KnobValue], la
     if plan.pv_pairs and parts:
         panels = pack_parts(sch, t, q_tile, isa.tiles.step)
     elif plan.pv_pairs:
-        panels = pack_pairs(sch, spec, t, isa.tiles.step if on_tiles else None, head if plan.v_pairs else None)
+        panels = pack_pairs(sch, spec, t, isa.tiles.step if on_tiles else None, head if plan.v_pairs else None,
+                            lanes)
     if plan.widen_v:
         widened_once(sch, "pv", ("v_rows", "v", "v_proj"), spec.d_v, lanes, at=head)
     if on_tiles:
