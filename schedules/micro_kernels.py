@@ -53,6 +53,18 @@ def gemm_defaults(d_in: int, lanes: int, bits: int, widths: tuple[int, ...] = ()
     return {**knobs, "gemm_vecs": vecs, "gemm_block_cols": cols}
 
 
+def whole_row_tile(rows: int, vecs: int, width: int, registers: int) -> tuple[int, int] | None:
+    """(rows, vectors) of a dot-product register tile for a static row count: the most accumulators
+    from 3 to 8 rows that divide ``rows``, at most ``vecs`` vectors that divide the ``width`` (in
+    vectors), the accumulators, the weight's vectors and the broadcast within the ``registers``;
+    None where no such count divides it (a ViT's 197). The instruction takes no tail predicate, so a
+    count the knobs' rows do not divide otherwise runs padded, or on a smaller divisor's tile (CLIP's
+    50 tokens: 2 rows of 4 vectors, where 5 rows give 20 accumulators)."""
+    fits = [(r * v, r, v) for r in range(3, 9) for v in range(1, vecs + 1)
+            if rows % r == 0 and width % v == 0 and r * v + v + 1 <= registers]
+    return max(fits)[1:] if fits else None
+
+
 def dot_columns(sch: Schedule, width: int, lanes: int, vecs: KnobValue) -> int:
     """Columns of a dot-product GEMM's register tile: the most whole vectors, up to ``vecs``, that divide
     the width (the instruction takes no tail predicate: every tile is whole)."""

@@ -55,6 +55,8 @@ def _attention_specs() -> dict[str, dict]:
             f"layer-{t}-cross-gqa": dict(batch=2, seq_len=48, kv_seq_len=80, num_heads=4, num_kv_heads=2,
                                          head_dim=32, d_model=128),
             f"layer-{t}-sym": dict(batch=1, seq_len="n", num_heads=2, head_dim=32, d_model=64, causal=True),
+            # (77 rows a sequence: bf16's projections in register tiles of 7 rows on the dot products)
+            f"layer-{t}-ragged": dict(batch=2, seq_len=77, num_heads=3, head_dim=64, d_model=192),
             f"layer-{t}-decode": dict(batch=1, seq_len=1, kv_seq_len=256, num_heads=4, head_dim=64, d_model=256),
         }
         out |= {name: kw | {"dtype": dtype} for name, kw in specs.items()}

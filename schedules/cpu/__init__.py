@@ -130,6 +130,9 @@ def describe(plan: CpuPlan, knobs: Mapping[str, KnobValue]) -> str:
         if on_tiles:
             parts = " (fp16 as bf16 hi + lo)" if spec.dtype == "float16" else ""
             what += f", {_listed(on_tiles)} on {isa.tiles.name} tiles{parts}"
+        for tile in dict.fromkeys(p.row_tile for p in plan.projections if p.row_tile):  # (`plan._row_tile`)
+            names = [p.weight.upper() for p in plan.projections if p.row_tile == tile]
+            what += f", {_listed(names)} in register tiles of {tile[0]} rows (a divisor of theirs) × {tile[1]} vectors"
     if dots:
         what += f", {_listed(dots)} on bf16 dot products ({isa.dot.instruction})"
     return f"{what}: " + " ".join(f"{name}={knobs[name]}" for name in used)

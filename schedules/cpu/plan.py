@@ -7,7 +7,8 @@ plan and decide nothing themselves. A decision is made here, in order, from the 
     fp16_parts           an fp16 core on bf16 tile products as two bf16 parts per operand
     padding              the block symbolic (or, on the tiles, ragged) lengths run in
     projections          each projection's path: tiles, bf16 pairs, widened 16-bit, fp32 FMAs;
-                         its rows padded, its W copied into register-tile panels
+                         its rows padded, its W copied into register-tile panels; (after the
+                         knobs) its dot products' register tile over ragged static rows
     head_tasks           parallel tasks of whole (batch, KV head) pairs
     defaults             the knobs' defaults for this spec and CPU
     key_chunks           split-K decode: keys in parallel chunks (1: the query-tile kernel)
@@ -24,7 +25,7 @@ widths that would put its spec on the tiles, or on the bf16 dot products where t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 import tvm
@@ -35,7 +36,7 @@ from tvmattn.compiler.isa.record import Isa
 from tvmattn.compiler.spec import AttentionSpec, Dim
 from tvmattn.compiler.target import cores_of, isa_of
 from tvmattn.schedules.knobs import Knob, KnobValue, resolve
-from tvmattn.schedules.micro_kernels import GEMM_KNOBS, gemm_defaults
+from tvmattn.schedules.micro_kernels import GEMM_KNOBS, gemm_defaults, whole_row_tile
 from tvmattn.schedules.primitives import at_most, divisor_at_most, lanes_for
 
 KNOBS = (
@@ -75,6 +76,8 @@ class Projection:
     parts: bool  # fp16 on the tiles as two bf16 parts (x's and W's)
     padded: bool  # rows computed in whole blocks (symbolic ones; ragged ones on the tiles)
     panels: bool  # W read from a copy in panels of the register tile's columns (fp32 FMAs)
+    # (rows, vectors) of the dot products' register tile where the knobs' rows do not divide static rows
+    row_tile: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,7 @@ def _plan(spec: AttentionSpec, target: Target, given: Mapping[str, KnobValue] | 
     head_tasks = (spec.batch if isinstance(spec.batch, int) else 1) * spec.h_kv % cores == 0
     defaults = _defaults(spec, isa, cores, parts_core, padding)
     knobs = resolve(KNOBS, {**defaults, **(given or {})})
+    projections = tuple(_row_tile(spec, isa, p, knobs) for p in projections)
     chunks = divisor_at_most(spec.n_kv, knobs["key_chunks"]) if _few_tasks_of_one_query(spec, isa, cores) else 1
 
     n_q, n_kv = whole(spec.n_q, padding), whole(spec.n_kv, padding)
@@ -349,6 +353,22 @@ def _projection(spec: AttentionSpec, isa: Isa, name: str, weight: str) -> Projec
     padded = not isinstance(length, int) or (tiles and length % isa.tiles.block > 0)
     panels = isa.registers < 32 and not (isinstance(rows, int) and rows < MIN_PANEL_ROWS)
     return Projection(name, weight, path, tiles and spec.dtype == "float16", padded, panels)
+
+
+def _row_tile(spec: AttentionSpec, isa: Isa, projection: Projection, knobs: Mapping[str, int]) -> Projection:
+    """``projection`` with `whole_row_tile`'s register tile where it is on the bf16 dot products over
+    static rows (a sequence's: tiles stay inside one) that the knobs' rows do not divide, and that tile
+    has more accumulators than the largest divisor up to the knobs' rows would (CLIP's 50 or 77 tokens:
+    5 or 7 rows, not 2 or 1)."""
+    rows = spec.n_kv if projection.name in ("k_proj", "v_proj") else spec.n_q
+    if projection.path != "pairs" or not isinstance(rows, int) or rows % knobs["gemm_rows"] == 0:
+        return projection
+    width = gemm_widths(spec)[list(PROJECTIONS).index(projection.name)] // isa.lanes
+    vecs = divisor_at_most(width, knobs["gemm_vecs"])  # (`dot_columns`)
+    tile = whole_row_tile(rows, vecs, width, isa.registers)
+    if tile is None or tile[0] * tile[1] <= divisor_at_most(rows, knobs["gemm_rows"]) * vecs:
+        return projection
+    return replace(projection, row_tile=tile)
 
 
 def _defaults(spec: AttentionSpec, isa: Isa, cores: int, parts: bool, padding: int = 1) -> dict[str, int]:

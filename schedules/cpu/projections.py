@@ -59,6 +59,8 @@ def _gemm(sch: Schedule, plan: CpuPlan, projection: Projection, k: Mapping[str, 
     on_tiles = projection.path == "tiles"
     pairs = projection.path in ("tiles", "pairs")
     parts = projection.parts  # (x's parts and W's are stages of their own)
+    if projection.row_tile is not None:  # (the panels below are of its columns)
+        k = {**k, "gemm_rows": projection.row_tile[0], "gemm_vecs": projection.row_tile[1]}
     if projection.padded:
         _pad_rows(sch, blk, lanes, cast=acc_name != name, block=isa.tiles.block if on_tiles else PADDED_ROW_BLOCK,
                   widen=projection.path == "widened")

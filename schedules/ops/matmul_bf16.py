@@ -8,9 +8,9 @@ x's reduction. The weight, a constant, is packed at compile time into one panel 
 contiguously rather than a row of pairs a whole output row apart; an activation B (DeBERTa's
 positional keys) is packed into pairs of its rows (c/2, m, 2) in the kernel, once a call. Neither
 instruction takes a tail predicate: static rows run in register tiles of rows that divide them
-(`_whole_row_tile`, where those do more useful work than padding), symbolic ones and the other static
-ones in whole blocks of 16, on the tiles any rows in blocks of 32 (``pad_einsum``: x copied with zero
-rows past its end; each block of the product stores its real rows); the register tiles are on the stack
+(`micro_kernels.whole_row_tile`, where those do more useful work than padding), symbolic ones and the
+other static ones in whole blocks of 16, on the tiles any rows in blocks of 32 (``pad_einsum``: x copied
+with zero rows past its end; each block of the product stores its real rows); the register tiles are on the stack
 (`passes.register_tiles_on_stack`); the reduction must be whole pairs and the width whole vectors. A
 decode step's few rows (static, under `MIN_PAIR_ROWS`; one row: `GemvPairs`, on `micro_kernels.gemv`'s
 column tiles) by a constant weight take the dot product too, unpadded, off the tiles: one pass over a
@@ -35,7 +35,7 @@ from tvmattn.schedules.cpu.packing import in_pairs, weight_panels
 from tvmattn.schedules.cpu.plan import MIN_PAIR_ROWS
 from tvmattn.schedules.cpu.tiles import tile_gemm
 from tvmattn.schedules.knobs import resolve
-from tvmattn.schedules.micro_kernels import PADDED_ROW_BLOCK, dot_columns, gemv
+from tvmattn.schedules.micro_kernels import PADDED_ROW_BLOCK, dot_columns, gemv, whole_row_tile
 from tvmattn.schedules.ops.injective import spatial
 from tvmattn.schedules.ops.matmul import CONSTANT_PARAMS, KNOBS, Matmul, _chain
 from tvmattn.schedules.primitives import same_domain, vectorize
@@ -121,20 +121,15 @@ class GemvPairs(MatmulPairs):
 
 
 def _whole_row_tile(rows: int, tile: int, vecs: int, width: int, registers: int) -> tuple[int, int] | None:
-    """(rows, vectors) of a register tile for a static row count the knobs' ``tile`` (of ``vecs``
-    vectors) does not divide: the most accumulators from 3 to 8 rows that divide it, at most ``vecs``
-    vectors that divide the ``width`` (in vectors), the accumulators, the weight's vectors and the
-    broadcast within the ``registers``; None where the knobs' tile over rows padded to whole blocks
-    does more useful work (8 × 2 over a Wav2Vec2's 6399 rows padded to 6400, not 3 × 2; no
-    divisor at all: a ViT's 197). A CLIP's 50 tokens a sequence padded to 64 spent 22 % of the GEMM
-    on zero rows; 5-row tiles spend none."""
-    fits = [(r * v, r, v) for r in range(3, 9) for v in range(1, vecs + 1)
-            if rows % r == 0 and width % v == 0 and r * v + v + 1 <= registers]
-    if not fits:
+    """`whole_row_tile` for a static row count the knobs' ``tile`` (of ``vecs`` vectors) does not
+    divide, where it does more useful work than the knobs' tile over rows padded to whole blocks
+    (8 × 2 over a Wav2Vec2's 6399 rows padded to 6400, not 3 × 2). A CLIP's 50 tokens a sequence
+    padded to 64 spent 22 % of the GEMM on zero rows; 5-row tiles spend none."""
+    found = whole_row_tile(rows, vecs, width, registers)
+    if found is None:
         return None
-    accumulators, r, v = max(fits)
     padded = -(-rows // PADDED_ROW_BLOCK) * PADDED_ROW_BLOCK
-    return (r, v) if min(accumulators, tile * vecs) * padded > tile * vecs * rows else None
+    return found if min(found[0] * found[1], tile * vecs) * padded > tile * vecs * rows else None
 
 
 def _bf16_operands(block) -> bool:
