@@ -255,6 +255,17 @@ def _opt(width: int, heads: int) -> dict[str, Any]:
                 eos_token_id=0, pad_token_id=1)
 
 
+def _gpt_bigcode(width: int, heads: int) -> dict[str, Any]:
+    return dict(n_embd=width, n_head=heads, n_layer=LAYERS, vocab_size=VOCAB, n_positions=MAX_POSITIONS,
+                multi_query=True, bos_token_id=0, eos_token_id=0)
+
+
+def _marian(width: int, heads: int) -> dict[str, Any]:
+    return dict(d_model=width, encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_layers=LAYERS,
+                decoder_layers=LAYERS, encoder_ffn_dim=4 * width, decoder_ffn_dim=4 * width, vocab_size=VOCAB,
+                max_position_embeddings=MAX_POSITIONS, pad_token_id=0, decoder_start_token_id=0)
+
+
 def _distilbert(width: int, heads: int) -> dict[str, Any]:
     return dict(dim=width, n_heads=heads, n_layers=LAYERS, hidden_dim=4 * width, vocab_size=VOCAB, pad_token_id=0)
 
@@ -304,6 +315,10 @@ MODELS: list[ZooModel] = [
     M("deberta-v2", "DeBERTa-v2", "torchscript", ENCODER, 384, 6,
       _encoder("DebertaV2Config", relative_attention=True, position_buckets=256, pos_att_type=["p2c", "c2p"],
                position_biased_input=False, max_relative_positions=-1)),
+    M("albert", "ALBERT", "torchscript", ENCODER, 256, 4, _encoder("AlbertConfig", embedding_size=128)),
+    M("xlm-roberta", "XLM-R", "torchscript", ENCODER, 384, 6,
+      _encoder("XLMRobertaConfig", max_position_embeddings=MAX_POSITIONS + 2, pad_token_id=1)),
+    M("mpnet", "MPNet", "torchscript", ENCODER, 256, 4, _encoder("MPNetConfig")),
     # decoders: the prefill, logits of every position
     M("gpt2", "GPT-2", "dynamo", PREFILL, 768, 12, _causal("GPT2Config", _gpt2), _TS_CAUSAL),
     M("llama", "Llama", "torchscript", PREFILL, 512, 8, _causal("LlamaConfig", mask=True, num_key_value_heads=2)),
@@ -325,6 +340,11 @@ MODELS: list[ZooModel] = [
     M("falcon", "Falcon", "dynamo", PREFILL, 256, 4, _causal("FalconConfig"), _TS_CAUSAL),  # multi-query
     M("bloom", "BLOOM", "dynamo", PREFILL, 256, 4, _causal("BloomConfig", _bloom), _TS_CAUSAL),  # ALiBi
     M("opt", "OPT", "torchscript", PREFILL, 512, 8, _causal("OPTConfig", _opt)),
+    M("gpt-bigcode", "GPTBigCode", "dynamo", PREFILL, 256, 4, _causal("GPTBigCodeConfig", _gpt_bigcode),
+      _TS_CAUSAL),  # multi-query
+    M("gemma", "Gemma", "dynamo", PREFILL, 256, 4, _causal("GemmaConfig", num_key_value_heads=1, head_dim=64),
+      _TS_CAUSAL),
+    M("granite", "Granite", "dynamo", PREFILL, 256, 4, _causal("GraniteConfig", num_key_value_heads=2), _TS_CAUSAL),
     # decode steps: one token against a cache (batch 1)
     M("gpt2-decode", "GPT-2", "torchscript", DECODE, 768, 12, _causal("GPT2Config", _gpt2)),
     M("qwen3-decode", "Qwen3", "dynamo", DECODE, 256, 4,
@@ -334,11 +354,14 @@ MODELS: list[ZooModel] = [
     # encoder-decoders: encoder and decoder tokens of the same length
     M("t5", "T5", "torchscript", SEQ2SEQ, 256, 4, _seq2seq("T5Config", _t5)),
     M("bart", "BART", "dynamo", SEQ2SEQ, 256, 4, _seq2seq("BartConfig", _bart)),
+    M("marian", "Marian", "dynamo", SEQ2SEQ, 256, 4, _seq2seq("MarianConfig", _marian)),
     # vision: 224² images
     M("vit-ort", "ViT", "ort-torchscript", VISION, 384, 6, _pixels("ViTConfig", 16), ort_type="vit"),
     M("clip-vision", "CLIP", "dynamo", VISION, 256, 4, _pixels("CLIPVisionConfig", 32)),
     M("siglip-vision", "SigLIP", "torchscript", VISION, 768, 12,
       _pixels("SiglipVisionConfig", 16)),
+    M("deit", "DeiT", "torchscript", VISION, 384, 6, _pixels("DeiTConfig", 16)),
+    M("beit", "BEiT", "torchscript", VISION, 384, 6, _pixels("BeitConfig", 16, use_relative_position_bias=True)),
     # audio: a convolution front end
     M("whisper-encoder", "Whisper", "torchscript", AUDIO, 384, 6,
       Recipe("AutoModel", "WhisperConfig", _whisper, ("input_features",), "last_hidden_state", part="get_encoder",
