@@ -112,8 +112,8 @@ def pack_mask(sch: Schedule, spec: AttentionSpec, task, q_tile: int, lanes: int,
         sch.annotate(tile, QUERY_AXIS, MASK_AXES.index("s"))
 
 
-def pack_pairs(sch: Schedule, spec: AttentionSpec, pair_loop, step: int | None = None, head=None,
-               lanes: int = 1) -> tuple[str, str]:
+def pack_pairs(sch: Schedule, spec: AttentionSpec, pair_loop, step: int | None = None, head=None, *,
+               lanes: int) -> tuple[str, str]:
     """The operands of P·V as the bf16 dot product reads them: P rounded to bf16 (as FlashAttention
     rounds it for 16-bit inputs; the row sums keep fp32), per pair of keys as probs computes it
     (``pair_loop``), and V once: in a pass before the tasks (a copy per query tile would be a pass

@@ -152,7 +152,7 @@ def _attention_core(sch: Schedule, plan: CpuPlan, k: Mapping[str, KnobValue], la
         panels = pack_parts(sch, t, q_tile, isa.tiles.step)
     elif plan.pv_pairs:
         panels = pack_pairs(sch, spec, t, isa.tiles.step if on_tiles else None, head if plan.v_pairs else None,
-                            lanes)
+                            lanes=lanes)
     if plan.widen_v:
         widened_once(sch, "pv", ("v_rows", "v", "v_proj"), spec.d_v, lanes, at=head)
     if on_tiles:
