@@ -39,19 +39,21 @@ _CREATE_VIEW = tvm.get_global_func("runtime.TVMTensorCreateView")
 _BFLOAT16 = tvm_ffi.dtype("bfloat16")
 _UINT16 = tvm_ffi.dtype("uint16")
 _NUMPY_BF16 = numpy_dtype("bfloat16")
+_NUMPY_U16 = np.dtype(np.uint16)
 
 
 def host_tensor(arr: np.ndarray) -> tvm.runtime.Tensor:
     """A TVM tensor on ``arr``'s memory (no copy); ``arr`` must be C-contiguous and element-aligned."""
     if arr.dtype == _NUMPY_BF16:  # DLPack in NumPy has no bfloat16: cross as uint16, view back
-        return _CREATE_VIEW(tvm_ffi.from_dlpack(arr.view(np.uint16)), arr.shape, _BFLOAT16, 0)
+        return _CREATE_VIEW(tvm_ffi.from_dlpack(arr.view(_NUMPY_U16)), arr.shape, _BFLOAT16, 0)
     return tvm_ffi.from_dlpack(arr)
 
 
-def host_array(tensor: tvm.runtime.Tensor) -> np.ndarray:
+def host_array(tensor: tvm.runtime.Tensor, bf16: bool | None = None) -> np.ndarray:
     """A CPU ``tensor`` as NumPy without a copy (`host_tensor`'s inverse: bfloat16 crosses as uint16);
-    the array keeps the tensor's memory alive."""
-    if tensor.dtype == _BFLOAT16:
+    the array keeps the tensor's memory alive. ``bf16``: whether it is bfloat16, where the caller knows
+    (reading the tensor's dtype costs more than the rest)."""
+    if tensor.dtype == _BFLOAT16 if bf16 is None else bf16:
         return np.from_dlpack(_CREATE_VIEW(tensor, tensor.shape, _UINT16, 0)).view(_NUMPY_BF16)
     return np.from_dlpack(tensor)
 

@@ -32,9 +32,9 @@ from tvmattn.compiler import concurrency
 from tvmattn.compiler.build import compile_model
 from tvmattn.compiler.cross import emulate
 from tvmattn.compiler.errors import TvmAttnError, first_line, tvm_reason
-from tvmattn.compiler.kernel import host_argument, host_array, host_tensor, numpy_dtype
+from tvmattn.compiler.kernel import host_tensor, numpy_dtype
 from tvmattn.compiler.logs import tvm_logs_to_logging
-from tvmattn.compiler.onnx import cache16, graph, patterns, registry
+from tvmattn.compiler.onnx import cache16, calling, graph, patterns, registry
 from tvmattn.compiler.onnx.converters import Node
 from tvmattn.compiler.onnx.kernels import Kernels, Replacement
 from tvmattn.compiler.onnx.profile import Profile, profile
@@ -142,6 +142,7 @@ class ImportedModel:
     inputs: list[GraphInput]
     output_names: list[str]
     report: ImportReport
+    output_dtypes: tuple[str, ...]  # as the compiled function returns them (a 16-bit KV cache's present_*)
 
     @property
     def device(self) -> tvm.runtime.Device:
@@ -160,34 +161,38 @@ class ImportedModel:
 
     def run(self, feed: Mapping[str, Any]) -> list[np.ndarray]:
         """The graph's outputs, in order, for the inputs in ``feed`` (name → array)."""
+        how = self._calling
         args = self._arguments(feed)
-        if is_foreign(self.target):
+        if how.foreign:
             return self._emulated(args)
-        on_cpu, aliases = self._calling
         # CPU: the arrays cross without a copy (a decode step's KV cache is megabytes; the functions take
         # arrays at any element offset, `passes.element_aligned_arguments`)
-        tensors = [host_tensor(a) for a in args] if on_cpu else [tvm.runtime.tensor(a, self.device) for a in args]
+        tensors = [host_tensor(a) for a in args] if how.on_cpu else \
+            [tvm.runtime.tensor(a, self.device) for a in args]
         main = self._mains.take()  # a VM keeps per-call state: one per concurrent run (`concurrency`)
         try:
-            out = concurrency.run_on_tvm_pool(main, *tensors) if on_cpu else main(*tensors)
+            out = concurrency.run_on_tvm_pool(main, *tensors) if how.on_cpu else main(*tensors)
         except Exception as err:  # a check the model makes at run time: say which, without TVM's traceback
-            raise TvmAttnError(_run_failure(err, args)) from None
+            raise TvmAttnError(calling.run_failure(err, args)) from None
         finally:
             self._mains.give_back(main)
-        outs = [out] if isinstance(out, tvm.runtime.Tensor) else list(out)
-        if not on_cpu:
+        outs = calling.outputs(out)
+        if not how.on_cpu:
             return [o.numpy() for o in outs]
-        return [args[i] if i is not None and o.data_ptr() == args[i].ctypes.data else _host_view(o, args)
-                for o, i in zip(outs, aliases)]  # an in-place output: its input
+        return calling.host_outputs(outs, how, args, tensors)
 
     @functools.cached_property
-    def _calling(self) -> tuple[bool, list[int | None]]:
-        """What every `run` reads, decided once (a one-token step is ~0.2 ms, a Python line a µs): whether
-        the arrays cross without a copy (the CPU), and the input each output is written into in place."""
-        on_cpu = self.device.dlpack_device_type() == tvm.cpu().dlpack_device_type()
+    def _calling(self) -> calling.Calling:
+        """What every `run` reads (`calling`), decided once."""
+        foreign = is_foreign(self.target)
+        on_cpu = not foreign and self.target.kind.name != "cuda"  # (`device`'s choice)
         names = [i.name for i in self.inputs]
         into = [self.report.in_place.get(name) for name in self.output_names]
-        return on_cpu, [names.index(i) if i in names else None for i in into]
+        return calling.Calling(
+            foreign, on_cpu,
+            tuple(calling.expected(i.name, numpy_dtype(i.dtype), i.dtype, i.shape) for i in self.inputs),
+            tuple(names.index(i) if i in names else None for i in into),
+            tuple(dtype == "bfloat16" for dtype in self.output_dtypes))
 
     def _emulated(self, args: list[np.ndarray]) -> list[np.ndarray]:
         """Another CPU's model: its library run by TVM's runtime for that CPU under qemu-user (slowly; said once)."""
@@ -219,48 +224,8 @@ class ImportedModel:
         """The ``main`` of a VM each over the one executable (its weights are read in place, not copied)."""
         return concurrency.Pool(lambda: relax.VirtualMachine(self.executable, self.device)["main"])
 
-    @functools.cached_property
-    def _expected(self) -> list[tuple[GraphInput, np.dtype]]:
-        return [(spec, numpy_dtype(spec.dtype)) for spec in self.inputs]
-
-    @functools.cached_property
-    def _names(self) -> set[str]:
-        return {spec.name for spec in self.inputs}
-
     def _arguments(self, feed: Mapping[str, Any]) -> list[np.ndarray]:
-        if not isinstance(feed, Mapping):
-            raise TvmAttnError(f"run takes a mapping of input name → array, not {type(feed).__name__}: "
-                               f"run({{{', '.join(repr(i.name) + ': …' for i in self.inputs)}}})")
-        unknown = sorted(set(feed) - self._names)
-        if unknown:
-            raise TvmAttnError(f"unknown input {unknown[0]!r}: the model's inputs are "
-                               f"{', '.join(i.name for i in self.inputs)}")
-        sizes: dict[str, int] = {}
-        args = []
-        for spec, want in self._expected:
-            if spec.name not in feed:
-                raise TvmAttnError(f"missing input {spec.name!r} ({spec.dtype}, shape {_pretty(spec.shape)})")
-            try:
-                arr = np.asarray(feed[spec.name])
-            except (TypeError, ValueError) as err:
-                raise TvmAttnError(f"input {spec.name!r} is not an array ({err})") from None
-            if arr.dtype != want:  # as ONNX Runtime: a silent cast would hide a caller's mistake
-                raise TvmAttnError(f"input {spec.name!r} is {arr.dtype}; the model takes {spec.dtype}: pass "
-                                   f"it as .astype(np.{want.name})")
-            if len(arr.shape) != len(spec.shape) or any(
-                    w is not None and (w != g if isinstance(w, int) else sizes.setdefault(w, g) != g)
-                    for g, w in zip(arr.shape, spec.shape)):
-                raise TvmAttnError(f"input {spec.name!r} has shape {arr.shape}; the model takes "
-                                   f"{_pretty(spec.shape)}" + (f" with {sizes}" if sizes else ""))
-            if 0 in arr.shape:
-                raise TvmAttnError(f"input {spec.name!r} has an empty dimension, shape {arr.shape}: every size "
-                                   f"must be at least 1")
-            try:
-                args.append(host_argument(arr))
-            except MemoryError:  # a broadcast view whose copy does not fit
-                raise TvmAttnError(f"input {spec.name!r} of shape {arr.shape} needs {_gib(arr.nbytes)} as a "
-                                   f"contiguous array, more than this machine can allocate") from None
-        return args
+        return calling.arguments(self._calling.inputs, feed)
 
 
 def import_onnx(model: Any, target: Any = "cpu", *, arch: str | None = None, mcpu: str | None = None,
@@ -311,7 +276,8 @@ def _import(model: Any, target: Any, arch: str | None, shapes: Mapping[str, Sequ
                           scheduler.rule_of if scheduler else {}, scheduler.tuned_functions if scheduler else [],
                           (scheduler.work if scheduler else {}) | work, dtype, c.cache, cache_dtype,
                           dict(c.kernels.in_place))
-    return ImportedModel(tgt, executable, graph_inputs(c.proto), [o.name for o in c.proto.graph.output], report)
+    return ImportedModel(tgt, executable, graph_inputs(c.proto), [o.name for o in c.proto.graph.output], report,
+                         _output_dtypes(c.mod["main"].ret_ty))
 
 
 def relax_module(model: Any, target: Target, shapes: Mapping[str, Sequence[int | str]] | None = None) -> tvm.IRModule:
@@ -449,16 +415,9 @@ def load(model: Any) -> graph.Checked:
     return graph.load(model, registry.CONTRIB_IN_ONNX_DOMAIN)
 
 
-def _host_view(out: tvm.runtime.Tensor, inputs: list[np.ndarray]) -> np.ndarray:
-    """A CPU output as NumPy without a copy (an LM head's logits at n = 1024 are 206 MB: 28 ms to copy);
-    the array keeps the VM's buffer alive (bfloat16 too: a 16-bit KV cache's present_* outputs). Dtypes
-    DLPack cannot give NumPy are copied, and so is an output on an input's memory (an Identity, a Reshape
-    of one), as ONNX Runtime's never is."""
-    try:
-        view = host_array(out)
-    except (BufferError, TypeError, ValueError, RuntimeError):
-        return out.numpy()
-    return view.copy() if any(np.may_share_memory(view, a) for a in inputs) else view
+def _output_dtypes(ret: Any) -> tuple[str, ...]:
+    """The dtype of each output of a Relax function returning ``ret`` (one tensor or a tuple of them)."""
+    return tuple(str(f.dtype) for f in (ret.fields if isinstance(ret, tvm.ir.TupleType) else [ret]))
 
 
 def _binding_hint(message: str, inputs: list[GraphInput]) -> str:
@@ -468,7 +427,8 @@ def _binding_hint(message: str, inputs: list[GraphInput]) -> str:
         return ""
     first = symbolic[0]
     sizes = [d if isinstance(d, int) else 1 for d in first.shape]
-    return (f"; bind the model's dynamic sizes (inputs {', '.join(f'{i.name} {_pretty(i.shape)}' for i in symbolic)}):"
+    named = ', '.join(f'{i.name} {calling.pretty(i.shape)}' for i in symbolic)
+    return (f"; bind the model's dynamic sizes (inputs {named}):"
             f" import_onnx(model, shapes={{{first.name!r}: {tuple(sizes)}}}) or tvmattn import --shape "
             f"{first.name}={'x'.join(map(str, sizes))}")
 
@@ -491,19 +451,3 @@ def _dtype_name(elem_type: int) -> str:
     return str(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)))
 
 
-def _pretty(shape: tuple) -> str:
-    return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"
-
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.3g} GiB"
-
-
-def _run_failure(err: Exception, args: list[np.ndarray]) -> str:
-    """What a failed run says to the user: the model's own check (an index out of range, a size that
-    does not fit), or for an allocation failure how much memory the inputs alone hold."""
-    text = str(err).strip()
-    if "bad_alloc" in text or isinstance(err, MemoryError):
-        return (f"the model ran out of memory (its inputs alone hold {_gib(sum(a.nbytes for a in args))}): "
-                f"use smaller inputs or a machine with more memory")
-    return f"the model rejected its inputs: {tvm_reason(err)}"
