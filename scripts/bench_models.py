@@ -1,8 +1,9 @@
-"""The README's end-to-end table: every model of the zoo (`models/zoo.py`: 32 exports of 28
+"""The README's end-to-end table: every model of the zoo (`models/zoo.py`: 41 exports of 37
 transformer families by three exporters, random weights, 2 layers) imported once with symbolic shapes
 (with ``--static``, once per shape with its sizes bound, as OpenVINO compiles it), checked against ONNX
-Runtime, and timed against ONNX Runtime and OpenVINO fp32 at each shape (`tvmattn bench model.onnx`'s
-measurement: one process, interleaved rounds, every core).
+Runtime, and timed against ONNX Runtime and OpenVINO (at the matmuls' precision, compiled at each shape;
+for a symbolic import also compiled from the model's dynamic sizes) at each shape (`tvmattn bench
+model.onnx`'s measurement: one process, interleaved rounds, every core).
 
     python scripts/bench_models.py [--models gpt2,encoder,…] [--budget 2] [--shapes all|first|2x128,…]
                                    [--json out.json] [--tune 16] [--dtype bf16] [--static]
@@ -36,8 +37,8 @@ from tvmattn.models import zoo  # noqa: E402
 
 FLAG = {None: 1e-3, "bf16": 5e-2, "bfloat16": 5e-2, "fp16": 1e-2, "float16": 1e-2}  # error flagged above, per dtype
 FIXED_SIZE = (zoo.VISION, zoo.AUDIO)  # kinds whose n is the model's own (image side, audio length)
-HEADER = ["model", "family", "exporter", "shape", "tvmattn ms", "ORT ms", "× ORT", "OpenVINO ms", "× OV", "error",
-          "import s", "softmax on kernels", *CLASSES]
+HEADER = ["model", "family", "exporter", "shape", "tvmattn ms", "ORT ms", "× ORT", "OpenVINO ms", "× OV",
+          "OV dynamic ms", "× OV dynamic", "error", "import s", "softmax on kernels", *CLASSES]
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Row:
     tvmattn_ms: float | None = None
     ort_ms: float | None = None
     ov_ms: float | None = None
+    ov_dynamic_ms: float | None = None  # OpenVINO from the model's dynamic sizes: a symbolic import's peer
     error: float | None = None  # max over the outputs of the error relative to ONNX Runtime's scale
     import_s: float | None = None
     export_s: float | None = None  # None: read from the cache
@@ -60,6 +62,7 @@ class Row:
     by_class: dict[str, float] = field(default_factory=dict)
     ort_note: str = ""
     ov_note: str = ""
+    ov_dynamic_note: str = ""
     failure: str = ""  # what failed (export, import, run), with the error's first line
     tuned_ms: float | None = None
     fp32_ms: float | None = None  # the fp32 import, where the row runs in 16 bits (``--dtype``)
@@ -79,7 +82,8 @@ class Row:
         error = "—" if self.error is None else f"{self.error:.1e}" + (" ⚠" if self.error > FLAG[self.dtype] else "")
         total = sum(self.by_class.values()) or 1.0
         cells += [_num(self.tvmattn_ms), _num(self.ort_ms), _num(self.speedup(self.ort_ms)), _num(self.ov_ms),
-                  _num(self.speedup(self.ov_ms)), error, _num(self.import_s, 1), self.on_kernels]
+                  _num(self.speedup(self.ov_ms)), _num(self.ov_dynamic_ms), _num(self.speedup(self.ov_dynamic_ms)),
+                  error, _num(self.import_s, 1), self.on_kernels]
         cells += [f"{100 * self.by_class.get(c, 0) / total:.0f} %" for c in CLASSES]
         if self.fp32_ms is not None:
             cells += [_num(self.fp32_ms), _num(self.speedup(self.fp32_ms))]
@@ -165,6 +169,7 @@ def bench_one(m: zoo.ZooModel, shapes: tuple[tuple[int, int], ...], budget: floa
         r.tvmattn_ms, r.ort_ms, r.ov_ms, r.by_class = b.tvmattn_ms, b.ort_ms, b.ov_ms, b.by_class
         r.fp32_ms = b.baseline_ms
         r.ort_note, r.ov_note = b.ort_note, b.ov_note
+        r.ov_dynamic_ms, r.ov_dynamic_note = b.ov_dynamic_ms, b.ov_dynamic_note
     if tune:
         _tuned(m, proto, rows, budget, tune)
     return rows
@@ -206,6 +211,7 @@ def geomeans(rows: list[Row]) -> dict[str, dict[str, float | int | None]]:
         if chosen:
             out[kind] = {"rows": len(chosen), "x_ort": _geomean([r.speedup(r.ort_ms) for r in chosen]),
                          "x_ov": _geomean([r.speedup(r.ov_ms) for r in chosen]),
+                         "x_ov_dynamic": _geomean([r.speedup(r.ov_dynamic_ms) for r in chosen]),
                          "x_fp32": _geomean([r.speedup(r.fp32_ms) for r in chosen])}
     return out
 
@@ -239,12 +245,15 @@ def main() -> None:
             print(r.markdown(bool(args.tune)), flush=True)
             rows.append(r)
     means = geomeans(rows)
-    print("\n| kinds | rows | × ORT (geomean) | × OV (geomean) | × our fp32 (geomean) |\n|---|---|---|---|---|")
+    print("\n| kinds | rows | × ORT (geomean) | × OV (geomean) | × OV dynamic (geomean) | × our fp32 (geomean) |\n"
+          "|---|---|---|---|---|---|")
     for kind, g in means.items():
-        print(f"| {kind} | {g['rows']} | {_num(g['x_ort'])} | {_num(g['x_ov'])} | {_num(g['x_fp32'])} |")
+        print(f"| {kind} | {g['rows']} | {_num(g['x_ort'])} | {_num(g['x_ov'])} | {_num(g['x_ov_dynamic'])} "
+              f"| {_num(g['x_fp32'])} |")
     print()
     peers = [(r, name, ms, note) for r in rows if not r.failure
-             for name, ms, note in (("ONNX Runtime", r.ort_ms, r.ort_note), ("OpenVINO", r.ov_ms, r.ov_note))]
+             for name, ms, note in (("ONNX Runtime", r.ort_ms, r.ort_note), ("OpenVINO", r.ov_ms, r.ov_note),
+                                    ("OpenVINO (dynamic)", r.ov_dynamic_ms, r.ov_dynamic_note)) if note]
     for note in sorted({note for _, _, ms, note in peers if ms}):  # each peer's version and settings
         print(f"- {note}")
     for r, name, _, note in (p for p in peers if not p[2]):  # a peer that did not run a row, and why

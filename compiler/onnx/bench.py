@@ -5,8 +5,10 @@ Fairness as in the kernel bench (`tvmattn.compiler.bench`): every implementation
 up first, and runs in interleaved rounds (the median of each is reported); ONNX Runtime's idle workers
 do not spin, TVM's yield for ~160 µs and then sleep (tvmattn's default), and OpenVINO's TBB workers,
 which have no such switch, get a short pause before each turn to go idle. OpenVINO compiles the model
-reshaped to the inputs' shapes (static: how it runs a shape fastest) at fp32 inference precision (it
-would pick bf16 on a CPU that has it). A peer that is not installed or cannot load or run the model is
+reshaped to the inputs' shapes (static: how it runs a shape fastest) at the precision of tvmattn's matmuls
+(fp32 unless the import asked for 16 bits; it would pick bf16 on a CPU that has it); where tvmattn's
+import kept sizes symbolic, OpenVINO also runs as compiled from the model's own dynamic dimensions, the
+same-mode peer (both serve every length). A peer that is not installed or cannot load or run the model is
 reported as such, not an error. The classes come from what computes each function: a tvmattn attention
 kernel, or the schedule rule that took it (`schedules.ops`): matmul (matmul, gemv), norm (reduction),
 elementwise (injective), other (fallback, and the VM's own work: allocation, shapes).
@@ -35,7 +37,7 @@ CLASSES = ("attention", "matmul", "norm", "elementwise", "other")
 RULE_CLASS = {"matmul": "matmul", "matmul-bf16": "matmul", "gemv": "matmul", "gemv-bf16": "matmul",
               "dlight-gemv": "matmul", "reduction": "norm", "reduce": "norm", "injective": "elementwise"}
 OV_PRECISION = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # tvmattn's matmuls → OpenVINO's hint
-PEER_NAMES = {"onnxruntime": "ONNX Runtime", "openvino": "OpenVINO"}
+PEER_NAMES = {"onnxruntime": "ONNX Runtime", "openvino": "OpenVINO", "openvino dynamic": "OpenVINO (dynamic)"}
 
 
 @dataclass
@@ -49,6 +51,8 @@ class ModelBench:
     ov_ms: float | None = None
     ov_note: str = ""
     baseline_ms: float | None = None  # the model imported in fp32, where ``tvmattn`` ran it in 16 bits
+    ov_dynamic_ms: float | None = None  # OpenVINO compiled with the model's dynamic sizes (a symbolic import's peer)
+    ov_dynamic_note: str = ""
 
     def ratio(self, peer_ms: float | None) -> float | None:
         """The peer's time over tvmattn's (above 1: tvmattn is faster)."""
@@ -57,12 +61,14 @@ class ModelBench:
     def table(self) -> str:
         lines = [f"{self.model} at {self.shapes}: {cpu_cores()} threads"]
         peers = [("onnxruntime", self.ort_ms, self.ort_note), ("openvino", self.ov_ms, self.ov_note)]
+        if self.ov_dynamic_note:
+            peers.append(("openvino dynamic", self.ov_dynamic_ms, self.ov_dynamic_note))
         ratios = ", ".join(f"{self.ratio(ms):.2f}× {PEER_NAMES[name]}" for name, ms, _ in peers if ms)
-        lines.append(f"  tvmattn       {self.tvmattn_ms:9.2f} ms" + (f"  → tvmattn {ratios}" if ratios else ""))
+        lines.append(f"  {'tvmattn':<17} {self.tvmattn_ms:9.2f} ms" + (f"  → tvmattn {ratios}" if ratios else ""))
         if self.baseline_ms:
-            lines.append(f"  tvmattn fp32  {self.baseline_ms:9.2f} ms  ({self.baseline_ms / self.tvmattn_ms:.2f}× "
+            lines.append(f"  {'tvmattn fp32':<17} {self.baseline_ms:9.2f} ms  ({self.baseline_ms / self.tvmattn_ms:.2f}× "
                          f"in 16 bits)")
-        lines += [f"  {name:<13} {ms:9.2f} ms  ({note})" if ms else f"  {name:<13} not run: {note}"
+        lines += [f"  {name:<17} {ms:9.2f} ms  ({note})" if ms else f"  {name:<17} not run: {note}"
                   for name, ms, note in peers]
         total = sum(self.by_class.values()) or 1.0
         lines.append("  tvmattn by operator class (its profile):")
@@ -74,7 +80,8 @@ def bench_model(model: onnx.ModelProto, imported: ImportedModel, feed: dict[str,
                 budget_s: float = 2.0, name: str = "model", baseline: ImportedModel | None = None) -> ModelBench:
     """Time ``imported``, ONNX Runtime and OpenVINO (at the precision of ``imported``'s matmuls) on
     ``feed`` in interleaved rounds for about ``budget_s`` each; and ``baseline`` (the same model
-    imported in fp32) where given."""
+    imported in fp32) where given. OpenVINO compiles at ``feed``'s shapes, and, where ``imported`` kept a
+    size symbolic, from the model's dynamic ones too."""
     shapes = ", ".join(f"{k} {'×'.join(map(str, v.shape))}" for k, v in feed.items())
     ours = imported.declared(feed)  # (a 16-bit KV cache: its arrays converted once, outside the timing)
     runs = {"tvmattn": lambda: imported.run(ours)}
@@ -82,14 +89,18 @@ def bench_model(model: onnx.ModelProto, imported: ImportedModel, feed: dict[str,
         runs["tvmattn fp32"] = lambda: baseline.run(feed)
     notes = {}
     precision = OV_PRECISION.get(imported.report.dtype or "float32", "f32")  # OpenVINO's for the same matmuls
-    for peer, make in (("onnxruntime", _ort_run), ("openvino", functools.partial(openvino_run, precision=precision))):
+    peers = [("onnxruntime", _ort_run), ("openvino", functools.partial(openvino_run, precision=precision))]
+    if any(not isinstance(d, int) for i in imported.inputs for d in i.shape):
+        peers.append(("openvino dynamic", functools.partial(openvino_run, precision=precision, static=False)))
+    for peer, make in peers:
         run, notes[peer] = _try_peer(make, model, feed)
         if run is not None:
             runs[peer] = run
     times = interleaved(runs, budget_s, rounds=ROUNDS, pause_s=PAUSE_S)
     ms = {peer: statistics.median(t) * 1e3 for peer, t in times.items()}
     return ModelBench(name, shapes, ms["tvmattn"], ms.get("onnxruntime"), notes["onnxruntime"],
-                      by_class(imported, ours), ms.get("openvino"), notes["openvino"], ms.get("tvmattn fp32"))
+                      by_class(imported, ours), ms.get("openvino"), notes["openvino"], ms.get("tvmattn fp32"),
+                      ms.get("openvino dynamic"), notes.get("openvino dynamic", ""))
 
 
 def _try_peer(make: Callable, model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> tuple[Callable | None, str]:
@@ -115,18 +126,23 @@ def _ort_run(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> tuple[Calla
     return (lambda: session.run(None, feed)), f"onnxruntime {ort.__version__}, default graph optimisations"
 
 
-def openvino_run(model: onnx.ModelProto, feed: dict[str, np.ndarray], precision: str = "f32") -> tuple[Callable, str]:
+def openvino_run(model: onnx.ModelProto, feed: dict[str, np.ndarray], precision: str = "f32",
+                 static: bool = True) -> tuple[Callable, str]:
+    """OpenVINO on ``model`` at ``precision``, compiled at ``feed``'s shapes (``static``) or from the
+    model's own dimensions, dynamic where it leaves them so."""
     import openvino as ov
 
     core = ov.Core()
     ov_model = core.read_model(model.SerializeToString())
-    ov_model.reshape({name: list(a.shape) for name, a in feed.items()})
+    if static:
+        ov_model.reshape({name: list(a.shape) for name, a in feed.items()})
     compiled = core.compile_model(ov_model, "CPU", {"INFERENCE_NUM_THREADS": cpu_cores(), "PERFORMANCE_HINT": "LATENCY",
                                                     "INFERENCE_PRECISION_HINT": precision})
     request = compiled.create_infer_request()
     hint = compiled.get_property("INFERENCE_PRECISION_HINT")  # what the CPU plugin took (f32 without bf16)
     actual = hint.get_type_name() if hasattr(hint, "get_type_name") else str(hint)
-    note = f"openvino {ov.__version__.split('-')[0]}, {actual} inference precision, compiled at these shapes"
+    shapes = "compiled at these shapes" if static else "compiled with the model's dynamic sizes"
+    note = f"openvino {ov.__version__.split('-')[0]}, {actual} inference precision, {shapes}"
     return (lambda: request.infer(feed, share_inputs=True)), note
 
 
