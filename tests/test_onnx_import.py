@@ -445,6 +445,16 @@ def test_inputs_cross_without_a_copy_and_no_output_is_an_input():
         assert not any(np.shares_memory(o, feed) for o in outs)
 
 
+
+def test_a_shape_output_comes_back_as_onnx_runtime_gives_it():
+    """A graph output written by Shape (TVM keeps it a shape value, not a tensor) is an int64 array."""
+    model = _model([oh.make_node("Shape", ["x"], ["s"]), oh.make_node("Relu", ["x"], ["r"])],
+                   [("x", TP.FLOAT, ["n", 3])], [("s", TP.INT64, [2]), ("r", TP.FLOAT, ["n", 3])])
+    x = np.random.default_rng(4).standard_normal((5, 3)).astype(np.float32)
+    got, want = tvmattn.import_onnx(model).run({"x": x}), ort_run(model, {"x": x})
+    assert [g.dtype for g in got] == [w.dtype for w in want]
+    assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
 # ---- CUDA: built here; run only where a GPU is ------------------------------------------------------------
 def test_cuda_build_uses_the_kernel():
     imported = tvmattn.import_onnx(BUILDERS["gpt2"](), "cuda")

@@ -66,8 +66,8 @@ class ModelBench:
         ratios = ", ".join(f"{self.ratio(ms):.2f}× {PEER_NAMES[name]}" for name, ms, _ in peers if ms)
         lines.append(f"  {'tvmattn':<17} {self.tvmattn_ms:9.2f} ms" + (f"  → tvmattn {ratios}" if ratios else ""))
         if self.baseline_ms:
-            lines.append(f"  {'tvmattn fp32':<17} {self.baseline_ms:9.2f} ms  ({self.baseline_ms / self.tvmattn_ms:.2f}× "
-                         f"in 16 bits)")
+            speedup = self.baseline_ms / self.tvmattn_ms
+            lines.append(f"  {'tvmattn fp32':<17} {self.baseline_ms:9.2f} ms  ({speedup:.2f}× in 16 bits)")
         lines += [f"  {name:<17} {ms:9.2f} ms  ({note})" if ms else f"  {name:<17} not run: {note}"
                   for name, ms, note in peers]
         total = sum(self.by_class.values()) or 1.0

@@ -91,12 +91,15 @@ def arguments(inputs: Sequence[Expected], feed: Mapping[str, Any]) -> list[np.nd
     return args
 
 
-def outputs(out: Any) -> list[tvm.runtime.Tensor]:
-    """The VM's result (one tensor, or a tuple of them) as a list."""
-    return [out] if isinstance(out, tvm.runtime.Tensor) else [_ITEM(out, i) for i in range(len(out))]
+def outputs(out: Any) -> list[tvm.runtime.Tensor | np.ndarray]:
+    """The VM's result (one tensor, or a tuple of them) as a list; an output that is a shape (a graph
+    output written by ONNX Shape, which TVM keeps a shape value) as NumPy int64, as ONNX declares it."""
+    outs = [out] if isinstance(out, tvm.runtime.Tensor) else [_ITEM(out, i) for i in range(len(out))]
+    return [o if isinstance(o, tvm.runtime.Tensor) else np.asarray(tuple(o) if isinstance(o, tvm.runtime.ShapeTuple)
+                                                                   else o, np.int64) for o in outs]
 
 
-def host_outputs(outs: list[tvm.runtime.Tensor], calling: Calling, args: list[np.ndarray],
+def host_outputs(outs: list[tvm.runtime.Tensor | np.ndarray], calling: Calling, args: list[np.ndarray],
                  tensors: list[tvm.runtime.Tensor]) -> list[np.ndarray]:
     """CPU outputs as NumPy without a copy (an LM head's logits at n = 1024 are 206 MB: 28 ms to copy),
     each array keeping the VM's buffer alive; an in-place output is its input's array. An output on an
@@ -105,6 +108,9 @@ def host_outputs(outs: list[tvm.runtime.Tensor], calling: Calling, args: list[np
     spans = list(zip(starts, [start + a.nbytes for start, a in zip(starts, args)]))
     result = []
     for out, into, bf16 in zip(outs, calling.into, calling.bf16):
+        if isinstance(out, np.ndarray):  # (`outputs`: a shape)
+            result.append(out)
+            continue
         start = out.data_ptr()
         if into is not None and start == starts[into]:
             result.append(args[into])

@@ -178,7 +178,7 @@ class ImportedModel:
             self._mains.give_back(main)
         outs = calling.outputs(out)
         if not how.on_cpu:
-            return [o.numpy() for o in outs]
+            return [o if isinstance(o, np.ndarray) else o.numpy() for o in outs]
         return calling.host_outputs(outs, how, args, tensors)
 
     @functools.cached_property
@@ -416,8 +416,9 @@ def load(model: Any) -> graph.Checked:
 
 
 def _output_dtypes(ret: Any) -> tuple[str, ...]:
-    """The dtype of each output of a Relax function returning ``ret`` (one tensor or a tuple of them)."""
-    return tuple(str(f.dtype) for f in (ret.fields if isinstance(ret, tvm.ir.TupleType) else [ret]))
+    """The dtype of each output of a Relax function returning ``ret`` (one tensor or a tuple of them; ""
+    for one that is not a tensor)."""
+    return tuple(str(getattr(f, "dtype", "")) for f in (ret.fields if isinstance(ret, tvm.ir.TupleType) else [ret]))
 
 
 def _binding_hint(message: str, inputs: list[GraphInput]) -> str:
