@@ -160,17 +160,21 @@ def test_unsupported_norm_output_is_one_error():
 
 
 # ---- fusion through a reshape ----------------------------------------------------------------------------
-@pytest.mark.parametrize("back, fused", [((2, 5, 4 * H), True), ((2, 5, 4, H), False)])
-def test_activation_after_a_row_reshape(back, fused):
-    """A projection on 2-D rows reshaped back (GPT-2's Conv1D), then tanh-GELU and a residual: where the
-    reshape keeps the last axis the activation and the residual fuse into the GEMM (`ops.reshapes`);
-    where it splits that axis they stay apart. Both against ONNX Runtime."""
+@pytest.mark.parametrize("back, vector, fused", [((2, 5, 4 * H), False, True), ((2, 5, 4, H), False, True),
+                                                 ((2, 5, 4, H), True, False)])
+def test_activation_after_a_row_reshape(back, vector, fused):
+    """A projection on 2-D rows reshaped back (GPT-2's Conv1D), then tanh-GELU and a residual: the
+    activation and the residual fuse into the GEMM (`ops.reshapes`), through a reshape that keeps the
+    last axis or splits it (their other operands are scalars and the residual); a vector added along the
+    split axis keeps them apart. All against ONNX Runtime."""
     rng = np.random.default_rng(0)
     w, bias = rng.standard_normal((H, 4 * H)).astype(np.float32) / 4, rng.standard_normal(4 * H).astype(np.float32)
     consts = {"rows": np.array([10, H]), "back": np.array(back), "three": np.float32(3), "c": np.float32(0.044715),
-              "s": np.float32(0.7978846), "one": np.float32(1), "half": np.float32(0.5)}
+              "s": np.float32(0.7978846), "one": np.float32(1), "half": np.float32(0.5),
+              "v": rng.standard_normal(back[-1]).astype(np.float32)}
     nodes = [oh.make_node("Reshape", ["x", "rows"], ["x2"]), oh.make_node("MatMul", ["x2", "w"], ["h0"]),
-             oh.make_node("Add", ["h0", "bias"], ["h1"]), oh.make_node("Reshape", ["h1", "back"], ["h"]),
+             oh.make_node("Add", ["h0", "bias"], ["h1"]), oh.make_node("Reshape", ["h1", "back"], ["hb"]),
+             oh.make_node("Add", ["hb", "v"], ["h"]) if vector else oh.make_node("Identity", ["hb"], ["h"]),
              oh.make_node("Pow", ["h", "three"], ["h3"]), oh.make_node("Mul", ["h3", "c"], ["h3c"]),
              oh.make_node("Add", ["h", "h3c"], ["u"]), oh.make_node("Mul", ["u", "s"], ["us"]),
              oh.make_node("Tanh", ["us"], ["t"]), oh.make_node("Add", ["t", "one"], ["t1"]),
@@ -185,6 +189,24 @@ def test_activation_after_a_row_reshape(back, fused):
         np.float32)}], attentions=0)
     rules = {rule for name, rule in imported.report.rule_of.items() if "tanh" in name}
     assert rules == ({"matmul"} if fused else {"injective"}), imported.report.rule_of
+
+
+def test_a_cast_after_a_head_split_joins_the_projection():
+    """A projection split into heads, then cast to 16 bits (BERT's Q, K, V for a bf16 attention kernel):
+    the cast moves before the reshape into the GEMM's epilogue, which stores 16 bits. Against ONNX
+    Runtime (fp16: its CPU EP casts to it)."""
+    rng = np.random.default_rng(2)
+    w, bias = rng.standard_normal((H, 4 * H)).astype(np.float32) / 4, rng.standard_normal(4 * H).astype(np.float32)
+    nodes = [oh.make_node("MatMul", ["x", "w"], ["h0"]), oh.make_node("Add", ["h0", "bias"], ["h1"]),
+             oh.make_node("Reshape", ["h1", "heads"], ["h"]), oh.make_node("Cast", ["h"], ["y"], to=TP.FLOAT16)]
+    inits = [onnx.numpy_helper.from_array(a, n) for n, a in {"w": w, "bias": bias,
+                                                               "heads": np.array([2, 5, 4, H])}.items()]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TP.FLOAT, (2, 5, H))],
+                          [oh.make_tensor_value_info("y", TP.FLOAT16, (2, 5, 4, H))], inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    imported = assert_matches_ort(model, [{"x": randn(rng, 2, 5, H)}], attentions=0)
+    assert {rule for name, rule in imported.report.rule_of.items() if "cast" in name} == {"matmul"}, \
+        imported.report.rule_of
 
 
 @pytest.mark.parametrize("position", ["constant", "input"])

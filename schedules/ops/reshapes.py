@@ -4,10 +4,12 @@ An exporter that runs a projection on 2-D rows (GPT-2's Conv1D: ``addmm`` on ``x
 its output back as (B, n, m) through a reshape, and the activation after it (tanh-GELU) reads that
 reshape. A reshape stays a view here (not legalised), and Relax's fusion does not fuse through it, so
 the activation ran as a function of its own: the GEMM wrote its fp32 output, the activation read it
-back. ``f(reshape(x, S), c)`` is ``reshape(f(x, c), S)`` where ``f`` is elementwise, the reshape
-keeps the last axis, and every other operand is a scalar or a vector along that axis (it broadcasts
+back. ``f(reshape(x, S), c)`` is ``reshape(f(x, c), S)`` where ``f`` is elementwise and every other
+operand is a scalar, a vector along the last axis where the reshape keeps that axis (it broadcasts
 the same against either shape), another reshape of a tensor of x's shape to S, or a tensor of shape S
-(a residual: read reshaped to x's shape, a view). Applied as the bindings come, a chain of such
+(a residual: read reshaped to x's shape, a view). A lone operand moves through any reshape: a BERT
+export's Q, K and V projections, split into heads and cast to bf16 for the attention kernel, store
+bf16 from their GEMM's epilogue rather than fp32 for a cast of their own. Applied as the bindings come, a chain of such
 operators moves whole, and the GEMM with its bias, activation and residual becomes one fused function.
 
 The same for a transposition: ``f(permute_dims(x, p), c)`` is ``permute_dims(f(x, c'), p)`` where every
@@ -63,13 +65,14 @@ class _Before(relax.PyExprMutator):
             return None
         if any(self._permute_of(arg) is not None for arg in call.args):
             return self._transposed(call)
-        sources, target, args = [], None, []
+        sources, target, args, keeps_last = [], None, [], True
         for arg in call.args:
             reshaped = self._reshape_of(arg)
             if reshaped is None:
                 args.append(None)  # (decided once the reshape is known)
                 continue
-            x, shape = reshaped
+            x, shape, last = reshaped
+            keeps_last = keeps_last and last
             if target is not None and not tvm_ffi.structural_equal(shape, target):
                 return None
             target = shape
@@ -81,7 +84,7 @@ class _Before(relax.PyExprMutator):
         for i, (arg, original) in enumerate(zip(args, call.args)):
             if arg is not None:
                 continue
-            if _along_last_axis(original, source_shape.values[-1]):
+            if _along_last_axis(original, source_shape.values[-1]) and (keeps_last or original.ty.ndim == 0):
                 args[i] = original
             elif same_shape(original, target):  # a tensor of the reshape's shape (a residual): a view
                 args[i] = self.builder_.emit(relax.op.reshape(original, source_shape))
@@ -164,8 +167,9 @@ class _Before(relax.PyExprMutator):
             expr, seen = value, seen + 1
         return None
 
-    def _reshape_of(self, expr: relax.Expr) -> tuple[relax.Expr, relax.Expr] | None:
-        """(x, S) where ``expr`` is ``reshape(x, S)`` keeping x's last axis, x a tensor of known shape."""
+    def _reshape_of(self, expr: relax.Expr) -> tuple[relax.Expr, relax.Expr, bool] | None:
+        """(x, S, whether S keeps x's last axis) where ``expr`` is ``reshape(x, S)``, x a tensor of known
+        shape."""
         if not isinstance(expr, relax.Var):
             return None
         value = self.lookup_binding(expr)
@@ -176,9 +180,7 @@ class _Before(relax.PyExprMutator):
         want = shape.values if isinstance(shape, relax.ShapeExpr) else None
         if have is None or want is None or not hasattr(have, "values") or not have.values or not want:
             return None
-        if not tvm.sym.Analyzer().can_prove_equal(have.values[-1], want[-1]):
-            return None
-        return x, shape
+        return x, shape, tvm.sym.Analyzer().can_prove_equal(have.values[-1], want[-1])
 
 
 def _along_last_axis(arg: relax.Expr, last) -> bool:
