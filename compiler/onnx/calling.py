@@ -51,7 +51,7 @@ def expected(name: str, dtype: np.dtype, declared: str, shape: tuple) -> Expecte
 def arguments(inputs: Sequence[Expected], feed: Mapping[str, Any]) -> list[np.ndarray]:
     """``feed``'s arrays in the model's input order, each checked (dtype, shape, sizes shared between
     inputs) and as `host_tensor` takes it; a clear error naming the input otherwise."""
-    if not isinstance(feed, Mapping):
+    if type(feed) is not dict and not isinstance(feed, Mapping):  # (the ABC's check costs a µs)
         raise TvmAttnError(f"run takes a mapping of input name → array, not {type(feed).__name__}: "
                            f"run({{{', '.join(repr(i.name) + ': …' for i in inputs)}}})")
     if len(feed) > len(inputs) or any(i.name not in feed for i in inputs):
@@ -95,8 +95,12 @@ def outputs(out: Any) -> list[tvm.runtime.Tensor | np.ndarray]:
     """The VM's result (one tensor, or a tuple of them) as a list; an output that is a shape (a graph
     output written by ONNX Shape, which TVM keeps a shape value) as NumPy int64, as ONNX declares it."""
     outs = [out] if isinstance(out, tvm.runtime.Tensor) else [_ITEM(out, i) for i in range(len(out))]
-    return [o if isinstance(o, tvm.runtime.Tensor) else np.asarray(tuple(o) if isinstance(o, tvm.runtime.ShapeTuple)
-                                                                   else o, np.int64) for o in outs]
+    return [o if isinstance(o, tvm.runtime.Tensor) else _int64(o) for o in outs]
+
+
+def _int64(value: Any) -> np.ndarray:
+    """A shape value (or a scalar) as ONNX's int64 array."""
+    return np.asarray(tuple(value) if isinstance(value, tvm.runtime.ShapeTuple) else value, np.int64)
 
 
 def host_outputs(outs: list[tvm.runtime.Tensor | np.ndarray], calling: Calling, args: list[np.ndarray],
