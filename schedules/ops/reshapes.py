@@ -9,8 +9,9 @@ operand is a scalar, a vector along the last axis where the reshape keeps that a
 the same against either shape), another reshape of a tensor of x's shape to S, or a tensor of shape S
 (a residual: read reshaped to x's shape, a view). A lone operand moves through any reshape: a BERT
 export's Q, K and V projections, split into heads and cast to bf16 for the attention kernel, store
-bf16 from their GEMM's epilogue rather than fp32 for a cast of their own. Applied as the bindings come, a chain of such
-operators moves whole, and the GEMM with its bias, activation and residual becomes one fused function.
+bf16 from their GEMM's epilogue rather than fp32 for a cast of their own. Applied as the bindings
+come, a chain of such operators moves whole, and the GEMM with its bias, activation and residual
+becomes one fused function.
 
 The same for a transposition: ``f(permute_dims(x, p), c)`` is ``permute_dims(f(x, c'), p)`` where every
 other operand is a scalar, the same transposition of a tensor, or a constant (c' its values broadcast
@@ -84,7 +85,7 @@ class _Before(relax.PyExprMutator):
         for i, (arg, original) in enumerate(zip(args, call.args)):
             if arg is not None:
                 continue
-            if _along_last_axis(original, source_shape.values[-1]) and (keeps_last or original.ty.ndim == 0):
+            if _along_last_axis(original, source_shape.values[-1] if keeps_last else None):
                 args[i] = original
             elif same_shape(original, target):  # a tensor of the reshape's shape (a residual): a view
                 args[i] = self.builder_.emit(relax.op.reshape(original, source_shape))
@@ -184,9 +185,11 @@ class _Before(relax.PyExprMutator):
 
 
 def _along_last_axis(arg: relax.Expr, last) -> bool:
-    """A scalar, or a vector of ``last`` elements: it broadcasts along the last axis alone."""
+    """A scalar, or a vector of ``last`` elements (None: a reshape that splits the last axis, which no
+    vector broadcasts along the same way on both sides): it broadcasts along the last axis alone."""
     ty = arg.ty
     if not isinstance(ty, relax.TensorType) or ty.ndim == 0:
         return isinstance(ty, relax.TensorType)
     dims = getattr(ty.shape, "values", None)
-    return ty.ndim == 1 and dims is not None and tvm.sym.Analyzer().can_prove_equal(dims[0], last)
+    return (ty.ndim == 1 and last is not None and dims is not None
+            and tvm.sym.Analyzer().can_prove_equal(dims[0], last))
