@@ -16,6 +16,7 @@ class TvmAttnError(ValueError):
 # What TVM puts around the sentence that matters: its check macros, printed IR, object reprs.
 _CHECK = re.compile(r"^.*?Check failed: \(.*?\) is false:\s*")
 _REPR = re.compile(r"\b(?:ir|relax|tirx|s_tir)\.\w+\(span=.*")
+_UNLOWERED = re.compile(r"CodeGenVM cannot emit this Relax operator.*?Offending call:\s*R\.(\w+)", re.S)
 _NOISE = ("#", "File ", "Traceback", "Stack trace", "During handling", "The above exception", "^")
 
 
@@ -39,6 +40,10 @@ def tvm_reason(err: BaseException) -> str:
     meaning = next((m for text, m in _MEANINGS if text in str(err)), None)
     if meaning is not None:
         return meaning
+    left = _UNLOWERED.search(str(err))
+    if left is not None:  # Relax could not infer the op's output shape, so nothing legalised it
+        return (f"TVM could not infer the shape of a {left.group(1)} from the model's symbolic sizes: "
+                f"import it with static shapes (import_onnx(..., shapes={{input: sizes}}), --shape)")
     lines = [line.strip() for line in str(err).splitlines()]
     lines = [line for line in lines if line and not line.startswith(_NOISE) and not line.startswith(("R.", "T."))]
     for line in reversed(lines):

@@ -279,6 +279,29 @@ def test_cli_shape_binds_inputs(tmp_path, capsys):
     assert "PASS" in capsys.readouterr().out
 
 
+def _trigram_model() -> onnx.ModelProto:
+    """MobileBERT's trigram embedding: concat(pad(x[:, 1:]), x, pad(x[:, :-1])) on the feature axis."""
+    ints = lambda name, v: (name, np.array(v, np.int64))  # noqa: E731
+    nodes = [oh.make_node("Slice", ["x", "one", "end", "axis"], ["later"]),
+             oh.make_node("Slice", ["x", "zero", "minus_one", "axis"], ["earlier"]),
+             oh.make_node("Pad", ["later", "pad_end"], ["next"]),
+             oh.make_node("Pad", ["earlier", "pad_start"], ["previous"]),
+             oh.make_node("Concat", ["next", "x", "previous"], ["y"], axis=2)]
+    consts = [ints("one", [1]), ints("zero", [0]), ints("end", [2**63 - 1]), ints("minus_one", [-1]),
+              ints("axis", [1]), ints("pad_end", [0, 0, 0, 0, 1, 0]), ints("pad_start", [0, 1, 0, 0, 0, 0])]
+    return _model(nodes, [("x", TP.FLOAT, ["b", "n", H])], [("y", TP.FLOAT, 3)], consts)
+
+
+def test_a_shape_tvm_cannot_infer_is_one_error_that_says_what_to_do():
+    """Symbolic n: TVM cannot prove pad(x[:, 1:]) n long, so the concat's shape is unknown; the error
+    says so and how to go on. Static, it matches ONNX Runtime."""
+    with pytest.raises(tvmattn.TvmAttnError, match="could not infer the shape of a concat .* static shapes"):
+        tvmattn.import_onnx(_trigram_model())
+    x = randn(np.random.default_rng(0), 2, 5, H)
+    imported = tvmattn.import_onnx(_trigram_model(), shapes={"x": x.shape})
+    np.testing.assert_array_equal(imported.run({"x": x})[0], ort_run(_trigram_model(), {"x": x})[0])
+
+
 # ---- a constant tiled along the batch --------------------------------------------------------------------
 @pytest.mark.parametrize("transposed", [True, False])
 @pytest.mark.parametrize("dtype", [None, "bfloat16"])
