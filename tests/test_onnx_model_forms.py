@@ -74,11 +74,28 @@ class Bloom(nn.Module):
         return self.model(input_ids=ids, use_cache=False).logits
 
 
+class Xglm(nn.Module):
+    """A one-layer XGLM (random weights): scores on (B·h, n, d) viewed as (B, h, n, n_kv) for the causal
+    mask, clamped at finfo.min, viewed back for the softmax and P·V."""
+
+    def __init__(self):
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        cfg = transformers.XGLMConfig(vocab_size=128, d_model=32, num_layers=1, attention_heads=4, ffn_dim=64)
+        self.model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, use_cache=False).logits
+
+
+TOKENS = ("bloom", "xglm")  # models of token ids
+
+
 @functools.cache
 def exported(name: str, exporter: str) -> onnx.ModelProto:
     torch.manual_seed(0)
-    module = {"rotary": WholeHeadRotary, "pooling": PoolingHead, "bloom": Bloom}[name]().eval()
-    x = torch.randint(0, 128, (2, 7)) if name == "bloom" else torch.randn(2, 7, 32)
+    module = {"rotary": WholeHeadRotary, "pooling": PoolingHead, "bloom": Bloom, "xglm": Xglm}[name]().eval()
+    x = torch.randint(0, 128, (2, 7)) if name in TOKENS else torch.randn(2, 7, 32)
     if exporter == "dynamo":
         dims = ({0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC},)
         return torch.onnx.export(module, (x,), dynamo=True, input_names=["x"], output_names=["y"],
@@ -91,7 +108,7 @@ def exported(name: str, exporter: str) -> onnx.ModelProto:
 
 def feeds(name: str) -> list[dict[str, np.ndarray]]:
     rng = np.random.default_rng(0)
-    if name == "bloom":
+    if name in TOKENS:
         return [{"x": rng.integers(0, 128, shape).astype(np.int64)} for shape in ((2, 7), (1, 12))]
     # (TorchScript writes the pooling head's key length into a Reshape: only its batch varies)
     shapes = ((2, 7, 32), (3, 7 if name == "pooling" else 12, 32))
@@ -99,13 +116,15 @@ def feeds(name: str) -> list[dict[str, np.ndarray]]:
 
 
 @pytest.mark.parametrize("name, exporter", [
-    ("rotary", "torchscript"), ("pooling", "torchscript"), ("bloom", "torchscript"),
+    ("rotary", "torchscript"), ("pooling", "torchscript"), ("bloom", "torchscript"), ("xglm", "torchscript"),
     pytest.param("pooling", "dynamo", marks=pytest.mark.slow), pytest.param("bloom", "dynamo", marks=pytest.mark.slow)])
 def test_attention_forms_on_kernels(name, exporter):
     imported = assert_matches_ort(exported(name, exporter), feeds(name), attentions=1, softmaxes=1)
     spec = imported.report.replacements[0].spec
     if name == "bloom":  # the heads split back off the (B·h) batches; ALiBi proved slopes·positions; causal proved
         assert (spec.h, spec.causal, spec.alibi, spec.attn_mask) == (4, True, "signed", None)
+    if name == "xglm":  # the clamp at finfo.min dropped over a finite mask; the causal rule proved from it
+        assert (spec.h, spec.causal, spec.attn_mask) == (4, True, None)
 
 
 def test_bloom_at_static_shapes_folds_alibi_into_a_constant_it_still_proves():
@@ -233,3 +252,28 @@ def test_gpt2_ort_optimizer_form(opset, padding_mask):
         assert (spec.causal, spec.attn_mask, spec.attn_mask_dims) == (False, "additive", "bst")
     else:
         assert (spec.causal, spec.attn_mask) == (True, None)
+
+
+@pytest.mark.parametrize("fill", [np.finfo(np.float32).min, -np.inf])
+def test_a_clamp_at_finfo_min_goes_only_where_it_changes_nothing(fill):
+    """softmax(max(q·kᵀ + where(keep, 0, fill), finfo.min)) · v with a query that sees no key: over a finite
+    fill the clamp is dropped (a kernel); over -inf it is what gives that row uniform weights (left to TVM)."""
+    lowest = np.float32(np.finfo(np.float32).min)
+    nodes = [oh.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), oh.make_node("MatMul", ["q", "kt"], ["s"]),
+             oh.make_node("Where", ["keep", "zero", "fill"], ["m"]), oh.make_node("Add", ["s", "m"], ["masked"]),
+             oh.make_node("Max", ["masked", "lowest"], ["clamped"]),
+             oh.make_node("Softmax", ["clamped"], ["p"], axis=-1), oh.make_node("MatMul", ["p", "v"], ["y"])]
+    dims = [2, 2, 5, 8]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info(n, TP.FLOAT, dims) for n in "qkv"]
+                          + [oh.make_tensor_value_info("keep", TP.BOOL, [2, 1, 5, 5])],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, dims)],
+                          [nh.from_array(np.float32(0), "zero"), nh.from_array(np.float32(fill), "fill"),
+                           nh.from_array(lowest, "lowest")])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    rng = np.random.default_rng(0)
+    keep = rng.random((2, 1, 5, 5)) < 0.6
+    keep[0, 0, 2] = False  # a query that sees no key
+    feed = {n: rng.standard_normal(dims).astype(np.float32) for n in "qkv"} | {"keep": keep}
+    imported = tvmattn.import_onnx(model)
+    assert kernels_used(imported) == (1 if np.isfinite(fill) else 0), str(imported.report)
+    assert errors(imported.run(feed)[0], ort_run(model, feed)[0])[1] <= 1e-5

@@ -5,10 +5,20 @@ run (`patterns.rewrite`), so that one pattern reads them all.
   (a·b, m, n)), (0, 2, 1)), (a, b, n, m))`` is ``permute_dims(x, (0, 1, 3, 2))``. torch's exporters
   write Kᵀ so when attention runs on (B·h, n, d) batches (``torch.bmm``; the SDPA export of a GQA
   model), and the pattern then saw a kᵀ that was no transpose of the keys.
+- A reshape undone: ``reshape(reshape(x, s), shape of x)`` is ``x`` (XGLM reshapes its weights to
+  (B, h, n, n_kv) and back between the softmax and P·V).
+- A softmax after a reshape that keeps the last axis: ``softmax(reshape(x, s))`` is
+  ``reshape(softmax(x), s)``. XGLM (and fairseq-style attention) splits its (B·h, n, n_kv) scores into
+  heads for the mask and merges them again before the softmax.
+- A clamp at the dtype's lowest value: ``maximum(scores + mask, finfo.min)`` is ``scores + mask`` where
+  the mask is built from finite constants (XGLM's: ``where(causal, 0, finfo.min)``): the sum is then
+  finite and at least finfo.min. (Over a mask of -inf the clamp would matter: a row that sees no key
+  would average V; that spelling is left as it is.)
 """
 
 from __future__ import annotations
 
+import numpy as np
 import tvm
 from tvm import relax
 
@@ -19,7 +29,7 @@ def canonical(mod: tvm.IRModule, provenance: dict) -> tvm.IRModule:
     """``mod`` with the spellings above rewritten; ``provenance`` (value → ONNX node) follows the
     bindings whose values changed."""
     old = mod["main"]
-    new = _Canonical(mod).run()
+    new = _Canonical(mod, provenance).run()
     before = {b.var: b.value for block in old.body.blocks for b in block.bindings}
     for block in new["main"].body.blocks:
         for b in block.bindings:
@@ -31,9 +41,9 @@ def canonical(mod: tvm.IRModule, provenance: dict) -> tvm.IRModule:
 
 @relax.expr_functor.mutator
 class _Canonical(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule) -> None:
+    def __init__(self, mod: tvm.IRModule, provenance: dict) -> None:
         super().__init__(mod)
-        self.mod_ = mod
+        self.mod_, self.provenance = mod, provenance
         self.var2val = relax.analysis.get_var2val(mod["main"])
 
     def run(self) -> tvm.IRModule:
@@ -42,12 +52,31 @@ class _Canonical(relax.PyExprMutator):
         return self.builder_.get()
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
+        original = call
         call = super().visit_call_(call)
         x = _merged_transpose(call, self.var2val)
-        if x is None:
+        if x is not None:
+            rank = len(shape_of(x, "a transposed tensor"))
+            return relax.op.permute_dims(x, [*range(rank - 2), rank - 1, rank - 2])
+        back = _round_trip(call, self.var2val)
+        if back is not None:
+            return back
+        if getattr(call.op, "name", "") != "relax.nn.softmax":
             return call
-        rank = len(shape_of(x, "a transposed tensor"))
-        return relax.op.permute_dims(x, [*range(rank - 2), rank - 1, rank - 2])
+        x, reshaped = call.args[0], None
+        inner = _op(x, "reshape", self.var2val)
+        if inner is not None and _keeps_last_axis(inner, call.attrs.axis):
+            x, reshaped = inner.args[0], inner
+        x = _unclamped(x, self.var2val)
+        if x is call.args[0]:
+            return call
+        probs = relax.op.nn.softmax(x, -1)
+        if reshaped is None:
+            return probs
+        moved = self.builder_.emit(probs)  # a binding of its own: the report names its ONNX node
+        if original in self.provenance:
+            self.provenance.setdefault(self.builder_.lookup_binding(moved), self.provenance[original])
+        return relax.op.reshape(moved, reshaped.args[1])
 
 
 def _op(expr: relax.Expr, name: str, var2val: dict) -> relax.Call | None:
@@ -83,3 +112,91 @@ def _merged_transpose(call: relax.Call, var2val: dict) -> relax.Expr | None:
             and same(out[-1], src[-2])):
         return None
     return x
+
+
+def _round_trip(call: relax.Call, var2val: dict) -> relax.Expr | None:
+    """x for ``reshape(reshape(x, s), shape of x)``."""
+    if getattr(call.op, "name", "") != "relax.reshape":
+        return None
+    inner = _op(call.args[0], "reshape", var2val)
+    if inner is None:
+        return None
+    try:
+        src, out = shape_of(inner.args[0], "a reshape"), shape_of(call, "a reshape")
+    except Exception:  # noqa: BLE001 (an unknown shape: not this spelling)
+        return None
+    same = tvm.sym.Analyzer().can_prove_equal
+    return inner.args[0] if len(src) == len(out) and all(same(a, b) for a, b in zip(src, out)) else None
+
+
+def _keeps_last_axis(reshape: relax.Call, axis: int) -> bool:
+    """A softmax over the last axis of ``reshape``'s result, which that axis leaves as it was."""
+    try:
+        src, out = shape_of(reshape.args[0], "a reshape"), shape_of(reshape, "a reshape")
+    except Exception:  # noqa: BLE001 (an unknown shape: not this spelling)
+        return False
+    return int(axis) in (-1, len(out) - 1) and tvm.sym.Analyzer().can_prove_equal(src[-1], out[-1])
+
+
+def _unclamped(x: relax.Expr, var2val: dict) -> relax.Expr:
+    """s + m for ``maximum(s + m, c)`` (either order) with c a scalar at or below its dtype's lowest
+    value, s a product of matrices (`_scores`) and m built from finite constants only (`_finite`): the
+    clamp then changes nothing; else ``x``."""
+    pair = _maximum_of_two(x, var2val)
+    if pair is None:
+        return x
+    for total, low in (pair, pair[::-1]):
+        if not isinstance(low, tvm.ir.GenericConst) or low.value.numpy().size != 1:
+            continue
+        lowest = float(np.finfo(np.float32 if str(low.ty.dtype) == "bfloat16" else str(low.ty.dtype)).min)
+        add = _op(total, "add", var2val)
+        if float(low.value.numpy().reshape(())) <= lowest and add is not None and any(
+                _scores(a, var2val) and _finite(m, var2val) for a, m in (add.args, add.args[::-1])):
+            return total
+    return x
+
+
+def _maximum_of_two(x: relax.Expr, var2val: dict) -> tuple[relax.Expr, relax.Expr] | None:
+    """(a, b) for ``maximum(a, b)``, or for TVM's import of ONNX's variadic Max of two:
+    ``max(stack((broadcast_to(a, s), broadcast_to(b, s))), axis=0)``."""
+    call = _op(x, "maximum", var2val)
+    if call is not None:
+        return call.args[0], call.args[1]
+    call = _op(x, "max", var2val)
+    stack = _op(call.args[0], "stack", var2val) if call is not None else None
+    if stack is None or call.attrs.keepdims or [int(a) for a in call.attrs.axis or []] != [0] \
+            or int(stack.attrs.axis) != 0 or len(stack.args[0].fields) != 2:
+        return None
+    wide = [_op(f, "broadcast_to", var2val) for f in stack.args[0].fields]
+    return tuple(w.args[0] if w is not None else f for w, f in zip(wide, stack.args[0].fields))
+
+
+def _scores(s: relax.Expr, var2val: dict, depth: int = 0) -> bool:
+    """Whether ``s`` is a matmul's product (finite for finite operands), reshaped, cast or scaled."""
+    s = var2val.get(s, s)
+    if depth > 16 or not isinstance(s, relax.Call):
+        return False
+    name = getattr(s.op, "name", "").removeprefix("relax.")
+    if name == "matmul":
+        return True
+    if name in ("multiply", "divide"):
+        return any(isinstance(c, tvm.ir.GenericConst) for c in s.args) and any(
+            _scores(a, var2val, depth + 1) for a in s.args)
+    return name in ("reshape", "astype", "permute_dims") and _scores(s.args[0], var2val, depth + 1)
+
+
+_FINITE_THROUGH = ("astype", "reshape", "broadcast_to", "expand_dims", "permute_dims", "strided_slice", "squeeze")
+
+
+def _finite(m: relax.Expr, var2val: dict, depth: int = 0) -> bool:
+    """Whether ``m`` holds finite values only, by construction: constants that are, chosen by where,
+    moved by the layout operators of `_FINITE_THROUGH`."""
+    m = var2val.get(m, m)
+    if isinstance(m, tvm.ir.GenericConst):
+        return bool(np.isfinite(m.value.numpy().astype(np.float64)).all())
+    if depth > 16 or not isinstance(m, relax.Call):
+        return False
+    name = getattr(m.op, "name", "").removeprefix("relax.")
+    if name == "where":
+        return all(_finite(b, var2val, depth + 1) for b in m.args[1:])
+    return name in _FINITE_THROUGH and _finite(m.args[0], var2val, depth + 1)
