@@ -277,3 +277,15 @@ def test_a_clamp_at_finfo_min_goes_only_where_it_changes_nothing(fill):
     imported = tvmattn.import_onnx(model)
     assert kernels_used(imported) == (1 if np.isfinite(fill) else 0), str(imported.report)
     assert errors(imported.run(feed)[0], ort_run(model, feed)[0])[1] <= 1e-5
+
+
+def test_a_softmax_over_another_axis_keeps_its_axis():
+    """ConvBERT's span convolution: weights (B·n, taps, 1) softmaxed over the taps (axis 1), then a product."""
+    nodes = [oh.make_node("Softmax", ["w"], ["p"], axis=1), oh.make_node("MatMul", ["x", "p"], ["y"])]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TP.FLOAT, ["m", 8, 9]),
+                                       oh.make_tensor_value_info("w", TP.FLOAT, ["m", 9, 1])],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, ["m", 8, 1])])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    rng = np.random.default_rng(0)
+    feed = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in (("x", (6, 8, 9)), ("w", (6, 9, 1)))}
+    assert errors(tvmattn.import_onnx(model).run(feed)[0], ort_run(model, feed)[0])[1] <= 1e-5

@@ -54,23 +54,26 @@ class _Canonical(relax.PyExprMutator):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         original = call
         call = super().visit_call_(call)
+        # (what the helpers find through var2val is the original function's: visit_expr gives its var here)
         x = _merged_transpose(call, self.var2val)
         if x is not None:
             rank = len(shape_of(x, "a transposed tensor"))
-            return relax.op.permute_dims(x, [*range(rank - 2), rank - 1, rank - 2])
+            return relax.op.permute_dims(self.visit_expr(x), [*range(rank - 2), rank - 1, rank - 2])
         back = _round_trip(call, self.var2val)
         if back is not None:
-            return back
+            return self.visit_expr(back)
         if getattr(call.op, "name", "") != "relax.nn.softmax":
             return call
-        x, reshaped = call.args[0], None
-        inner = _op(x, "reshape", self.var2val)
+        src = call.args[0]
+        x, reshaped = src, None
+        inner = _op(src, "reshape", self.var2val)
         if inner is not None and _keeps_last_axis(inner, call.attrs.axis):
             x, reshaped = inner.args[0], inner
         x = _unclamped(x, self.var2val)
-        if x is call.args[0]:
+        if reshaped is None and x.same_as(src):  # (same_as: each `args[0]` is a new Python object)
             return call
-        probs = relax.op.nn.softmax(x, -1)
+        # over the axis it was (a clamp keeps the shape), or the last one, which the reshape keeps
+        probs = relax.op.nn.softmax(self.visit_expr(x), -1 if reshaped is not None else call.attrs.axis)
         if reshaped is None:
             return probs
         moved = self.builder_.emit(probs)  # a binding of its own: the report names its ONNX node
