@@ -282,6 +282,28 @@ def _bart(width: int, heads: int) -> dict[str, Any]:
                 decoder_start_token_id=2, forced_eos_token_id=None)
 
 
+def _bart_like(width: int, heads: int) -> dict[str, Any]:
+    """BART's config names, which Pegasus and M2M100 share."""
+    return dict(d_model=width, encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_layers=LAYERS,
+                decoder_layers=LAYERS, encoder_ffn_dim=4 * width, decoder_ffn_dim=4 * width, vocab_size=VOCAB,
+                max_position_embeddings=MAX_POSITIONS, pad_token_id=0, decoder_start_token_id=0, bos_token_id=0,
+                eos_token_id=2)
+
+
+def _codegen(width: int, heads: int) -> dict[str, Any]:
+    return _gpt2(width, heads) | dict(rotary_dim=width // heads // 4)  # a rotary over a part of each head
+
+
+def _gpt_neo(width: int, heads: int) -> dict[str, Any]:  # GPT-Neo's layers alternate global and local
+    return dict(hidden_size=width, num_heads=heads, num_layers=LAYERS, attention_types=[[["global", "local"], 1]],
+                window_size=64, vocab_size=VOCAB, max_position_embeddings=MAX_POSITIONS, bos_token_id=0, eos_token_id=0)
+
+
+def _xglm(width: int, heads: int) -> dict[str, Any]:
+    return dict(d_model=width, attention_heads=heads, num_layers=LAYERS, ffn_dim=4 * width, vocab_size=VOCAB,
+                max_position_embeddings=MAX_POSITIONS, pad_token_id=1)
+
+
 WHISPER_FRAMES = 400  # 4 s of 10 ms mel frames: its encoder takes exactly 2 × max_source_positions
 
 
@@ -319,6 +341,11 @@ MODELS: list[ZooModel] = [
     M("xlm-roberta", "XLM-R", "torchscript", ENCODER, 384, 6,
       _encoder("XLMRobertaConfig", max_position_embeddings=MAX_POSITIONS + 2, pad_token_id=1)),
     M("mpnet", "MPNet", "torchscript", ENCODER, 256, 4, _encoder("MPNetConfig")),
+    M("roformer", "RoFormer", "torchscript", ENCODER, 256, 4, _encoder("RoFormerConfig")),  # rotary in an encoder
+    M("convbert", "ConvBERT", "torchscript", ENCODER, 256, 4, _encoder("ConvBertConfig")),  # span convolutions
+    M("mobilebert", "MobileBERT", "torchscript", ENCODER, 512, 4,  # 128-wide bottlenecks, trigram embedding
+      _encoder("MobileBertConfig", intra_bottleneck_size=128, embedding_size=128, true_hidden_size=128)),
+    M("megatron-bert", "MegatronBERT", "torchscript", ENCODER, 512, 8, _encoder("MegatronBertConfig")),
     # decoders: the prefill, logits of every position
     M("gpt2", "GPT-2", "dynamo", PREFILL, 768, 12, _causal("GPT2Config", _gpt2), _TS_CAUSAL),
     M("llama", "Llama", "torchscript", PREFILL, 512, 8, _causal("LlamaConfig", mask=True, num_key_value_heads=2)),
@@ -345,6 +372,13 @@ MODELS: list[ZooModel] = [
     M("gemma", "Gemma", "dynamo", PREFILL, 256, 4, _causal("GemmaConfig", num_key_value_heads=1, head_dim=64),
       _TS_CAUSAL),
     M("granite", "Granite", "dynamo", PREFILL, 256, 4, _causal("GraniteConfig", num_key_value_heads=2), _TS_CAUSAL),
+    M("codegen", "CodeGen", "dynamo", PREFILL, 256, 4, _causal("CodeGenConfig", _codegen), _TS_CAUSAL),
+    M("gpt-neo", "GPT-Neo", "dynamo", PREFILL, 256, 4, _causal("GPTNeoConfig", _gpt_neo), _TS_CAUSAL),
+    M("xglm", "XGLM", "dynamo", PREFILL, 256, 4, _causal("XGLMConfig", _xglm), _TS_CAUSAL),  # fairseq's form
+    M("stablelm", "StableLM", "dynamo", PREFILL, 256, 4, _causal("StableLmConfig", num_key_value_heads=4),
+      _TS_CAUSAL),
+    M("cohere", "Cohere", "dynamo", PREFILL, 256, 4, _causal("CohereConfig", num_key_value_heads=2), _TS_CAUSAL),
+    M("olmo", "OLMo", "dynamo", PREFILL, 256, 4, _causal("OlmoConfig"), _TS_CAUSAL),
     # decode steps: one token against a cache (batch 1)
     M("gpt2-decode", "GPT-2", "torchscript", DECODE, 768, 12, _causal("GPT2Config", _gpt2)),
     M("qwen3-decode", "Qwen3", "dynamo", DECODE, 256, 4,
@@ -355,6 +389,8 @@ MODELS: list[ZooModel] = [
     M("t5", "T5", "torchscript", SEQ2SEQ, 256, 4, _seq2seq("T5Config", _t5)),
     M("bart", "BART", "dynamo", SEQ2SEQ, 256, 4, _seq2seq("BartConfig", _bart)),
     M("marian", "Marian", "dynamo", SEQ2SEQ, 256, 4, _seq2seq("MarianConfig", _marian)),
+    M("pegasus", "Pegasus", "dynamo", SEQ2SEQ, 256, 4, _seq2seq("PegasusConfig", _bart_like)),
+    M("m2m100", "M2M100", "dynamo", SEQ2SEQ, 256, 4, _seq2seq("M2M100Config", _bart_like)),
     # vision: 224² images
     M("vit-ort", "ViT", "ort-torchscript", VISION, 384, 6, _pixels("ViTConfig", 16), ort_type="vit"),
     M("clip-vision", "CLIP", "dynamo", VISION, 256, 4, _pixels("CLIPVisionConfig", 32)),
@@ -362,6 +398,7 @@ MODELS: list[ZooModel] = [
       _pixels("SiglipVisionConfig", 16)),
     M("deit", "DeiT", "torchscript", VISION, 384, 6, _pixels("DeiTConfig", 16)),
     M("beit", "BEiT", "torchscript", VISION, 384, 6, _pixels("BeitConfig", 16, use_relative_position_bias=True)),
+    M("dinov2", "DINOv2", "torchscript", VISION, 384, 6, _pixels("Dinov2Config", 14)),  # 16² patches of 14
     # audio: a convolution front end
     M("whisper-encoder", "Whisper", "torchscript", AUDIO, 384, 6,
       Recipe("AutoModel", "WhisperConfig", _whisper, ("input_features",), "last_hidden_state", part="get_encoder",

@@ -26,8 +26,13 @@ from tvmattn.models import zoo  # noqa: E402
 
 QUICK = {"bert", "falcon-decode"}  # a few seconds each to export and import (ORT's fused forms: test_onnx_model_forms)
 TOLERANCE = 1e-4  # fp32, relative to the output's scale: every model meets it (errors are 2e-7–3e-6)
-NOT_IMPORTED: dict[str, str] = {}  # the import itself fails today
+# the import with the export's symbolic sizes fails today (at the benchmark's static sizes each imports)
+NOT_IMPORTED: dict[str, str] = {
+    "mobilebert": "TVM cannot prove its trigram embedding's pad(x[:, 1:]) n long: the concat's shape is unknown",
+    "gpt-neo": "dynamo writes torch.sym_min(1024, n) into its reshapes, which TVM's ONNX Min cannot take",
+}
 NOT_ON_KERNELS: dict[str, str] = {} | NOT_IMPORTED  # the attention is not recognised: left to TVM's schedules
+OTHER_SOFTMAXES = {"convbert": 2}  # softmaxes that are no attention: ConvBERT's over its span convolution's taps
 ALIBI = {"bloom", "bloom-decode"}  # ALiBi's bias on the (B·h) batches (baddbmm): the kernel's variant, no bias read
 
 
@@ -65,7 +70,9 @@ def test_zoo_model_attention_on_kernels(name):
     layers_attend = 3 if m.kind == zoo.SEQ2SEQ else 1  # self, causal self and cross attention
     assert kernels_used(_imported(name)) == zoo.LAYERS * layers_attend, str(report)
     assert all(r.spec.output == "attn" for r in report.replacements), str(report)
-    assert report.softmaxes_on_kernels == len(report.softmaxes) and not report.left_to_tvm, str(report)
+    others = OTHER_SOFTMAXES.get(name, 0)
+    assert report.softmaxes_on_kernels == len(report.softmaxes) - others, str(report)
+    assert len(report.left_to_tvm) == others, str(report)
     if name in ALIBI:
         assert all(r.spec.alibi == "signed" and r.spec.attn_mask is None for r in report.replacements), str(report)
 
@@ -75,16 +82,19 @@ def _rules(imported: tvmattn.ImportedModel) -> list[tuple]:
                    for r in imported.report.replacements}, key=str)
 
 
-@pytest.mark.parametrize("name", _cases(NOT_IMPORTED))
+@pytest.mark.parametrize("name", _cases({}))
 def test_static_sizes_keep_the_symbolic_imports_rules(name):
     """Imported at static sizes, where the export's mask folds into constants (BERT's all-True query
     axis, Llama's causal tril, Gemma2's sliding window's band), each attention keeps what the symbolic
     import found: its causal rule and window, and a mask read per key, not per (query, key); and
-    matches ONNX Runtime."""
+    matches ONNX Runtime (the models of `NOT_IMPORTED` too)."""
     m = zoo.get(name)
     feed = m.feed(m.shapes[0])
     static = tvmattn.import_onnx(m.export(), shapes={k: v.shape for k, v in feed.items()})
-    assert _rules(static) == _rules(_imported(name)), str(static.report)
+    if name in NOT_IMPORTED:  # (no symbolic import to compare with: every attention on a kernel)
+        assert kernels_used(static) == zoo.LAYERS * (3 if m.kind == zoo.SEQ2SEQ else 1), str(static.report)
+    else:
+        assert _rules(static) == _rules(_imported(name)), str(static.report)
     for got, want in zip(static.run(feed), ort_run(m.export(), feed)):
         assert errors(got, want)[1] <= TOLERANCE
 
