@@ -47,9 +47,10 @@ def gather(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict) -> rela
         return relax.op.take(data, relax.const(values), axis, mode="clip")
     if not _index_tensor(indices):
         return None
-    if not isinstance(extent, int):  # in [-extent, extent) now: "wrap" counts the negative ones from the end
-        return relax.op.take(data, in_range(bb, f"node {node!r} (Gather): an index", indices, -extent, extent),
-                             axis, mode="wrap")
+    if not isinstance(extent, int):  # in [-extent, extent) now, the negative ones counted from the end
+        # once over the indices ("wrap" took two int64 remainders an output element: ConvBERT's unfold 5x)
+        checked = in_range(bb, f"node {node!r} (Gather): an index", indices, -extent, extent)
+        return relax.op.take(data, _from_the_end(bb, checked, data, axis), axis, mode="clip")
     # in range now: "clip" reads the same elements as TVM's unchecked "fast" mode (and does not warn)
     checked = _checked(bb, indices, extent, node, "Gather")
     if isinstance(data, tvm.ir.GenericConst) and _bytes(data) <= SMALL_TABLE_BYTES:
@@ -61,6 +62,13 @@ def gather(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict) -> rela
         bb.update_func(gv, bb.get()[gv].with_attr(OP_PATTERN, INJECTIVE))
         return out
     return relax.op.take(data, checked, axis, mode="clip")
+
+
+def _from_the_end(bb: relax.BlockBuilder, indices: relax.Expr, data: relax.Expr, axis: int) -> relax.Expr:
+    """``indices`` (checked in [-extent, extent)) with the negative ones counted from the end of ``data``'s
+    ``axis``, as TVM's converter counts them."""
+    return onnx_frontend._normalize_negative_indices(
+        bb, indices, onnx_frontend._axis_extent(bb, data, axis, str(indices.ty.dtype)))
 
 
 def gather_elements(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict) -> relax.Expr | None:
@@ -81,9 +89,8 @@ def gather_elements(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict
     if isinstance(extent, int):
         checked = _checked(bb, given, extent, node, "GatherElements")
     else:  # in [-extent, extent) now, the negative ones then counted from the end as TVM's converter does
-        checked = in_range(bb, f"node {node!r} (GatherElements): an index", given, -extent, extent)
-        checked = onnx_frontend._normalize_negative_indices(
-            bb, checked, onnx_frontend._axis_extent(bb, data, axis, str(given.ty.dtype)))
+        checked = _from_the_end(bb, in_range(bb, f"node {node!r} (GatherElements): an index", given, -extent, extent),
+                                data, axis)
     if broadcast:
         shape = [d for d in source.args[1].values] if isinstance(source.args[1], relax.ShapeExpr) else None
         if shape is not None and _broadcasts_in_place(checked, shape):  # the small tensor read as broadcast
