@@ -11,9 +11,9 @@ run (`patterns.rewrite`), so that one pattern reads them all.
   ``reshape(softmax(x), s)``. XGLM (and fairseq-style attention) splits its (B·h, n, n_kv) scores into
   heads for the mask and merges them again before the softmax.
 - A clamp at the dtype's lowest value: ``maximum(scores + mask, finfo.min)`` is ``scores + mask`` where
-  the mask is built from finite constants (XGLM's: ``where(causal, 0, finfo.min)``): the sum is then
-  finite and at least finfo.min. (Over a mask of -inf the clamp would matter: a row that sees no key
-  would average V; that spelling is left as it is.)
+  the scores are a product of matrices and the mask is built from finite constants (XGLM's:
+  ``where(causal, 0, finfo.min)``): the sum is then finite and at least finfo.min. (Over a mask of -inf
+  the clamp would matter: a row that sees no key would average V; that spelling is left as it is.)
 """
 
 from __future__ import annotations

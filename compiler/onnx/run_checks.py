@@ -48,7 +48,8 @@ def gather(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict) -> rela
     if not _index_tensor(indices):
         return None
     if not isinstance(extent, int):  # in [-extent, extent) now, the negative ones counted from the end
-        # once over the indices ("wrap" took two int64 remainders an output element: ConvBERT's unfold 5x)
+        # once over the indices ("wrap" took two int64 remainders an output element: a quarter of
+        # ConvBERT's symbolic run, its unfold)
         checked = in_range(bb, f"node {node!r} (Gather): an index", indices, -extent, extent)
         return relax.op.take(data, _from_the_end(bb, checked, data, axis), axis, mode="clip")
     # in range now: "clip" reads the same elements as TVM's unchecked "fast" mode (and does not warn)
