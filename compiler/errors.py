@@ -29,6 +29,8 @@ def first_line(err: BaseException) -> str:
 # Internal messages whose meaning for the model is known.
 _MEANINGS = (("object has no attribute 'value'", "a size it needs as a number is symbolic in the model: give the "
               "model's inputs static shapes"),
+             ("'PrimType' object has no attribute", "an input of it is a size the model computes from its dynamic "
+              "sizes (shape arithmetic), which TVM's converter takes only as a tensor"),
              ("integer modulo by zero", "a size or a head count is 0"),
              ("division by zero", "a size or a head count is 0"))
 

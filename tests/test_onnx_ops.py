@@ -302,6 +302,23 @@ def test_a_shape_tvm_cannot_infer_is_one_error_that_says_what_to_do():
     np.testing.assert_array_equal(imported.run({"x": x})[0], ort_run(_trigram_model(), {"x": x})[0])
 
 
+def test_shape_arithmetic_tvm_cannot_convert_says_how_to_bind_the_sizes():
+    """GPT-Neo's dynamo export: Min(1024, n) of its sequence length in a Reshape's shape. TVM's Min takes
+    tensors only: the error names the node and how to bind the sizes; bound, it matches ONNX Runtime."""
+    ints = lambda name, v: (name, np.array(v, np.int64))  # noqa: E731
+    nodes = [oh.make_node("Shape", ["x"], ["n1"], start=1, end=2), oh.make_node("Squeeze", ["n1"], ["n"]),
+             oh.make_node("Min", ["limit", "n"], ["m"]), oh.make_node("Unsqueeze", ["m", "zero"], ["m1"]),
+             oh.make_node("Concat", ["minus_one", "m1", "width"], ["shape"], axis=0),
+             oh.make_node("Reshape", ["x", "shape"], ["y"])]
+    consts = [ints("limit", 1024), ints("zero", [0]), ints("minus_one", [-1]), ints("width", [H])]
+    model = _model(nodes, [("x", TP.FLOAT, ["b", "n", H])], [("y", TP.FLOAT, 3)], consts)
+    with pytest.raises(tvmattn.TvmAttnError, match=r"\(Min\).*shape arithmetic.*shapes=\{'x'"):
+        tvmattn.import_onnx(model)
+    x = randn(np.random.default_rng(0), 2, 5, H)
+    imported = tvmattn.import_onnx(model, shapes={"x": x.shape})
+    np.testing.assert_array_equal(imported.run({"x": x})[0], ort_run(model, {"x": x})[0])
+
+
 # ---- a constant tiled along the batch --------------------------------------------------------------------
 @pytest.mark.parametrize("transposed", [True, False])
 @pytest.mark.parametrize("dtype", [None, "bfloat16"])

@@ -422,9 +422,10 @@ def _output_dtypes(ret: Any) -> tuple[str, ...]:
 
 
 def _binding_hint(message: str, inputs: list[GraphInput]) -> str:
-    """For a size that must be static but is symbolic in the model: how to bind the inputs' sizes."""
+    """For a size that must be static but is symbolic in the model, or shape arithmetic TVM's converter
+    cannot take (dynamo's ``torch.sym_min(1024, n)`` in GPT-Neo): how to bind the inputs' sizes."""
     symbolic = [i for i in inputs if any(isinstance(d, str) for d in i.shape)]
-    if "not a number" not in message or not symbolic:
+    if not ("not a number" in message or "(shape arithmetic)" in message) or not symbolic:
         return ""
     first = symbolic[0]
     sizes = [d if isinstance(d, int) else 1 for d in first.shape]
