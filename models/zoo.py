@@ -283,11 +283,9 @@ def _bart(width: int, heads: int) -> dict[str, Any]:
 
 
 def _bart_like(width: int, heads: int) -> dict[str, Any]:
-    """BART's config names, which Pegasus and M2M100 share."""
-    return dict(d_model=width, encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_layers=LAYERS,
-                decoder_layers=LAYERS, encoder_ffn_dim=4 * width, decoder_ffn_dim=4 * width, vocab_size=VOCAB,
-                max_position_embeddings=MAX_POSITIONS, pad_token_id=0, decoder_start_token_id=0, bos_token_id=0,
-                eos_token_id=2)
+    """BART's config names, which Pegasus and M2M100 share (their own defaults for the forced EOS)."""
+    own = {k: v for k, v in _bart(width, heads).items() if k != "forced_eos_token_id"}
+    return own | dict(pad_token_id=0, decoder_start_token_id=0)
 
 
 def _codegen(width: int, heads: int) -> dict[str, Any]:

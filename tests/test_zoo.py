@@ -43,6 +43,11 @@ def _cases(failing: dict[str, str]) -> list:
             for m in zoo.MODELS]
 
 
+def _attentions(m: zoo.ZooModel) -> int:
+    """The model's attentions: one a layer; an encoder-decoder's self, causal self and cross attention."""
+    return zoo.LAYERS * (3 if m.kind == zoo.SEQ2SEQ else 1)
+
+
 @functools.cache
 def _imported(name: str) -> tvmattn.ImportedModel:
     return tvmattn.import_onnx(zoo.get(name).export())
@@ -67,8 +72,7 @@ def test_zoo_model_attention_on_kernels(name):
     and every Softmax of the graph is on one."""
     m = zoo.get(name)
     report = _imported(name).report
-    layers_attend = 3 if m.kind == zoo.SEQ2SEQ else 1  # self, causal self and cross attention
-    assert kernels_used(_imported(name)) == zoo.LAYERS * layers_attend, str(report)
+    assert kernels_used(_imported(name)) == _attentions(m), str(report)
     assert all(r.spec.output == "attn" for r in report.replacements), str(report)
     others = OTHER_SOFTMAXES.get(name, 0)
     assert report.softmaxes_on_kernels == len(report.softmaxes) - others, str(report)
@@ -92,7 +96,7 @@ def test_static_sizes_keep_the_symbolic_imports_rules(name):
     feed = m.feed(m.shapes[0])
     static = tvmattn.import_onnx(m.export(), shapes={k: v.shape for k, v in feed.items()})
     if name in NOT_IMPORTED:  # (no symbolic import to compare with: every attention on a kernel)
-        assert kernels_used(static) == zoo.LAYERS * (3 if m.kind == zoo.SEQ2SEQ else 1), str(static.report)
+        assert kernels_used(static) == _attentions(m), str(static.report)
     else:
         assert _rules(static) == _rules(_imported(name)), str(static.report)
     for got, want in zip(static.run(feed), ort_run(m.export(), feed)):
