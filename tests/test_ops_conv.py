@@ -45,6 +45,10 @@ CASES = [  # x's shape (names: symbolic), W's shape, bias, GELU after, Conv attr
     ([2, 16, 9, 9], (32, 4, 3, 3), True, False, {"group": 4, "pads": [1, 1, 1, 1], "strides": [2, 2]},
      (2, 16, 9, 9)),
     (["b", 8, "n"], (8, 1, 5), False, False, {"group": 8, "pads": [2, 2]}, (3, 8, 29)),  # depthwise 1-D
+    (["b", 16, 56, 56], (16, 1, 3, 3), True, True, {"group": 16, "pads": [1, 1, 1, 1]}, (2, 16, 56, 56)),  # SegFormer
+    ([1, 8, 15, 21], (8, 1, 3, 5), False, False, {"group": 8, "pads": [2, 0, 1, 3], "strides": [2, 1],
+                                                  "dilations": [1, 2]}, (1, 8, 15, 21)),  # depthwise, odd
+    ([2, 12, 10, 9], (12, 2, 3, 3), True, False, {"group": 6, "pads": [1, 1, 1, 1]}, (2, 12, 10, 9)),  # 2 per group
     ([1, 512, 50], (7, 512, 10), True, False, {"strides": [5]}, (1, 512, 50)),  # Wav2Vec2's first, narrow out
     (["b", 1, "n"], (40, 1, 10), True, False, {"strides": [5]}, (2, 1, 403)),  # one channel: 8-row tiles, 79 rows
     (["b", 32, "n"], (32, 16, 8), True, False, {"group": 2, "pads": [4, 4]}, (2, 32, 21)),  # W2V2 positions: 16 wide
@@ -58,7 +62,8 @@ def test_conv_matches_onnx_runtime(x_shape, w_shape, bias, gelu, attrs, at):
     rules = imported.report.rule_of
     per_channel = attrs.get("group", 1) == w_shape[0]  # one output channel per group: taps summed in place
     assert "fallback" not in rules.values(), rules
-    assert rules.get("conv_per_channel") == "injective" if per_channel else "matmul" in rules.values(), rules
+    convs = {rule for name, rule in rules.items() if "conv_per_channel" in name}  # (its bias and GELU fused in)
+    assert convs == {"injective"} if per_channel else "matmul" in rules.values(), rules
     x = np.random.default_rng(1).standard_normal(at).astype(np.float32)
     got, want = imported.run({"x": x})[0], ort_run(model, {"x": x})[0]
     assert got.shape == want.shape

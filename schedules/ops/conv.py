@@ -25,9 +25,11 @@ import numpy as np
 import tvm
 from tvm import relax, te, tirx
 
+from tvmattn.compiler.annotations import OP_PATTERN, OUT_ELEMWISE_FUSABLE
 from tvmattn.schedules.ops.rewrite import rewrite_functions
 
 MAX_TAPS = 64  # a per-channel convolution's terms, unrolled (a larger one stays TVM's)
+MARGIN = 16  # the zeros before a depthwise convolution's rows: a whole vector (`_margins`)
 _CONVS = {"relax.nn.conv1d": ("NCW", "OIW"), "relax.nn.conv2d": ("NCHW", "OIHW")}
 
 
@@ -76,8 +78,7 @@ class _ConvAsGemm(relax.PyExprMutator):
         out_sizes = [(spatial[i] + padding[i] + padding[dims + i] - dilation[i] * (kernel[i] - 1) - 1)
                      // strides[i] + 1 for i in range(dims)]
         if n_out == groups:  # one column per group (depthwise): a GEMM of width 1; the taps summed in place
-            return self.builder_.emit_te(_per_channel, x, relax.const(w), strides, padding[:dims], dilation,
-                                         out_sizes, primfunc_name_hint="conv_per_channel")
+            return self._depthwise(x, relax.const(w), strides, padding, dilation, out_sizes)
         batch = shape[0]
         positions = out_sizes[0] if dims == 1 else out_sizes[0] * out_sizes[1]
         k = c_group * int(np.prod(kernel))
@@ -95,10 +96,11 @@ class _ConvAsGemm(relax.PyExprMutator):
                                          primfunc_name_hint="im2col")
             w = w.transpose(0, 2, 1)  # (N, K, C/g): the reduction in the rows' order
         else:
-            if any(padding):  # padded once: the copy then reads whole vectors of x, not lane by lane clamped
-                x = self.builder_.emit_te(_padded, x, padding, primfunc_name_hint="pad")
-            cols = self.builder_.emit_te(_im2col, x, kernel, strides, dilation, out_sizes, groups,
+            if any(padding):  # padded once, apart: the copy then reads whole vectors of x, not every tap tested
+                x = self.builder_.emit_te(_margins, x, padding, padding[dims - 1], primfunc_name_hint="pad")
+            cols = self.builder_.call_te(_im2col, x, kernel, strides, dilation, out_sizes, groups,
                                          primfunc_name_hint="im2col")
+            cols = self.builder_.emit(self._apart(cols) if any(padding) else cols)
         if groups == 1:
             flat = self.builder_.emit(relax.op.reshape(cols, [batch, rows, k]))
             panel = w.reshape(n_out, k).T  # (C·KH·KW, N): the GEMM's (reduction, columns)
@@ -115,6 +117,31 @@ class _ConvAsGemm(relax.PyExprMutator):
         else:  # (B, g, P, N/g) → (B, g, N/g, P)
             y = self.builder_.emit(relax.op.permute_dims(y, [0, 1, 3, 2]))
         return relax.op.reshape(y, [batch, n_out, *out_sizes])
+
+    def _depthwise(self, x: relax.Expr, w: relax.Constant, strides, padding, dilation, out_sizes) -> relax.Expr:
+        """A depthwise convolution: padded first (`_margins`), then every tap a plain load, vectors along
+        the output's rows. The convolution keeps its padded input apart (TVM's own convolutions do the
+        same): fused in, each tap of each lane tested the padding again and the copy ran scalar."""
+        dims = len(out_sizes)
+        offsets = [0] * dims
+        if any(padding):
+            margin = -(-padding[dims - 1] // MARGIN) * MARGIN  # at least the padding, whole vectors
+            x = self.builder_.emit_te(_margins, x, padding, margin, primfunc_name_hint="pad")
+            offsets = [0] * (dims - 1) + [margin - padding[dims - 1]]  # (x's row r is the padded r + top)
+        # the call itself, not a variable bound to it: fusion does not see through a binding of one
+        # variable to another, and the bias and activation after it ran as functions of their own
+        out = self.builder_.call_te(_per_channel, x, w, strides, offsets, dilation, out_sizes,
+                                    primfunc_name_hint="conv_per_channel")
+        return self._apart(out) if any(padding) else out
+
+    def _apart(self, call: relax.Call) -> relax.Call:
+        """``call`` (of a function reading a padded copy) with no producer fused into it: fused, the padding
+        is tested again in every tap of every lane (a branch per element, where a select would read outside
+        x), as TVM keeps the padding of its own convolutions apart; consumers that are elementwise (a bias,
+        an activation) still join it."""
+        gv = call.args[0]
+        self.builder_.update_func(gv, self.builder_.get()[gv].with_attr(OP_PATTERN, OUT_ELEMWISE_FUSABLE))
+        return call
 
 
 def _supported(call: relax.Call, layouts: tuple[str, str]) -> bool:
@@ -133,20 +160,19 @@ def _supported(call: relax.Call, layouts: tuple[str, str]) -> bool:
 
 
 def _im2col(x: te.Tensor, kernel, strides, dilation, out_sizes, groups: int = 1) -> te.Tensor:
-    """(B, OH, OW, C, KH, KW): each output position's receptive field in x (padded already, `_padded`).
+    """(B, OH, OW, C, KH, KW): each output position's receptive field in x (padded already, `_margins`).
     With groups, (B, g, OH, OW, C/g, KH, KW): each group's rows contiguous, as its GEMM reads them (a
     transposition after the copy cost Wav2Vec2's positional convolution, 128 taps, a second pass over
     128 times its input)."""
     dims = len(kernel)
-    unpadded = [0] * dims
     if groups == 1:
         return te.compute((x.shape[0], *out_sizes, x.shape[1], *kernel),
-                          lambda b, *i: _tap(x, b, i[dims], i[:dims], i[dims + 1:], strides, unpadded, dilation),
+                          lambda b, *i: _tap(x, b, i[dims], i[:dims], i[dims + 1:], strides, dilation),
                           name="im2col")
     per_group = int(x.shape[1]) // groups
     return te.compute((x.shape[0], groups, *out_sizes, per_group, *kernel),
                       lambda b, g, *i: _tap(x, b, g * per_group + i[dims], i[:dims], i[dims + 1:], strides,
-                                            unpadded, dilation),
+                                            dilation),
                       name="im2col")
 
 
@@ -170,9 +196,8 @@ def _im2col_nwc(x: te.Tensor, kernel: int, stride: int, padding: int, dilation: 
             ([q < x.shape[1]] if extra or padding else [])
         if not inside:
             return x[b, q, g * per_group + c]
-        # the same for every channel: one test per vector, the load clamped into x
-        return tirx.Select(tirx.all(*inside), x[b, tirx.max(0, tirx.min(q, x.shape[1] - 1)), g * per_group + c],
-                           tirx.const(0, x.dtype))
+        # the same for every channel: one test per vector; a branch, not a select (which reads both sides)
+        return tirx.if_then_else(tirx.all(*inside), x[b, q, g * per_group + c], tirx.const(0, x.dtype))
 
     if groups == 1:
         return te.compute((x.shape[0], rows, kernel, x.shape[2]), lambda b, p, tap, c: row(b, 0, p, tap, c),
@@ -180,34 +205,43 @@ def _im2col_nwc(x: te.Tensor, kernel: int, stride: int, padding: int, dilation: 
     return te.compute((x.shape[0], groups, rows, kernel, per_group), row, name="im2col")
 
 
-def _padded(x: te.Tensor, padding) -> te.Tensor:
-    """x with ``padding`` (before each spatial dimension, then after each) zeros around its spatial axes."""
+def _margins(x: te.Tensor, padding, margin: int) -> te.Tensor:
+    """x with zeros around its spatial axes: ``padding`` (before each, then after each), but ``margin``
+    (whole vectors) before the last axis, and that axis rounded up to multiples of `MARGIN` where static: each
+    bound of the padding then falls between vectors, and the copy runs in whole vectors
+    (`injective._uniform_lanes`)."""
     dims = len(padding) // 2
-    shape = [x.shape[2 + i] + padding[i] + padding[dims + i] for i in range(dims)]
-    zeros = [0] * dims
-    return te.compute((x.shape[0], x.shape[1], *shape),
-                      lambda b, c, *i: _tap(x, b, c, i, zeros, [1] * dims, padding[:dims], [1] * dims), name="pad")
+    sizes = [x.shape[2 + i] for i in range(dims)]
+    before = [*padding[:dims - 1], margin]
+    shape = [sizes[i] + padding[i] + padding[dims + i] for i in range(dims - 1)]
+    last = margin + sizes[-1] + padding[-1]
+    shape.append(-(-int(last) // MARGIN) * MARGIN if isinstance(last, (int, tirx.IntImm)) else last)
+
+    def value(b, c, *i):
+        coords = [i[k] - before[k] for k in range(dims)]
+        inside = tirx.all(*[tirx.all(0 <= q, q < sizes[k]) for k, q in enumerate(coords)])
+        # a branch, not a select: TVM simplifies away a clamp of the index under a select's own test, and a
+        # select loads both sides (x[-1] before the start of x)
+        return tirx.if_then_else(inside, x[(b, c, *coords)], tirx.const(0, x.dtype))
+
+    return te.compute((x.shape[0], x.shape[1], *shape), value, name="pad")
 
 
-def _per_channel(x: te.Tensor, w: te.Tensor, strides, padding, dilation, out_sizes) -> te.Tensor:
+def _per_channel(x: te.Tensor, w: te.Tensor, strides, offsets, dilation, out_sizes) -> te.Tensor:
     """out[b, o, pos] = Σ over o's group's channels and the taps of x · w, unrolled (at most `MAX_TAPS`
-    terms): elementwise along the output positions, the `injective` rule's."""
+    terms), x read at ``pos · stride + tap · dilation + offset`` (x padded already: every read inside it):
+    elementwise along the output positions, the `injective` rule's."""
     per_group, kernel = [int(s) for s in w.shape[1:2]][0], [int(s) for s in w.shape[2:]]
 
     def out(b, o, *pos):
-        terms = [_tap(x, b, o * per_group + ci, pos, taps, strides, padding, dilation) * w[(o, ci, *taps)]
+        terms = [x[(b, o * per_group + ci, *[pos[i] * strides[i] + taps[i] * dilation[i] + offsets[i]
+                                             for i in range(len(pos))])] * w[(o, ci, *taps)]
                  for ci in range(per_group) for taps in np.ndindex(*kernel)]
         return functools.reduce(lambda s, t: s + t, terms)
 
     return te.compute((x.shape[0], w.shape[0], *out_sizes), out, name="conv_per_channel")
 
 
-def _tap(x: te.Tensor, b, c, pos, taps, strides, padding, dilation):
-    """x at output position ``pos``'s tap ``taps`` of channel ``c``: zero in the padding."""
-    coords = [pos[i] * strides[i] + taps[i] * dilation[i] - padding[i] for i in range(len(pos))]
-    if not any(padding):
-        return x[(b, c, *coords)]
-    # the load clamped into x and the padding selected after: a vectorised select reads both sides
-    inside = tirx.all(*[tirx.all(0 <= q, q < x.shape[2 + i]) for i, q in enumerate(coords)])
-    clamped = [tirx.max(0, tirx.min(q, x.shape[2 + i] - 1)) for i, q in enumerate(coords)]
-    return tirx.Select(inside, x[(b, c, *clamped)], tirx.const(0, x.dtype))
+def _tap(x: te.Tensor, b, c, pos, taps, strides, dilation):
+    """x (padded already) at output position ``pos``'s tap ``taps`` of channel ``c``."""
+    return x[(b, c, *[pos[i] * strides[i] + taps[i] * dilation[i] for i in range(len(pos))])]

@@ -18,6 +18,7 @@ from tvmattn.compiler.target import vector_lanes
 PARALLEL_GRAIN = 4096  # elements per parallel task at least: below it a thread's start costs more than its work
 PARALLEL_TASKS = 64  # iterations of a parallel loop enough to share among threads (`_parallel_prefix`)
 SYMBOLIC_TASKS = 8  # what a symbolic extent (a batch, a sequence) is assumed to contribute to them
+MIN_LANES = 4  # the narrowest vector an odd static extent is split into
 _IF_THEN_ELSE = tvm.ir.Op.get("prim.if_then_else")
 _COMPARISONS = (tirx.LT, tirx.LE, tirx.GT, tirx.GE, tirx.EQ, tirx.NE)
 
@@ -51,6 +52,8 @@ def spatial(sch: Schedule, block: s_tir.schedule.SBlockRV, target: Target) -> No
     extent = sch.get(inner).extent
     gathers = _gathers(sch.get(block))
     lanes = _uniform_lanes(sch.get(block), lanes, extent)
+    while isinstance(extent, tirx.IntImm) and lanes > MIN_LANES and extent.value % lanes:
+        lanes //= 2  # narrower vectors that divide the loop (a 56-wide image row: 8), not none
     if not gathers and _transposed_tiles(sch, block, lanes):  # (a gather's reads are its indices')
         return
     if isinstance(extent, tirx.IntImm) and extent.value > 0 and extent.value % lanes == 0 and lanes > 1:
