@@ -16,6 +16,8 @@ class TvmAttnError(ValueError):
 # What TVM puts around the sentence that matters: its check macros, printed IR, object reprs.
 _CHECK = re.compile(r"^.*?Check failed: \(.*?\) is false:\s*")
 _REPR = re.compile(r"\b(?:ir|relax|tirx|s_tir)\.\w+\(span=.*")
+# A Relax op's inference error: "In ir.Op(…name="relax.multiply"…support_level=10), the first input shape …"
+_OP_SENTENCE = re.compile(r'In ir\.Op\(.*?name="relax\.([\w.]+)".*?support_level=\d+\),\s*(.+)')
 _UNLOWERED = re.compile(r"CodeGenVM cannot emit this Relax operator.*?Offending call:\s*R\.(\w+)", re.S)
 _NOISE = ("#", "File ", "Traceback", "Stack trace", "During handling", "The above exception", "^")
 
@@ -46,6 +48,9 @@ def tvm_reason(err: BaseException) -> str:
     if left is not None:  # Relax could not infer the op's output shape, so nothing legalised it
         return (f"TVM could not infer the shape of a {left.group(1)} from the model's symbolic sizes: "
                 f"import it with static shapes (import_onnx(..., shapes={{input: sizes}}), --shape)")
+    inference = _OP_SENTENCE.search(str(err))
+    if inference is not None:  # the op's repr would leave nothing of the line
+        return f"{inference.group(1)}: " + re.sub(r"T\.int64\((-?\d+)\)", r"\1", inference.group(2)).strip()[:300]
     lines = [line.strip() for line in str(err).splitlines()]
     lines = [line for line in lines if line and not line.startswith(_NOISE) and not line.startswith(("R.", "T."))]
     for line in reversed(lines):

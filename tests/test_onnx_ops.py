@@ -319,6 +319,37 @@ def test_shape_arithmetic_tvm_cannot_convert_says_how_to_bind_the_sizes():
     np.testing.assert_array_equal(imported.run({"x": x})[0], ort_run(model, {"x": x})[0])
 
 
+def test_a_size_beside_a_constant_array_is_a_tensor_of_the_sum():
+    """Funnel's relative positions: a constant (16, 1) array plus 2·n, a scalar of shape arithmetic. TVM's
+    converter folded both into one scalar and failed on the array; it matches ONNX Runtime at two n."""
+    ints = lambda name, v: (name, np.array(v, np.int64))  # noqa: E731
+    nodes = [oh.make_node("Shape", ["x"], ["s"]), oh.make_node("Gather", ["s", "one"], ["n"], axis=0),
+             oh.make_node("Mul", ["n", "two"], ["n2"]), oh.make_node("Add", ["positions", "n2"], ["y"])]
+    consts = [ints("one", 1), ints("two", 2), ints("positions", np.arange(16).reshape(16, 1))]
+    model = _model(nodes, [("x", TP.FLOAT, ["b", "n", H])], [("y", TP.INT64, 2)], consts)
+    imported = tvmattn.import_onnx(model)
+    for n in (3, 7):
+        x = randn(np.random.default_rng(n), 2, n, H)
+        np.testing.assert_array_equal(imported.run({"x": x})[0], ort_run(model, {"x": x})[0])
+
+
+def test_sizes_that_do_not_broadcast_name_the_op_and_the_sizes():
+    """An export that baked its traced length into one operand (Funnel's TorchScript export: 15 for
+    2·8 - 1, behind shape arithmetic ONNX's inference does not follow) fails at any other length, in ONNX
+    Runtime too; the error says which sizes disagree, where it said "ValueError" (the rest of TVM's line
+    is the op's repr)."""
+    from tvm import relax
+
+    from tvmattn.compiler.errors import tvm_reason
+
+    bb = relax.BlockBuilder()
+    x, w = relax.Var("x", relax.TensorType((2, 5, 15), "float32")), relax.Var("w", relax.TensorType((128,), "float32"))
+    with pytest.raises(Exception) as raised:
+        bb.normalize(relax.op.multiply(x, w))
+    assert tvm_reason(raised.value) == ("multiply: the first input shape at dim 2 is 15 and the second input shape at "
+                                        "dim 0 is 128, which are not broadcastable.")
+
+
 # ---- a constant tiled along the batch --------------------------------------------------------------------
 @pytest.mark.parametrize("transposed", [True, False])
 @pytest.mark.parametrize("dtype", [None, "bfloat16"])

@@ -154,6 +154,19 @@ def nonempty(inputs: list, axis: int) -> list:
     kept = [x for x in inputs if not empty(x)]
     return kept or inputs[:1]
 
+def scalars_beside_arrays(inputs: list, attrs: dict) -> list:
+    """A broadcasting op's scalars of shape arithmetic as 0-d tensors where another input is a constant of
+    more than one element: TVM's converter folds constants and shape scalars into one scalar, which fails
+    on such a constant (Funnel's relative positions ``arange(16)[:, None] + 2 * seq``)."""
+    def many(x) -> bool:
+        return isinstance(x, tvm.ir.GenericConst) and x.value.numpy().size > 1
+
+    if not any(many(x) for x in inputs) or not any(tvm.ir.is_prim_expr(x) for x in inputs):
+        return inputs
+    return [relax.op.astype(relax.op.reshape(relax.op.shape_to_tensor(relax.ShapeExpr([_int_scalar(x)])), ()),
+                            str(x.ty.dtype)) if tvm.ir.is_prim_expr(x) else x for x in inputs]
+
+
 # The ops TVM 0.27's importer lets read a ShapeExpr (its `shape_compatible_ops`); any other raises.
 READS_SHAPES = {"Reshape", "Resize", "ConstantOfShape", "Gather", "Slice", "Shape", "Expand", "Concat", "Equal",
                 "Where", "Cast", "CastLike", "Squeeze"}
