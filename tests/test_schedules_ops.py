@@ -291,7 +291,26 @@ def test_injective_pad_runs_whole_vectors_between_its_bounds(n):
     assert check([x, y], np.pad(data, ((0, 0), (0, 0), (0, 16))).astype(np.float64), data, tol=0)[0] == "injective"
     avx512 = resolve_target({"kind": "llvm", "mcpu": "znver4"})
     sch = dict(RULES)["injective"].apply(te.create_prim_func([x, y]), avx512, False)
-    assert re.findall(r"T\.vectorized\(T\.int64\((\d+)\)\)", sch.mod.script()) == ["8"]
+    assert set(re.findall(r"T\.vectorized\(T\.int64\((\d+)\)\)", sch.mod.script())) == {"8"}  # (x's, the zeros')
+
+
+@pytest.mark.parametrize("n", [3, 40])
+def test_injective_rotate_half_over_narrow_heads_runs_in_vectors(n):
+    """cat(-x[..., 8:], x[..., :8]) over 16-wide heads, n symbolic (ESM's rotary): 8-lane vectors, each
+    all of one half. With a symbolic size's 64-bit indices TVM's simplifier left the halves' test one
+    per lane, and the vectoriser ran the loop a lane at a time (masked gathers, 10× slower than at
+    static sizes); each half is now a loop of its own, its test folded."""
+    m = tirx.Var("n", "int64")
+    x = te.placeholder((m, i64(4), i64(16)), name="x")
+    y = te.compute((m, i64(4), i64(16)), lambda i, h, j: tirx.if_then_else(8 <= j, x[i, h, j - 8], -x[i, h, j + 8]),
+                   name="rotate")
+    data = randn(np.random.default_rng(10), n, 4, 16)
+    want = np.concatenate([-data[..., 8:], data[..., :8]], axis=-1).astype(np.float64)
+    assert check([x, y], want, data, tol=0)[0] == "injective"
+    avx512 = resolve_target({"kind": "llvm", "mcpu": "znver4"})
+    sch = dict(RULES)["injective"].apply(te.create_prim_func([x, y]), avx512, False)
+    ir = tvm.tirx.build(sch.mod, target=avx512).inspect_source("ll")
+    assert "<8 x float>" in ir and "masked.gather" not in ir
 
 
 @pytest.mark.parametrize("n", [1, 1000])

@@ -41,8 +41,9 @@ class Injective(ScheduleRule):
 def spatial(sch: Schedule, block: s_tir.schedule.SBlockRV, target: Target) -> None:
     """One spatial block: innermost loop vectorised (whole vectors of a static extent; of a symbolic
     one where the block gathers: its load, index load and store per element pay for the tail), the loops
-    outside it fused and parallel when there is enough work for more than one thread. A transposition
-    takes square tiles (`_transposed_tiles`)."""
+    outside it fused and parallel when there is enough work for more than one thread; where a test of the
+    innermost axis (a pad, a concatenation) falls between vectors, one loop of vectors per side of it
+    (`_partition_at`). A transposition takes square tiles (`_transposed_tiles`)."""
     loops = sch.get_loops(block)
     if not loops:
         return
@@ -51,14 +52,19 @@ def spatial(sch: Schedule, block: s_tir.schedule.SBlockRV, target: Target) -> No
     *outer, inner = loops
     extent = sch.get(inner).extent
     gathers = _gathers(sch.get(block))
-    lanes = _uniform_lanes(sch.get(block), lanes, extent)
+    bounds = _inner_bounds(sch.get(block), extent)
+    lanes = _uniform_lanes(bounds, lanes)
     while isinstance(extent, tirx.IntImm) and lanes > MIN_LANES and extent.value % lanes:
         lanes //= 2  # narrower vectors that divide the loop (a 56-wide image row: 8), not none
     if not gathers and _transposed_tiles(sch, block, lanes):  # (a gather's reads are its indices')
         return
+    vectors, cuts = None, []  # the loop over whole vectors of the innermost axis, where a test cuts it
     if isinstance(extent, tirx.IntImm) and extent.value > 0 and extent.value % lanes == 0 and lanes > 1:
         if extent.value > lanes:
-            outer.append(sch.split(inner, [None, lanes])[0])
+            vectors = sch.split(inner, [None, lanes])[0]
+            cuts = sorted({b // lanes for b in bounds if 0 < b < extent.value})
+            if not cuts:
+                outer.append(vectors)
             inner = sch.get_loops(block)[-1]
         sch.vectorize(inner)
     elif not isinstance(extent, tirx.IntImm) and lanes > 1 and gathers:
@@ -70,6 +76,18 @@ def spatial(sch: Schedule, block: s_tir.schedule.SBlockRV, target: Target) -> No
         fused = sch.fuse(*outer) if len(outer) > 1 else outer[0]
         if _work(sch, block) >= PARALLEL_GRAIN:
             sch.parallel(fused)
+    if cuts:
+        _partition_at(sch, vectors, cuts)
+
+
+def _partition_at(sch: Schedule, vectors, cuts: list[int]) -> None:
+    """The loop over vectors split into one loop per stretch between ``cuts`` (in vectors): in each, a
+    padding's or concatenation's test is the same for all its vectors, and TVM's simplifier folds it to
+    one value. Left to it, it folded ``8 <= v·8 + lane`` only with 32-bit indices: with a symbolic
+    size's 64-bit ones (ESM's rotary over 16-wide heads) the vectoriser met a test that differs between
+    lanes, ran the loop a lane at a time, and the kernel ran 10× slower than at static sizes."""
+    edges = [0, *cuts]
+    sch.loop_partition(vectors, [b - a for a, b in zip(edges, edges[1:])] + [None])  # (the last: the rest)
 
 
 def _parallel_prefix(sch: Schedule, loops: list) -> int:
@@ -128,11 +146,8 @@ def _transposed_tiles(sch: Schedule, block, lanes: int) -> bool:
     return False
 
 
-def _uniform_lanes(block, lanes: int, extent) -> int:
-    """``lanes``, halved until every bound that an ``if_then_else`` sets inside the innermost axis (a
-    Pad's ``j < 80`` of 96) falls between vectors: TVM's vectoriser keeps a choice that is the same for a whole
-    vector and runs one that differs between lanes a lane at a time (a symbolic (2, 4, n, 80) → (…, 96)
-    pad ran 7× slower)."""
+def _inner_bounds(block, extent) -> list[int]:
+    """The bounds an ``if_then_else`` sets inside the innermost axis (a Pad's ``j < 80`` of 96)."""
     axis = block.iter_vars[-1].var if block.iter_vars else None
     bounds: list[int] = []
 
@@ -148,6 +163,13 @@ def _uniform_lanes(block, lanes: int, extent) -> int:
 
     if axis is not None:
         tvm_ffi.structural_walk(block.body, [(Call, on_call)])
+    return bounds
+
+
+def _uniform_lanes(bounds: list[int], lanes: int) -> int:
+    """``lanes``, halved until every one of the innermost axis's ``bounds`` falls between vectors: TVM's
+    vectoriser keeps a choice that is the same for a whole vector and runs one that differs between
+    lanes a lane at a time (a symbolic (2, 4, n, 80) → (…, 96) pad ran 7× slower)."""
     for bound in bounds:
         while lanes > 1 and bound % lanes:
             lanes //= 2
