@@ -91,6 +91,26 @@ def test_bf16_conv_matches_onnx_runtime(x_shape, w_shape, gelu, attrs, at):
     assert errors(got, want)[1] <= 2e-2, errors(got, want)
 
 
+def test_a_pointwise_conv_keeps_its_length_symbolic_for_the_norm_after_it():
+    """A grouped 1-wide conv over a symbolic n (SqueezeBERT's projections) → Transpose → LayerNorm: the
+    conv's length came out as (n - 1) // 1 + 1, which the norm's function took as a size of its own,
+    and it ran on the fallback rule."""
+    model = conv_model(["b", 16, "n"], (16, 4, 1), True, **{"group": 4})
+    rng = np.random.default_rng(3)
+    g = oh.make_graph(
+        list(model.graph.node) + [oh.make_node("Transpose", ["out"], ["t"], perm=[0, 2, 1]),
+                                  oh.make_node("LayerNormalization", ["t", "g", "beta"], ["y"], axis=-1)],
+        "squeeze", list(model.graph.input), [oh.make_tensor_value_info("y", TP.FLOAT, [None, None, 16])],
+        initializer=[*model.graph.initializer, nh.from_array(rng.standard_normal(16).astype(np.float32), "g"),
+                     nh.from_array(rng.standard_normal(16).astype(np.float32), "beta")])
+    model = oh.make_model(g, opset_imports=[oh.make_opsetid("", 20)])
+    model.ir_version = 9
+    imported = tvmattn.import_onnx(model)
+    assert "fallback" not in imported.report.rule_of.values(), imported.report.rule_of
+    x = rng.standard_normal((2, 16, 37)).astype(np.float32)
+    assert errors(imported.run({"x": x})[0], ort_run(model, {"x": x})[0])[1] <= 1e-5
+
+
 @pytest.mark.parametrize("dtype, tolerance", [(None, 1e-5), ("bfloat16", 3e-2)])
 def test_transposes_around_a_norm_cancel(dtype, tolerance):
     """conv → Transpose → LayerNorm → Transpose → Gelu → conv → Transpose (Wav2Vec2's feature extractor): the GEMM's

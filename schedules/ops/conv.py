@@ -75,8 +75,11 @@ class _ConvAsGemm(relax.PyExprMutator):
         padding = [int(p) for p in a.padding]  # before each dimension, then after each
         shape = list(x.ty.shape)
         spatial = shape[2:]
-        out_sizes = [(spatial[i] + padding[i] + padding[dims + i] - dilation[i] * (kernel[i] - 1) - 1)
-                     // strides[i] + 1 for i in range(dims)]
+        # simplified: a symbolic size kept as (n - 1) // 1 + 1 differs from n for the functions after it (a
+        # LayerNorm over it took a size parameter of its own, and no rule scheduled it)
+        out_sizes = [tvm.sym.Analyzer().simplify((spatial[i] + padding[i] + padding[dims + i]
+                                                  - dilation[i] * (kernel[i] - 1) - 1) // strides[i] + 1)
+                     for i in range(dims)]
         if n_out == groups:  # one column per group (depthwise): a GEMM of width 1; the taps summed in place
             return self._depthwise(x, relax.const(w), strides, padding, dilation, out_sizes)
         batch = shape[0]
