@@ -302,6 +302,25 @@ def _xglm(width: int, heads: int) -> dict[str, Any]:
                 max_position_embeddings=MAX_POSITIONS, pad_token_id=1)
 
 
+def _esm(width: int, heads: int) -> dict[str, Any]:  # ESM-2's protein encoder: rotary over 16-wide heads
+    return _llama_like(mask_token_id=1, pad_token_id=1, position_embedding_type="rotary")(width, heads)
+
+
+def _ctrl(width: int, heads: int) -> dict[str, Any]:
+    return dict(n_embd=width, n_head=heads, n_layer=LAYERS, dff=4 * width, vocab_size=VOCAB, n_positions=MAX_POSITIONS)
+
+
+def _swin(width: int, heads: int) -> dict[str, Any]:  # two stages: windows of 7², then merged patches at ``width``
+    return dict(embed_dim=width // 2, depths=[1, 1], num_heads=[heads // 2, heads], window_size=7, image_size=224,
+                patch_size=4)
+
+
+def _segformer(width: int, heads: int) -> dict[str, Any]:  # two stages: keys and values from strided convs
+    return dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[8, 4], hidden_sizes=[width // 2, width],
+                num_attention_heads=[heads // 2, heads], patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[4, 4],
+                decoder_hidden_size=width)
+
+
 WHISPER_FRAMES = 400  # 4 s of 10 ms mel frames: its encoder takes exactly 2 × max_source_positions
 
 
@@ -344,6 +363,9 @@ MODELS: list[ZooModel] = [
     M("mobilebert", "MobileBERT", "torchscript", ENCODER, 512, 4,  # 128-wide bottlenecks, trigram embedding
       _encoder("MobileBertConfig", intra_bottleneck_size=128, embedding_size=128, true_hidden_size=128)),
     M("megatron-bert", "MegatronBERT", "torchscript", ENCODER, 512, 8, _encoder("MegatronBertConfig")),
+    M("esm", "ESM", "torchscript", ENCODER, 320, 20, _encoder("EsmConfig", _esm)),  # ESM-2 8M's shape
+    M("squeezebert", "SqueezeBERT", "torchscript", ENCODER, 256, 4,  # grouped 1-wide convolutions for its GEMMs
+      _encoder("SqueezeBertConfig", embedding_size=256)),
     # decoders: the prefill, logits of every position
     M("gpt2", "GPT-2", "dynamo", PREFILL, 768, 12, _causal("GPT2Config", _gpt2), _TS_CAUSAL),
     M("llama", "Llama", "torchscript", PREFILL, 512, 8, _causal("LlamaConfig", mask=True, num_key_value_heads=2)),
@@ -377,6 +399,13 @@ MODELS: list[ZooModel] = [
       _TS_CAUSAL),
     M("cohere", "Cohere", "dynamo", PREFILL, 256, 4, _causal("CohereConfig", num_key_value_heads=2), _TS_CAUSAL),
     M("olmo", "OLMo", "dynamo", PREFILL, 256, 4, _causal("OlmoConfig"), _TS_CAUSAL),
+    M("ctrl", "CTRL", "dynamo", PREFILL, 256, 4, _causal("CTRLConfig", _ctrl), _TS_CAUSAL),
+    M("biogpt", "BioGPT", "dynamo", PREFILL, 256, 4, _causal("BioGptConfig"), _TS_CAUSAL),
+    M("persimmon", "Persimmon", "dynamo", PREFILL, 256, 4,  # LayerNorms on q and k, a partial rotary
+      _causal("PersimmonConfig", qk_layernorm=True), _TS_CAUSAL),
+    M("gemma3", "Gemma3", "dynamo", PREFILL, 256, 4,
+      _causal("Gemma3TextConfig", num_key_value_heads=2, head_dim=64, sliding_window=64), _TS_CAUSAL),
+    M("smollm3", "SmolLM3", "dynamo", PREFILL, 256, 4, _causal("SmolLM3Config", num_key_value_heads=2), _TS_CAUSAL),
     # decode steps: one token against a cache (batch 1)
     M("gpt2-decode", "GPT-2", "torchscript", DECODE, 768, 12, _causal("GPT2Config", _gpt2)),
     M("qwen3-decode", "Qwen3", "dynamo", DECODE, 256, 4,
@@ -389,6 +418,8 @@ MODELS: list[ZooModel] = [
     M("marian", "Marian", "dynamo", SEQ2SEQ, 256, 4, _seq2seq("MarianConfig", _marian)),
     M("pegasus", "Pegasus", "dynamo", SEQ2SEQ, 256, 4, _seq2seq("PegasusConfig", _bart_like)),
     M("m2m100", "M2M100", "dynamo", SEQ2SEQ, 256, 4, _seq2seq("M2M100Config", _bart_like)),
+    M("mbart", "mBART", "dynamo", SEQ2SEQ, 256, 4, _seq2seq("MBartConfig", _bart_like)),
+    M("mt5", "mT5", "torchscript", SEQ2SEQ, 256, 4, _seq2seq("MT5Config", _t5)),
     # vision: 224² images
     M("vit-ort", "ViT", "ort-torchscript", VISION, 384, 6, _pixels("ViTConfig", 16), ort_type="vit"),
     M("clip-vision", "CLIP", "dynamo", VISION, 256, 4, _pixels("CLIPVisionConfig", 32)),
@@ -397,6 +428,13 @@ MODELS: list[ZooModel] = [
     M("deit", "DeiT", "torchscript", VISION, 384, 6, _pixels("DeiTConfig", 16)),
     M("beit", "BEiT", "torchscript", VISION, 384, 6, _pixels("BeitConfig", 16, use_relative_position_bias=True)),
     M("dinov2", "DINOv2", "torchscript", VISION, 384, 6, _pixels("Dinov2Config", 14)),  # 16² patches of 14
+    M("yolos", "YOLOS", "torchscript", VISION, 192, 3,  # YOLOS-tiny's shape, 10 detection tokens
+      _pixels("YolosConfig", 16, num_detection_tokens=10, image_size=[224, 224])),
+    M("swin", "Swin", "torchscript", VISION, 128, 8,
+      Recipe("AutoModel", "SwinConfig", _swin, ("pixel_values",), "last_hidden_state", example=(3, 224, 224))),
+    M("segformer", "SegFormer", "torchscript", VISION, 128, 2,  # 3×3 depthwise convolutions in its MLPs
+      Recipe("AutoModel", "SegformerConfig", _segformer, ("pixel_values",), "last_hidden_state",
+             example=(3, 224, 224))),
     # audio: a convolution front end
     M("whisper-encoder", "Whisper", "torchscript", AUDIO, 384, 6,
       Recipe("AutoModel", "WhisperConfig", _whisper, ("input_features",), "last_hidden_state", part="get_encoder",
@@ -404,6 +442,9 @@ MODELS: list[ZooModel] = [
     M("wav2vec2", "Wav2Vec2", "torchscript", AUDIO, 256, 4,
       Recipe("AutoModel", "Wav2Vec2Config", _wav2vec2, ("input_values",), "last_hidden_state", example=(16000,)),
       own_shapes=((2, 32000),)),  # 2 s at 16 kHz
+    M("hubert", "HuBERT", "torchscript", AUDIO, 256, 4,
+      Recipe("AutoModel", "HubertConfig", _wav2vec2, ("input_values",), "last_hidden_state", example=(16000,)),
+      own_shapes=((2, 32000),)),
 ]
 BY_NAME = {m.name: m for m in MODELS}
 

@@ -24,6 +24,9 @@ Gather   constant 1-D indices into a shape (ONNX Runtime's transpose optimizer w
          tensor, and the sizes after it are no longer symbolic (GPT-2's causal ``Slice`` of the window
          ``key_len - query_len``: a (1,) tensor of TVM's Sub, unsqueezed to 2-D ``starts``); the picked
          sizes stay a shape.
+Add, Mul, …  a scalar of shape arithmetic beside a constant of more than one element (Funnel's relative
+         positions ``arange(16)[:, None] + 2 * seq``): the stock converter folds them into one scalar and
+         fails; the scalar becomes a 0-d tensor first (`scalars_beside_arrays`).
 
 TVM's importer keeps shape arithmetic as values (a scalar PrimExpr, a ShapeExpr) rather than tensors,
 which only some converters read; `as_onnx_value` gives such a value the rank ONNX says it has, as an
