@@ -62,7 +62,7 @@ def spatial(sch: Schedule, block: s_tir.schedule.SBlockRV, target: Target) -> No
     if isinstance(extent, tirx.IntImm) and extent.value > 0 and extent.value % lanes == 0 and lanes > 1:
         if extent.value > lanes:
             vectors = sch.split(inner, [None, lanes])[0]
-            cuts = sorted({b // lanes for b in bounds if 0 < b < extent.value})
+            cuts = [] if _fills(sch.get(block)) else sorted({b // lanes for b in bounds if 0 < b < extent.value})
             if not cuts:
                 outer.append(vectors)
             inner = sch.get_loops(block)[-1]
@@ -164,6 +164,27 @@ def _inner_bounds(block, extent) -> list[int]:
     if axis is not None:
         tvm_ffi.structural_walk(block.body, [(Call, on_call)])
     return bounds
+
+
+def _fills(block) -> bool:
+    """Whether an ``if_then_else`` of ``block`` has a constant side (a pad's zeros): a loop of vectors
+    all that constant fails TVM's bf16 storage legalisation ("dtype mismatch on BufferStore"), so such
+    a loop is not partitioned (`_partition_at`)."""
+    found: list = []
+
+    def on_call(call):
+        if call.op.same_as(_IF_THEN_ELSE) and any(isinstance(_uncast(a), (tirx.IntImm, tirx.FloatImm))
+                                                  for a in call.args[1:]):
+            found.append(call)
+
+    tvm_ffi.structural_walk(block.body, [(Call, on_call)])
+    return bool(found)
+
+
+def _uncast(e):
+    while isinstance(e, tirx.Cast):
+        e = e.value
+    return e
 
 
 def _uniform_lanes(bounds: list[int], lanes: int) -> int:
