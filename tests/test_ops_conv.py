@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+import tvm
 from onnx import TensorProto as TP
 from onnx import helper as oh
 from onnx import numpy_helper as nh
@@ -76,6 +77,7 @@ def test_conv_matches_onnx_runtime(x_shape, w_shape, bias, gelu, attrs, at):
     (["b", 32, "n"], (48, 32, 2), False, {"strides": [2]}, (1, 32, 66)),  # 48 wide: padded to 64 on AMX
     ([2, 48, 61], (64, 48, 3), True, {"strides": [2]}, (2, 48, 61)),  # 30 static rows, copied as 32, GELU
     ([1, 32, 75], (32, 16, 3), True, {"group": 2, "pads": [1, 1]}, (1, 32, 75)),  # 75 rows as 96, groups
+    ([1, 3, 64, 64], (32, 3, 7, 7), False, {"strides": [4, 4], "pads": [3, 3, 3, 3]}, (1, 3, 64, 64)),  # K = 147
 ])
 def test_bf16_conv_matches_onnx_runtime(x_shape, w_shape, gelu, attrs, at):
     """bf16 imports of convolutions whose GEMM width is not whole tile blocks (on AMX its weight gets
@@ -89,6 +91,54 @@ def test_bf16_conv_matches_onnx_runtime(x_shape, w_shape, gelu, attrs, at):
     got, want = imported.run({"x": x})[0], ort_run(model, {"x": x})[0]
     assert got.shape == want.shape
     assert errors(got, want)[1] <= 2e-2, errors(got, want)
+
+
+@pytest.mark.parametrize("batch", ["b", 2])
+@pytest.mark.parametrize("pads, strides", [([1, 1, 1, 1], [1, 1]), ([0, 1, 2, 0], [2, 1])])
+def test_a_depthwise_conv_over_tokens_runs_channels_last(batch, pads, strides):
+    """tokens (B, H·W, C) → Transpose → Reshape (B, C, H, W) → depthwise Conv → Reshape → Transpose →
+    Gelu (SegFormer's MLP): computed channels last from the tokens as they are, the model's
+    transpositions cancelled, the bias in the convolution's function; no function transposes."""
+    h, w, c = 8, 6, 32
+    out_h, out_w = [(n + pads[i] + pads[2 + i] - 3) // strides[i] + 1 for i, n in enumerate((h, w))]
+    rng = np.random.default_rng(4)
+    ints = lambda name, v: nh.from_array(np.array(v, np.int64), name)  # noqa: E731
+    nodes = [oh.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 1]), oh.make_node("Reshape", ["t", "image"], ["i"]),
+             oh.make_node("Conv", ["i", "w", "b"], ["conv"], group=c, pads=pads, strides=strides),
+             oh.make_node("Reshape", ["conv", "flat"], ["f"]), oh.make_node("Transpose", ["f"], ["g"], perm=[0, 2, 1]),
+             oh.make_node("Gelu", ["g"], ["y"])]
+    inits = [nh.from_array((rng.standard_normal((c, 1, 3, 3)) / 3).astype(np.float32), "w"),
+             nh.from_array(rng.standard_normal(c).astype(np.float32), "b"), ints("image", [0, c, h, w]),
+             ints("flat", [0, c, out_h * out_w])]
+    g = oh.make_graph(nodes, "tokens", [oh.make_tensor_value_info("x", TP.FLOAT, [batch, h * w, c])],
+                      [oh.make_tensor_value_info("y", TP.FLOAT, [batch, out_h * out_w, c])], initializer=inits)
+    model = oh.make_model(g, opset_imports=[oh.make_opsetid("", 20)])
+    model.ir_version = 9
+    imported = tvmattn.import_onnx(model)
+    rules = imported.report.rule_of
+    assert not [f for f in rules if "transpose" in f], rules
+    assert [f for f in rules if "conv_per_channel" in f] == ["fused_conv_per_channel_add"], rules
+    x = rng.standard_normal((2, h * w, c)).astype(np.float32)
+    assert errors(imported.run({"x": x})[0], ort_run(model, {"x": x})[0])[1] <= 1e-5
+
+
+@pytest.mark.parametrize("dims, first, shape, second, moves", [
+    ((2, 64, 32), [0, 2, 1], (2, 32, 8, 8), [0, 2, 3, 1], False),  # tokens → image → channels last: x as it is
+    ((2, 8, 8, 32), [0, 3, 1, 2], (2, 32, 64), [0, 2, 1], False),  # and back to tokens
+    ((2, 8, 8, 32), [0, 3, 1, 2], (2, 32, 64), [0, 1, 2], True),  # channels first: a transposition
+    ((2, 64, 32), [0, 2, 1], (2, 32, 8, 8), [0, 1, 3, 2], True),  # rows and columns swapped
+    ((2, 64, 32), [0, 2, 1], (2, 16, 128), [0, 2, 1], True),  # channels merged with positions
+])
+def test_transpositions_around_a_reshape_cancel_only_when_nothing_moves(dims, first, shape, second, moves):
+    """`layout._element_order`, against NumPy doing the three."""
+    from tvmattn.schedules.ops.layout import _element_order
+
+    x = np.arange(np.prod(dims)).reshape(dims)
+    y = x.transpose(first).reshape(shape).transpose(second)
+    assert np.array_equal(y.ravel(), x.ravel()) == (not moves)
+    order = _element_order([tvm.tirx.IntImm("int64", d) for d in dims], first,
+                           [tvm.tirx.IntImm("int64", d) for d in shape], second)
+    assert (order is not None and order == sorted(order)) == (not moves), order
 
 
 def test_a_pointwise_conv_keeps_its_length_symbolic_for_the_norm_after_it():

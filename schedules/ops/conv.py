@@ -14,7 +14,10 @@ to one reduction block that no rule tiles (it ran on the fallback rule at 2 GFLO
                             transposes it straight back)
 
 every stride, padding, dilation and group count runs at the GEMM's rate; the copy costs one pass
-over KH·KW/(SH·SW) times the input (once the input for a patch embedding).
+over KH·KW/(SH·SW) times the input (once the input for a patch embedding). A depthwise convolution (one
+output channel per group) sums its taps in place instead: channels last where its input is a
+transformer's tokens viewed as an image (`_depthwise_nhwc`; the model's transpositions cancel), else
+channels first over a padded copy (`_margins`, `_per_channel`).
 """
 
 from __future__ import annotations
@@ -81,6 +84,9 @@ class _ConvAsGemm(relax.PyExprMutator):
                                                   - dilation[i] * (kernel[i] - 1) - 1) // strides[i] + 1)
                      for i in range(dims)]
         if n_out == groups:  # one column per group (depthwise): a GEMM of width 1; the taps summed in place
+            tokens = self._tokens(x) if c_group == 1 and dims == 2 else None
+            if tokens is not None:
+                return self._depthwise_channels_last(tokens, shape, w, strides, padding, dilation, out_sizes)
             return self._depthwise(x, relax.const(w), strides, padding, dilation, out_sizes)
         batch = shape[0]
         positions = out_sizes[0] if dims == 1 else out_sizes[0] * out_sizes[1]
@@ -88,6 +94,12 @@ class _ConvAsGemm(relax.PyExprMutator):
         narrowed = self.dtype is not None and str(x.ty.dtype) == "float32"
         if narrowed:
             x = self.builder_.emit(relax.op.astype(x, self.dtype))
+        if narrowed and self.row_block and groups == 1 and dims == 2 and k % 2:
+            # one zero channel: the bf16 dot product takes the reduction in pairs, and an odd one (an RGB
+            # stem's 3·7·7 = 147) ran widened to fp32 FMAs, SegFormer's first GEMM at 200 GFLOP/s
+            x = self.builder_.emit(relax.op.nn.pad(x, [0, 0, 0, 1, 0, 0, 0, 0]))
+            w = np.concatenate([w, np.zeros((n_out, 1, *kernel), w.dtype)], axis=1)
+            c_group, k = c_group + 1, k + int(np.prod(kernel))
         rows = positions
         if dims == 1:  # channels last, the taps outside the channels: (…, K, C/g) rows
             x = self.builder_.emit(relax.op.permute_dims(x, [0, 2, 1]))
@@ -136,6 +148,41 @@ class _ConvAsGemm(relax.PyExprMutator):
         out = self.builder_.call_te(_per_channel, x, w, strides, offsets, dilation, out_sizes,
                                     primfunc_name_hint="conv_per_channel")
         return self._apart(out) if any(padding) else out
+
+    def _tokens(self, x: relax.Expr) -> relax.Expr | None:
+        """y (B, H·W, C) where x (B, C, H, W) is ``reshape(permute_dims(y, [0, 2, 1]))``: a transformer's
+        tokens viewed as an image (SegFormer's and PVT's convolutions in their MLPs), else None."""
+        bound = self.lookup_binding(x) if isinstance(x, relax.Var) else None
+        if not isinstance(bound, relax.Call) or getattr(bound.op, "name", "") != "relax.reshape":
+            return None
+        source = bound.args[0]
+        permuted = self.lookup_binding(source) if isinstance(source, relax.Var) else None
+        if not isinstance(permuted, relax.Call) or getattr(permuted.op, "name", "") != "relax.permute_dims" \
+                or permuted.attrs.axes is None or [int(a) for a in permuted.attrs.axes] != [0, 2, 1]:
+            return None
+        y = permuted.args[0]
+        dims = getattr(getattr(y.ty, "shape", None), "values", None)
+        b, c, h, w = x.ty.shape.values
+        analyzer = tvm.sym.Analyzer()
+        if dims is None or len(dims) != 3 or not all(analyzer.can_prove_equal(p, q) for p, q in
+                                                     zip(dims, (b, h * w, c))):
+            return None
+        return y
+
+    def _depthwise_channels_last(self, tokens: relax.Expr, image: list, w: np.ndarray, strides, padding,
+                                 dilation, out_sizes) -> relax.Expr:
+        """A depthwise convolution of tokens (B, H·W, C) viewed as the ``image`` (B, C, H, W), computed
+        channels last: each tap a vector along the channels, its padding test the same for all of them
+        (a branch a vector); handed back channels-first as the model has it, where the model's own
+        transposition back to tokens cancels it (`layout.cancel_transposes`). Channels-first, the
+        model's transpositions each way (with the activation after them) cost SegFormer more than the
+        convolution itself."""
+        batch, channels, height, width = image
+        x = self.builder_.emit(relax.op.reshape(tokens, [batch, height, width, channels]))
+        taps = relax.const(np.ascontiguousarray(w[:, 0].transpose(1, 2, 0)))  # (KH, KW, C)
+        z = self.builder_.emit(self.builder_.call_te(_depthwise_nhwc, x, taps, strides, padding, dilation, out_sizes,
+                                                     primfunc_name_hint="conv_per_channel"))
+        return relax.op.permute_dims(z, [0, 3, 1, 2])
 
     def _apart(self, call: relax.Call) -> relax.Call:
         """``call`` (of a function reading a padded copy) with no producer fused into it: fused, the padding
@@ -228,6 +275,27 @@ def _margins(x: te.Tensor, padding, margin: int) -> te.Tensor:
         return tirx.if_then_else(inside, x[(b, c, *coords)], tirx.const(0, x.dtype))
 
     return te.compute((x.shape[0], x.shape[1], *shape), value, name="pad")
+
+
+def _depthwise_nhwc(x: te.Tensor, w: te.Tensor, strides, padding, dilation, out_sizes) -> te.Tensor:
+    """out[b, i, j, c] = Σ over the taps of x[b, i·s + t·d − pad, j·s + u·d − pad, c] · w[t, u, c], zero
+    in the padding: a tap's test is on (i, j) alone, one branch for a whole vector of channels."""
+    kernel = [int(k) for k in w.shape[:2]]
+    sizes = [x.shape[1], x.shape[2]]
+
+    def out(b, i, j, c):
+        terms = []
+        for taps in np.ndindex(*kernel):
+            coords = [p * strides[k] + taps[k] * dilation[k] - padding[k] for k, p in enumerate((i, j))]
+            tests = [0 <= q for k, q in enumerate(coords) if padding[k]] + \
+                [q < sizes[k] for k, q in enumerate(coords) if padding[2 + k]]  # (no padding: inside x)
+            value = x[b, coords[0], coords[1], c]
+            if tests:  # a branch, not a select, which would load outside x
+                value = tirx.if_then_else(tirx.all(*tests), value, tirx.const(0, x.dtype))
+            terms.append(value * w[taps[0], taps[1], c])
+        return functools.reduce(lambda s, t: s + t, terms)
+
+    return te.compute((x.shape[0], *out_sizes, x.shape[3]), out, name="conv_per_channel")
 
 
 def _per_channel(x: te.Tensor, w: te.Tensor, strides, offsets, dilation, out_sizes) -> te.Tensor:

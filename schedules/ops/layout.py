@@ -75,7 +75,7 @@ class _CancelTransposes(relax.PyExprMutator):
             return call
         inner = self._producer(call.args[0])
         if inner is None:
-            return call
+            return self._through_reshape(call)
         x, first = inner
         axes = [first[a] for a in _axes(call)]  # out axis j is inner's axis q[j], x's axis p[q[j]]
         if axes == list(range(len(axes))):
@@ -99,6 +99,70 @@ class _CancelTransposes(relax.PyExprMutator):
             else:
                 return None
         return None
+
+
+    def _through_reshape(self, call: relax.Call) -> relax.Expr:
+        """``permute_dims(reshape(permute_dims(x, p), S), q)`` as ``reshape(x, …)`` where the three leave
+        x's elements in their order: a depthwise convolution computed channels last and handed back
+        channels-first (`conv`), flattened to (B, C, H·W) and transposed to tokens by the model."""
+        bound = self.lookup_binding(call.args[0]) if isinstance(call.args[0], relax.Var) else None
+        if not isinstance(bound, relax.Call) or getattr(bound.op, "name", "") != "relax.reshape":
+            return call
+        inner = self._producer(bound.args[0])
+        if inner is None:
+            return call
+        x, first = inner
+        have = [d for d in x.ty.shape.values] if isinstance(getattr(x.ty, "shape", None), relax.ShapeExpr) else None
+        shaped = bound.ty.shape.values if isinstance(getattr(bound.ty, "shape", None), relax.ShapeExpr) else None
+        if have is None or shaped is None:
+            return call
+        order = _element_order(have, first, list(shaped), _axes(call))
+        if order is None or order != sorted(order):
+            return call
+        return relax.op.reshape(x, relax.ShapeExpr([shaped[a] for a in _axes(call)]))
+
+
+def _element_order(dims: list, first: list[int], shape: list, second: list[int]) -> list[int] | None:
+    """Where x's pieces end up after permute_dims(reshape(permute_dims(x, first), shape), second): x's
+    dims (``dims``) and the reshape's split into common pieces (each axis of either a run of
+    consecutive pieces; sizes of 1 dropped), numbered in x's order; the pieces' numbers in the result's
+    order, or None where the reshape is no such regrouping (or a symbolic size is split)."""
+    analyzer = tvm.sym.Analyzer()
+    moved = [dims[a] for a in first]  # the reshape's input
+    pieces_in: list[list[int]] = [[] for _ in moved]
+    pieces_out: list[list[int]] = [[] for _ in shape]
+    a = [(i, d) for i, d in enumerate(moved) if not (isinstance(d, tvm.tirx.IntImm) and d.value == 1)]
+    b = [(j, d) for j, d in enumerate(shape) if not (isinstance(d, tvm.tirx.IntImm) and d.value == 1)]
+    i = j = piece = 0
+    left_a = a[0][1] if a else None
+    left_b = b[0][1] if b else None
+    while i < len(a) and j < len(b):
+        if analyzer.can_prove_equal(left_a, left_b):
+            size_a = size_b = None
+        elif all(isinstance(d, tvm.tirx.IntImm) for d in (left_a, left_b)) and left_b.value % left_a.value == 0:
+            size_a, size_b = None, tvm.tirx.IntImm("int64", left_b.value // left_a.value)
+        elif all(isinstance(d, tvm.tirx.IntImm) for d in (left_a, left_b)) and left_a.value % left_b.value == 0:
+            size_a, size_b = tvm.tirx.IntImm("int64", left_a.value // left_b.value), None
+        else:
+            return None
+        pieces_in[a[i][0]].append(piece)
+        pieces_out[b[j][0]].append(piece)
+        piece += 1
+        if size_a is None:
+            i += 1
+            left_a = a[i][1] if i < len(a) else None
+        else:
+            left_a = size_a
+        if size_b is None:
+            j += 1
+            left_b = b[j][1] if j < len(b) else None
+        else:
+            left_b = size_b
+    if i < len(a) or j < len(b):
+        return None
+    # x's axis k is the reshape input's axis first.index(k): number the pieces in x's order
+    number = {p: n for n, p in enumerate(p for k in range(len(dims)) for p in pieces_in[first.index(k)])}
+    return [number[p] for axis in second for p in pieces_out[axis]]
 
 
 def _axes(call: relax.Call) -> list[int]:

@@ -28,6 +28,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
+from tvmattn.compiler.annotations import INJECTIVE, OP_PATTERN, OUT_ELEMWISE_FUSABLE
 from tvmattn.schedules.ops.layout import same_shape
 from tvmattn.schedules.ops.rewrite import rewrite_functions
 
@@ -136,6 +137,11 @@ class _Before(relax.PyExprMutator):
         transposes back: moved, the GELU (and the 16-bit conversion, `conv`) runs once per element in
         the LayerNorm, not per tap in the next convolution's copy, and that copy moves 16-bit values."""
         value = self._bound(x)
+        if isinstance(value, relax.Call) and getattr(value.op, "name", "") == "relax.call_tir":
+            # a function of TE's making (a depthwise convolution, `conv`: no pattern until legalisation
+            # annotates it), not a kernel (opaque)
+            func = self.mod_[value.args[0]]
+            return int((func.attrs or {}).get(OP_PATTERN, INJECTIVE)) <= OUT_ELEMWISE_FUSABLE
         return isinstance(value, relax.Call) and getattr(value.op, "name", "") in (
             ELEMENTWISE | {"relax.matmul", "relax.permute_dims", "relax.strided_slice", "relax.nn.layer_norm",
                            "relax.nn.rms_norm"})
