@@ -157,6 +157,7 @@ def nonempty(inputs: list, axis: int) -> list:
     kept = [x for x in inputs if not empty(x)]
     return kept or inputs[:1]
 
+
 def scalars_beside_arrays(inputs: list, attrs: dict) -> list:
     """A broadcasting op's scalars of shape arithmetic as 0-d tensors where another input is a constant of
     more than one element: TVM's converter folds constants and shape scalars into one scalar, which fails

@@ -7,7 +7,9 @@ has it; an export that normalises over channels (Wav2Vec2's feature extractor, W
 it straight back to (B, T, C) for its LayerNorm, often through a reshape to the shape it already has.
 Each such pair copied the whole activation twice (Wav2Vec2's first layer: 26 MB each way, 6 % of the
 model). ``permute_dims(permute_dims(x, p), q)`` is ``permute_dims(x, p∘q)``, or ``x`` where that is
-the identity; a reshape to its input's own shape is its input.
+the identity; a reshape to its input's own shape is its input; and ``permute_dims(reshape(permute_dims(x,
+p), S), q)`` that leaves every element where it was is a reshape of x (tokens viewed as an image for a
+depthwise convolution computed channels last, `conv`, and flattened back to tokens by the model).
 """
 
 from __future__ import annotations
@@ -99,7 +101,6 @@ class _CancelTransposes(relax.PyExprMutator):
             else:
                 return None
         return None
-
 
     def _through_reshape(self, call: relax.Call) -> relax.Expr:
         """``permute_dims(reshape(permute_dims(x, p), S), q)`` as ``reshape(x, …)`` where the three leave
