@@ -310,6 +310,11 @@ def _ctrl(width: int, heads: int) -> dict[str, Any]:
     return dict(n_embd=width, n_head=heads, n_layer=LAYERS, dff=4 * width, vocab_size=VOCAB, n_positions=MAX_POSITIONS)
 
 
+def _mpt(width: int, heads: int) -> dict[str, Any]:  # ALiBi, no biases, no positions
+    return dict(d_model=width, n_heads=heads, n_layers=LAYERS, expansion_ratio=4, vocab_size=VOCAB,
+                max_seq_len=MAX_POSITIONS)
+
+
 def _swin(width: int, heads: int) -> dict[str, Any]:  # two stages: windows of 7², then merged patches at ``width``
     return dict(embed_dim=width // 2, depths=[1, 1], num_heads=[heads // 2, heads], window_size=7, image_size=224,
                 patch_size=4)
@@ -406,6 +411,7 @@ MODELS: list[ZooModel] = [
     M("gemma3", "Gemma3", "dynamo", PREFILL, 256, 4,
       _causal("Gemma3TextConfig", num_key_value_heads=2, head_dim=64, sliding_window=64), _TS_CAUSAL),
     M("smollm3", "SmolLM3", "dynamo", PREFILL, 256, 4, _causal("SmolLM3Config", num_key_value_heads=2), _TS_CAUSAL),
+    M("mpt", "MPT", "dynamo", PREFILL, 256, 4, _causal("MptConfig", _mpt), _TS_CAUSAL),  # ALiBi, masked_fill over it
     # decode steps: one token against a cache (batch 1)
     M("gpt2-decode", "GPT-2", "torchscript", DECODE, 768, 12, _causal("GPT2Config", _gpt2)),
     M("qwen3-decode", "Qwen3", "dynamo", DECODE, 256, 4,

@@ -65,7 +65,9 @@ class AttentionPattern:
         self.bias2 = wildcard()  # a second additive term (T5: its relative position bias, then the mask)
         biased = _op("add", logits, self.bias) | _op("add", self.bias, logits)
         # a bool mask, then a float one as bias2 (GPT-2's eager attention: its causal buffer, then the padding)
-        selected = _op("where", self.keep, logits, self.keep_fill) | _op("where", self.hide, self.hide_fill, logits)
+        # (or the bias added first and the bool mask over the sum: MPT's ALiBi, then its masked_fill)
+        chosen = biased | logits
+        selected = _op("where", self.keep, chosen, self.keep_fill) | _op("where", self.hide, self.hide_fill, chosen)
         masked = (_op("add", biased, self.bias2) | _op("add", self.bias2, biased) | biased
                   | _op("add", selected, self.bias2) | _op("add", self.bias2, selected) | selected | logits)
         self.softmax = _op("nn.softmax", _cast(masked))

@@ -10,6 +10,7 @@ expansion of ``Attention``), every step but the two matmuls and the softmax opti
     logits = logits + bias                     a float mask or bias (HF's finfo.min masks, T5 biases)
            | where(keep, logits, fill)         a bool mask; fill -inf or ≤ -1e30
            | where(hide, fill, logits)
+           | where(hide, fill, logits + bias)  the mask over the sum (MPT: its ALiBi, then masked_fill)
            [+ bias2]                           a second float term (T5: its bias, then its mask; GPT-2's
                                                eager attention: where(causal, …), then its padding mask)
     probs  = softmax(logits, axis=-1)          float casts around any of these
@@ -327,6 +328,17 @@ class _Match:
         the mask is a constant, which keys it lets each query see (None when that is decided at run
         time)."""
         heads = self._scores_shape()[-3] if len(self._scores_shape()) == 4 else None
+        select = next(((c, f, n) for c, f, n in ((self.p.keep, self.p.keep_fill, False),
+                                                 (self.p.hide, self.p.hide_fill, True)) if c in self.m), None)
+        if self.p.bias in self.m and select is not None:  # where(mask, fill, s + bias): MPT's masked_fill
+            if self.p.bias2 in self.m:
+                raise _NoMatch("a bias, a bool mask over the sum and another term after it")
+            if heads is not None and self._alibi(self.p.bias, heads, batched=False):
+                return self._select_mask(self.leaf(select[0]), _scalar(self.m[select[1]]), select[2])
+            terms = [self.leaf(self.p.bias), self._selected()]  # (the fill absorbs the bias: `_selected`)
+            if any(str(t.ty.dtype) != "float32" for t in terms):
+                raise _NoMatch("additive terms on the scores that are not float32")
+            return Mask(self.bb.emit(relax.op.add(*terms)), "additive"), {}, None
         if self.p.bias2 in self.m:  # two additive terms: ALiBi (MPT's) and a mask, or the sum the kernel adds
             for alibi, other in ((self.p.bias, self.p.bias2), (self.p.bias2, self.p.bias)):
                 if self.p.bias in self.m and heads is not None and self._alibi(alibi, heads, batched=False):
@@ -340,9 +352,8 @@ class _Match:
             if heads is not None and self._alibi(self.p.bias, heads, batched=False):
                 return None, {}, np.ones((1,), dtype=bool)
             return self._additive(self.p.bias)
-        for cond, fill, negate in ((self.p.keep, self.p.keep_fill, False), (self.p.hide, self.p.hide_fill, True)):
-            if cond in self.m:
-                return self._select_mask(self.leaf(cond), _scalar(self.m[fill]), negate)
+        if select is not None:
+            return self._select_mask(self.leaf(select[0]), _scalar(self.m[select[1]]), select[2])
         return None, {}, np.ones((1,), dtype=bool)
 
     def _additive(self, handle: DFPattern) -> tuple[Mask | None, dict, np.ndarray | None]:
