@@ -1,6 +1,7 @@
 """Forms of attention and of graphs from models outside the test matrix, each a small reproduction against
 ONNX Runtime: a rotary over the whole head (a zero-width slice concatenated back), attention on (B·h, n, d)
-batches (torch.nn.MultiheadAttention's own form as a pooling head; BLOOM's baddbmm with ALiBi), zero-size
+batches (torch.nn.MultiheadAttention's own form as a pooling head; BLOOM's baddbmm with ALiBi; XGLM's and
+MPT's masks), zero-size
 outputs, a corrupt input type, and GPT-2's attention as ONNX Runtime's transformer optimizer leaves it."""
 
 from __future__ import annotations
@@ -60,56 +61,39 @@ class PoolingHead(nn.Module):
         return self.mha(self.probe.expand(x.shape[0], -1, -1), x, x)[0][:, 0]
 
 
-class Bloom(nn.Module):
-    """A one-layer BLOOM (random weights): baddbmm(alibi, q, kᵀ) on (B·h, n, d), viewed as (B, h, n, n_kv)
-    for the causal mask and softmax, then back for P·V."""
+class CausalLM(nn.Module):
+    """A one-layer causal LM of transformers (random weights, eager attention) returning its logits."""
 
-    def __init__(self):
+    def __init__(self, config: str, **sizes):
         super().__init__()
         transformers = pytest.importorskip("transformers")
-        cfg = transformers.BloomConfig(vocab_size=128, hidden_size=32, n_layer=1, n_head=4)
+        cfg = getattr(transformers, config)(vocab_size=128, **sizes)
         self.model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
 
     def forward(self, ids):
         return self.model(input_ids=ids, use_cache=False).logits
 
 
-class Xglm(nn.Module):
-    """A one-layer XGLM (random weights): scores on (B·h, n, d) viewed as (B, h, n, n_kv) for the causal
-    mask, clamped at finfo.min, viewed back for the softmax and P·V."""
-
-    def __init__(self):
-        super().__init__()
-        transformers = pytest.importorskip("transformers")
-        cfg = transformers.XGLMConfig(vocab_size=128, d_model=32, num_layers=1, attention_heads=4, ffn_dim=64)
-        self.model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-
-    def forward(self, ids):
-        return self.model(input_ids=ids, use_cache=False).logits
-
-
-class Mpt(nn.Module):
-    """A one-layer MPT (random weights): its ALiBi a constant buffer sliced to the length and added to the
-    scores, then masked_fill with the causal mask over the sum: where(mask, finfo.min, s + alibi)."""
-
-    def __init__(self):
-        super().__init__()
-        transformers = pytest.importorskip("transformers")
-        cfg = transformers.MptConfig(vocab_size=128, d_model=32, n_heads=4, n_layers=1, max_seq_len=64)
-        self.model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-
-    def forward(self, ids):
-        return self.model(input_ids=ids, use_cache=False).logits
-
-
-TOKENS = ("bloom", "xglm", "mpt")  # models of token ids
+LMS = {  # models of token ids, and the form each writes
+    # baddbmm(alibi, q, kᵀ) on (B·h, n, d), viewed as (B, h, n, n_kv) for the causal mask and softmax, back for P·V
+    "bloom": ("BloomConfig", dict(hidden_size=32, n_layer=1, n_head=4)),
+    # scores on (B·h, n, d) viewed as (B, h, n, n_kv) for the causal mask, clamped at finfo.min, viewed back
+    "xglm": ("XGLMConfig", dict(d_model=32, num_layers=1, attention_heads=4, ffn_dim=64)),
+    # ALiBi a constant buffer sliced to the length and added to the scores, the causal mask over the sum:
+    # where(mask, finfo.min, s + alibi)
+    "mpt": ("MptConfig", dict(d_model=32, n_heads=4, n_layers=1, max_seq_len=64)),
+}
+TOKENS = tuple(LMS)
 
 
 @functools.cache
 def exported(name: str, exporter: str) -> onnx.ModelProto:
     torch.manual_seed(0)
-    modules = {"rotary": WholeHeadRotary, "pooling": PoolingHead, "bloom": Bloom, "xglm": Xglm, "mpt": Mpt}
-    module = modules[name]().eval()
+    if name in LMS:
+        config, sizes = LMS[name]
+        module = CausalLM(config, **sizes).eval()
+    else:
+        module = {"rotary": WholeHeadRotary, "pooling": PoolingHead}[name]().eval()
     x = torch.randint(0, 128, (2, 7)) if name in TOKENS else torch.randn(2, 7, 32)
     if exporter == "dynamo":
         dims = ({0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC},)
