@@ -99,7 +99,7 @@ class _ConvAsGemm(relax.PyExprMutator):
             # stem's 3·7·7 = 147) ran widened to fp32 FMAs, SegFormer's first GEMM at 200 GFLOP/s
             x = self.builder_.emit(relax.op.nn.pad(x, [0, 0, 0, 1, 0, 0, 0, 0]))
             w = np.concatenate([w, np.zeros((n_out, 1, *kernel), w.dtype)], axis=1)
-            c_group, k = c_group + 1, k + int(np.prod(kernel))
+            k += int(np.prod(kernel))
         rows = positions
         if dims == 1:  # channels last, the taps outside the channels: (…, K, C/g) rows
             x = self.builder_.emit(relax.op.permute_dims(x, [0, 2, 1]))
