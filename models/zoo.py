@@ -451,6 +451,9 @@ MODELS: list[ZooModel] = [
     M("hubert", "HuBERT", "torchscript", AUDIO, 256, 4,
       Recipe("AutoModel", "HubertConfig", _wav2vec2, ("input_values",), "last_hidden_state", example=(16000,)),
       own_shapes=((2, 32000),)),
+    M("wavlm", "WavLM", "torchscript", AUDIO, 256, 4,  # a gated relative-position bias on (B·h, n, n) scores
+      Recipe("AutoModel", "WavLMConfig", _wav2vec2, ("input_values",), "last_hidden_state", example=(16000,)),
+      own_shapes=((2, 32000),)),
 ]
 BY_NAME = {m.name: m for m in MODELS}
 

@@ -14,9 +14,12 @@ from hypothesis import strategies as st
 from onnx import TensorProto as TP
 from onnx import helper as oh
 from onnx_testing import assert_matches_ort, kernels_used, ort_run, randn
+from tvm import relax, tirx
 
 import tvmattn
 from tvmattn.compiler.cli import main
+from tvmattn.compiler.onnx.importer import relax_module
+from tvmattn.compiler.target import host_target
 from tvmattn.models.onnx_models import ATTENTIONS, BUILDERS
 
 D = 8  # head width in the op-level models
@@ -312,6 +315,22 @@ def test_decomposed_attention_with_minus_inf_mask_is_replaced():
     assert [(f.node, f.kernel) for f in imported.report.softmaxes] == [("Softmax_3", "tvmattn_attention0")]
 
 
+@pytest.mark.parametrize("bias", [["N", "S", "S"], [1, "S", "S"], ["S", "S"]])
+def test_three_d_scores_and_their_bias(bias):
+    """softmax(q·kᵀ + bias)·v over (N, S, D) operands (one head per batch entry, as WavLM's (B·h) batches):
+    the kernel's 4-D view puts that head at axis 1, and the bias's axes must go where the scores' went."""
+    nodes = [oh.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1]), oh.make_node("MatMul", ["q", "kt"], ["s"]),
+             oh.make_node("Add", ["s", "bias"], ["b"]), oh.make_node("Softmax", ["b"], ["p"], axis=-1),
+             oh.make_node("MatMul", ["p", "v"], ["y"])]
+    model = _model(nodes, [*((x, TP.FLOAT, ["N", "S", D]) for x in "qkv"), ("bias", TP.FLOAT, bias)],
+                   [("y", TP.FLOAT, ["N", "S", D])], (("", 17),))
+    rng = np.random.default_rng(14)
+    feeds = [{**{x: randn(rng, n, s, D) for x in "qkv"}, "bias": randn(rng, *(n if d == "N" else s if d == "S" else d
+                                                                              for d in bias))}
+             for n, s in ((8, 6), (3, 5))]
+    assert_matches_ort(model, feeds, 1)
+
+
 def test_nan_guard_of_the_weights_is_the_kernels_empty_row():
     """torch's exporter zeroes the NaN rows of the weights (those whose mask hides every key): what the
     kernel does for such a row. One row of each batch sees no key here."""
@@ -493,6 +512,29 @@ def test_slice_past_a_table_is_a_clean_error():
     np.testing.assert_allclose(imported.run({"x": x})[0], ort_run(model, {"x": x})[0], rtol=1e-6)
     with pytest.raises(tvmattn.TvmAttnError, match="node 'positions' \\(Slice\\): its end is past the 8 entries"):
         imported.run({"x": randn(np.random.default_rng(0), 1, 9)})
+
+
+def test_a_sum_with_a_trimmed_convolution_keeps_the_inputs_sizes():
+    """h + conv(h)[:, :, :-1] for h of length L = S // 2 - 1 (Wav2Vec2's and WavLM's positional convolution,
+    one position too long): TVM sizes the slice min(max(L, 0), L + 1) and could not prove it L, so the
+    sum's size was one of the importer's making (``y_dim2``), and FuseTIR failed on WavLM's graph after
+    it. The sum is L long."""
+    rng = np.random.default_rng(15)
+    nodes = [oh.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]),
+             oh.make_node("Conv", ["xt", "w"], ["h"], strides=[2], kernel_shape=[4]),  # (B, D, L)
+             oh.make_node("Conv", ["h", "w"], ["c"], pads=[2, 2], kernel_shape=[4]),  # (B, D, L + 1)
+             oh.make_node("Slice", ["c", "zero", "last", "two"], ["trimmed"]),
+             oh.make_node("Add", ["h", "trimmed"], ["y"])]
+    consts = [onnx.numpy_helper.from_array(v, n) for n, v in (("w", randn(rng, D, D, 4)), ("zero", np.array([0])),
+                                                              ("last", np.array([-1])), ("two", np.array([2])))]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TP.FLOAT, ["B", "S", D])],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, ["B", D, "L"])], consts)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    main = relax_module(model, host_target())["main"]
+    sizes = {str(v) for b in main.body.blocks[0].bindings if isinstance(b.var.ty, relax.TensorType)
+             for d in b.var.ty.shape.values for v in tirx.analysis.undefined_vars(d)}
+    assert sizes == {"B", "S"}
+    assert_matches_ort(model, [{"x": randn(rng, b, s, D)} for b, s in ((2, 19), (1, 12))], 0)
 
 
 def test_slice_from_a_symbolic_start_to_the_end():

@@ -125,7 +125,7 @@ def test_zoo_catalogue_spans_the_families():
     for m in models:
         assert m.shapes[0] == min(m.shapes, key=lambda s: s[0] * s[1]), m.name
     assert zoo.select("bloom") == [zoo.get("bloom"), zoo.get("bloom-decode")]
-    assert [m.kind for m in zoo.select("audio")] == [zoo.AUDIO] * 3
+    assert [m.kind for m in zoo.select("audio")] == [zoo.AUDIO] * 4
     with pytest.raises(KeyError, match="nope"):
         zoo.select("bert,nope")
 

@@ -200,6 +200,8 @@ class _Match:
             operands = [x.split(self.bb, *heads) for x in (q, k, v)]
         else:
             operands = [x.src for x in (q, k, v)] if bshd else [x.bhsd(self.bb) for x in (q, k, v)]
+            if rank == 3 and mask is not None:
+                mask = Mask(self._with_head_axis(mask.value), mask.kind)
         if str(self.m[self.p.root].ty.dtype) != str(operands[0].ty.dtype):
             raise _NoMatch(f"the attention output is {self.m[self.p.root].ty.dtype}, its operands "
                            f"{operands[0].ty.dtype}")
@@ -255,6 +257,12 @@ class _Match:
             return Mask(self.bb.emit(relax.op.where(mask.value, bias, relax.const(-np.inf, "float32"))), "additive")
         return Mask(self.bb.emit(relax.op.add(bias, self.bb.emit(relax.op.astype(mask.value, "float32")))),
                     "additive")
+
+    def _with_head_axis(self, mask: relax.Expr) -> relax.Expr:
+        """A mask on (N, n, n_kv) scores with its head axis at 1, where `_Operand.bhsd` put the operands'
+        (broadcast by rank, N would go there)."""
+        shape = [tirx.IntImm("int64", 1)] * (3 - len(shape_of(mask, "the mask"))) + shape_of(mask, "the mask")
+        return self.bb.emit(relax.op.reshape(mask, [shape[0], 1, *shape[1:]]))
 
     def _logits(self) -> relax.Expr:
         """What the mask applies to: the scores, or their (B, h, n, n_kv) view."""

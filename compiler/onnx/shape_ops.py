@@ -39,6 +39,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import operator
+from collections.abc import Iterator
 
 import numpy as np
 import tvm
@@ -263,7 +264,7 @@ def state_broadcast(bb: relax.BlockBuilder, inputs: list, dims: tuple[int | str,
     the op. Shape inference knows the output; the cast checks the sizes agree when the model runs."""
     stated = [dimension(d, symbols) for d in dims] if dims is not None else None
     if stated is None or any(d is None for d in stated):
-        return inputs
+        return _unclamped(bb, inputs)
     analyzer = Analyzer()
     out = []
     for value in inputs:
@@ -296,13 +297,43 @@ def tighten_shapes(mod: tvm.IRModule) -> tvm.IRModule:
     dims = [d for t in _tensor_types(func) for d in t.shape.values]
     if not any(_clamps(d) for d in dims):
         return mod
+    with _sizes(dims) as analyzer:
+        return _Tighten(mod, analyzer).run()
+
+
+def _unclamped(bb: relax.BlockBuilder, inputs: list) -> list:
+    """The inputs of a broadcasting op whose output shape nothing states, each shape with a clamp
+    simplified by what the operands' other sizes say (each ≥ 0), as `tighten_shapes` does later for
+    the whole graph: TVM could not prove WavLM's ``x + conv(x)[:, :, :-1]`` sizes equal, lost the sum's
+    shape, and every size after it became one of `state_shape`'s making (FuseTIR then failed on it)."""
+    types = [getattr(v, "ty", None) for v in inputs]
+    shapes = [t.shape.values if isinstance(t, relax.TensorType) and isinstance(t.shape, relax.ShapeExpr) else None
+              for t in types]
+    if not any(s is not None and any(_clamps(d) for d in s) for s in shapes):
+        return inputs
+    out = []
+    with _sizes([d for s in shapes if s is not None for d in s]) as analyzer:
+        for value, ty, shape in zip(inputs, types, shapes):
+            if shape is None or not any(_clamps(d) for d in shape):
+                out.append(value)
+                continue
+            if not isinstance(value, relax.Var):
+                value = bb.emit(value)
+            out.append(bb.match_cast(value, relax.TensorType([analyzer.simplify(d) for d in shape], ty.dtype)))
+    return out
+
+
+@contextlib.contextmanager
+def _sizes(dims: list) -> Iterator[Analyzer]:
+    """An analyzer that knows each of ``dims`` but the clamps is ≥ 0 (each sizes a tensor), as are the
+    variables in them."""
     analyzer = Analyzer()
     for var in {v for d in dims for v in tirx.analysis.undefined_vars(d)}:
         analyzer.update(var, tvm.sym.ConstIntBound(0, tvm.sym.ConstIntBound.POS_INF))
     with contextlib.ExitStack() as scopes:
         for d in {str(d): d for d in dims if not isinstance(d, (tirx.Var, tirx.IntImm)) and not _clamps(d)}.values():
             scopes.enter_context(analyzer.constraint_scope(d >= 0))
-        return _Tighten(mod, analyzer).run()
+        yield analyzer
 
 
 def _tensor_types(func: relax.Function) -> list:
