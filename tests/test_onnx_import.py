@@ -19,6 +19,7 @@ from tvm import relax, tirx
 import tvmattn
 from tvmattn.compiler.cli import main
 from tvmattn.compiler.onnx.importer import relax_module
+from tvmattn.compiler.onnx.shape_ops import refuse_sizes_by_themselves
 from tvmattn.compiler.target import host_target
 from tvmattn.models.onnx_models import ATTENTIONS, BUILDERS
 
@@ -535,6 +536,22 @@ def test_a_sum_with_a_trimmed_convolution_keeps_the_inputs_sizes():
              for d in b.var.ty.shape.values for v in tirx.analysis.undefined_vars(d)}
     assert sizes == {"B", "S"}
     assert_matches_ort(model, [{"x": randn(rng, b, s, D)} for b, s in ((2, 19), (1, 12))], 0)
+
+
+def test_a_size_stated_by_itself_is_refused_not_a_segfault():
+    """A cast of min(4, n) to n defines n by itself: TVM 0.27's CanonicalizeBindings substitutes it into
+    itself without end, a segfault when the model compiles. The importer avoids stating one
+    (`test_onnx_ops.test_min_and_max_of_sizes`); where one is left, the import refuses it with a sentence."""
+    n = tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType([n], "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.strided_slice(x, [0], [0], [tirx.min(4, n)], assume_inbound=True))
+            out = bb.emit_output(bb.match_cast(y, relax.TensorType([n], "float32")))  # (n,): n is min(4, n)
+        bb.emit_func_output(out)
+    with pytest.raises(tvmattn.TvmAttnError, match="states its size n as T.min"):
+        refuse_sizes_by_themselves(bb.get())
 
 
 def test_slice_from_a_symbolic_start_to_the_end():

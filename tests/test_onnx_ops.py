@@ -302,21 +302,25 @@ def test_a_shape_tvm_cannot_infer_is_one_error_that_says_what_to_do():
     np.testing.assert_array_equal(imported.run({"x": x})[0], ort_run(_trigram_model(), {"x": x})[0])
 
 
-def test_shape_arithmetic_tvm_cannot_convert_says_how_to_bind_the_sizes():
-    """GPT-Neo's dynamo export: Min(1024, n) of its sequence length in a Reshape's shape. TVM's Min takes
-    tensors only: the error names the node and how to bind the sizes; bound, it matches ONNX Runtime."""
+@pytest.mark.parametrize("op", ["Min", "Max"])
+def test_min_and_max_of_sizes(op):
+    """x + x viewed as (b, m, H) for m = min(n, 4) (GPT-Neo's dynamo export: ``torch.sym_min(1024, n)`` in
+    a Reshape's shape) or 4 - max(0, 4 - n) (MPT's ALiBi rows): TVM's Min and Max took tensors only, and
+    the symbolic import failed. m is n up to 4; past it the view cannot hold x (a clean error)."""
     ints = lambda name, v: (name, np.array(v, np.int64))  # noqa: E731
-    nodes = [oh.make_node("Shape", ["x"], ["n1"], start=1, end=2), oh.make_node("Squeeze", ["n1"], ["n"]),
-             oh.make_node("Min", ["limit", "n"], ["m"]), oh.make_node("Unsqueeze", ["m", "zero"], ["m1"]),
+    m = [oh.make_node("Min", ["n", "four"], ["m"])] if op == "Min" else [
+        oh.make_node("Sub", ["four", "n"], ["d"]), oh.make_node("Max", ["d", "zero"], ["start"]),
+        oh.make_node("Sub", ["four", "start"], ["m"])]
+    nodes = [oh.make_node("Shape", ["x"], ["n1"], start=1, end=2), oh.make_node("Squeeze", ["n1"], ["n"]), *m,
+             oh.make_node("Unsqueeze", ["m", "axis"], ["m1"]),
              oh.make_node("Concat", ["minus_one", "m1", "width"], ["shape"], axis=0),
-             oh.make_node("Reshape", ["x", "shape"], ["y"])]
-    consts = [ints("limit", 1024), ints("zero", [0]), ints("minus_one", [-1]), ints("width", [H])]
+             oh.make_node("Reshape", ["x", "shape"], ["view"]), oh.make_node("Add", ["x", "view"], ["y"])]
+    consts = [ints("four", 4), ints("zero", 0), ints("axis", [0]), ints("minus_one", [-1]), ints("width", [H])]
     model = _model(nodes, [("x", TP.FLOAT, ["b", "n", H])], [("y", TP.FLOAT, 3)], consts)
-    with pytest.raises(tvmattn.TvmAttnError, match=r"\(Min\).*shape arithmetic.*shapes=\{'x'"):
-        tvmattn.import_onnx(model)
-    x = randn(np.random.default_rng(0), 2, 5, H)
-    imported = tvmattn.import_onnx(model, shapes={"x": x.shape})
-    np.testing.assert_array_equal(imported.run({"x": x})[0], ort_run(model, {"x": x})[0])
+    rng = np.random.default_rng(0)
+    imported = assert_matches_ort(model, [{"x": randn(rng, 2, n, H)} for n in (3, 4)], 0)
+    with pytest.raises(tvmattn.TvmAttnError, match="the model rejected its inputs"):
+        imported.run({"x": randn(rng, 2, 6, H)})
 
 
 def test_a_size_beside_a_constant_array_is_a_tensor_of_the_sum():

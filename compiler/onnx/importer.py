@@ -38,7 +38,13 @@ from tvmattn.compiler.onnx import cache16, calling, graph, patterns, registry
 from tvmattn.compiler.onnx.converters import Node
 from tvmattn.compiler.onnx.kernels import Kernels, Replacement
 from tvmattn.compiler.onnx.profile import Profile, profile
-from tvmattn.compiler.onnx.shape_ops import as_onnx_value, state_broadcast, state_shape, tighten_shapes
+from tvmattn.compiler.onnx.shape_ops import (
+    as_onnx_value,
+    refuse_sizes_by_themselves,
+    state_broadcast,
+    state_shape,
+    tighten_shapes,
+)
 from tvmattn.compiler.spec import DTYPES, AttentionSpec
 from tvmattn.compiler.target import is_cpu, is_foreign, resolve_target
 from tvmattn.compiler.work import AttentionWork
@@ -319,6 +325,7 @@ def _convert(model: Any, tgt: Target, shapes: Mapping[str, Sequence[int | str]],
     try:
         mod = patterns.rewrite(importer.convert(), kernels, importer.provenance, reasons)
         mod = tighten_shapes(mod)  # after: the position rules compare sizes as the graph wrote them
+        refuse_sizes_by_themselves(mod)
     except TvmAttnError as err:
         raise TvmAttnError(str(err) + _binding_hint(str(err), graph_inputs(proto))) from None
     return _Converted(proto, mod, kernels, importer, reasons, softmax_nodes, cache)

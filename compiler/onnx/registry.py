@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import onnx
+from tvm import tirx
 
 from tvmattn.compiler.onnx import gqa, ops, ort_attention, paged_attention, run_checks, shape_ops
 from tvmattn.compiler.onnx.converters import Converter, onnx_attention
@@ -76,6 +77,8 @@ OPS: dict[tuple[str, str], Op] = {
     ("", "Gather"): Op(fix=shape_ops.gather, checked=run_checks.gather),
     ("", "GatherElements"): Op(checked=run_checks.gather_elements),
     **{("", name): Op(broadcasting=True, before=shape_ops.scalars_beside_arrays) for name in _BROADCASTING},
+    **{("", name): Op(broadcasting=True, before=shape_ops.scalars_beside_arrays, fix=shape_ops.extremum(pick))
+       for name, pick in (("Min", tirx.min), ("Max", tirx.max))},
 }
 
 # op type → the opset from which ONNX defines it (None: never)

@@ -27,6 +27,8 @@ Gather   constant 1-D indices into a shape (ONNX Runtime's transpose optimizer w
 Add, Mul, …  a scalar of shape arithmetic beside a constant of more than one element (Funnel's relative
          positions ``arange(16)[:, None] + 2 * seq``): the stock converter folds them into one scalar and
          fails; the scalar becomes a 0-d tensor first (`scalars_beside_arrays`).
+Min, Max sizes of shape arithmetic (dynamo's ``sym_min(1024, seq)``): the stock converter wants tensors;
+         the result is a size (`extremum`).
 
 TVM's importer keeps shape arithmetic as values (a scalar PrimExpr, a ShapeExpr) rather than tensors,
 which only some converters read; `as_onnx_value` gives such a value the rank ONNX says it has, as an
@@ -38,8 +40,9 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import tvm
@@ -48,6 +51,7 @@ from tvm import relax, tirx
 from tvm.ir.expr import Expr as PrimExpr
 from tvm.sym import Analyzer
 
+from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.onnx.graph import check_shape_indices
 
 
@@ -123,6 +127,19 @@ def gather(inputs: list) -> relax.Expr | None:
         return None  # a scalar index (the stock converter's PrimValue) or indices of another rank
     check_shape_indices(picks, len(data.values))  # (a shape is 1-D: the axis is 0)
     return relax.ShapeExpr([data.values[int(i)] for i in picks])
+
+
+def extremum(pick: Callable[[PrimExpr, PrimExpr], PrimExpr]) -> Callable[[list], PrimExpr | None]:
+    """Min or Max (``pick``: tirx.min, tirx.max) of sizes of shape arithmetic, a size too (dynamo's
+    ``torch.sym_min(1024, n)`` in GPT-Neo's reshapes, ``sym_max(0, max_len - n)`` in MPT's ALiBi slice):
+    the stock converter takes only tensors."""
+    def fix(inputs: list) -> PrimExpr | None:
+        sizes = [_int_scalar(x) for x in inputs]
+        if any(s is None for s in sizes) or all(isinstance(s, tirx.IntImm) for s in sizes):
+            return None  # a tensor operand, or all constant: the stock converter's
+        size = functools.reduce(pick, sizes)
+        return bounded_below(size).simplify(size)
+    return fix
 
 
 def range_(inputs: list) -> relax.Expr | None:
@@ -261,11 +278,19 @@ def state_broadcast(bb: relax.BlockBuilder, inputs: list, dims: tuple[int | str,
     """The inputs of a broadcasting op with each dimension that is not 1 stated as the output's, where
     TVM cannot prove them equal: a TorchScript export bakes a traced length (5) into one operand while
     the other keeps the named one (seq); the result's shape is then unknown to TVM, which cannot lower
-    the op. Shape inference knows the output; the cast checks the sizes agree when the model runs."""
+    the op. Shape inference knows the output; the cast checks the sizes agree when the model runs.
+    Where an operand's size is the stated one in other terms (``min(1024, seq)`` for seq, from dynamo's
+    ``sym_min``), the others are cast to that: a cast to seq would define seq by itself, and TVM's
+    CanonicalizeBindings then substitutes it into itself without end (a segfault)."""
     stated = [dimension(d, symbols) for d in dims] if dims is not None else None
     if stated is None or any(d is None for d in stated):
         return _unclamped(bb, inputs)
     analyzer = Analyzer()
+    for ty in (getattr(v, "ty", None) for v in inputs):
+        if isinstance(ty, relax.TensorType) and isinstance(ty.shape, relax.ShapeExpr) and ty.ndim <= len(stated):
+            for axis, h in enumerate(ty.shape.values, len(stated) - ty.ndim):
+                if _by_itself(stated[axis], h, analyzer):
+                    stated[axis] = h
     out = []
     for value in inputs:
         ty = getattr(value, "ty", None)
@@ -286,6 +311,29 @@ def state_broadcast(bb: relax.BlockBuilder, inputs: list, dims: tuple[int | str,
             value = bb.emit(value)
         out.append(bb.match_cast(value, relax.TensorType(shape, ty.dtype)))
     return out
+
+
+def _by_itself(size: PrimExpr, value: PrimExpr, analyzer: Analyzer) -> bool:
+    """Whether casting a dimension of size ``value`` to the variable ``size`` defines it by a min or max of
+    itself (seq as ``min(1024, seq)``), which TVM 0.27's CanonicalizeBindings substitutes into itself
+    without end (each substitution a min more, none simplified away)."""
+    return isinstance(size, tirx.Var) and _clamps(value) and any(
+        v.same_as(size) for v in tirx.analysis.undefined_vars(value)) and not analyzer.can_prove_equal(value, size)
+
+
+def refuse_sizes_by_themselves(mod: tvm.IRModule) -> None:
+    """A TvmAttnError for a cast that states a size by itself (`_by_itself`), rather than TVM's segfault
+    when it compiles the model."""
+    analyzer = Analyzer()
+    for block in mod["main"].body.blocks:
+        for b in block.bindings:
+            if not isinstance(b, relax.MatchCast) or not all(isinstance(t, relax.TensorType) and isinstance(
+                    t.shape, relax.ShapeExpr) for t in (b.ty, b.value.ty)):
+                continue
+            for value, size in zip(b.value.ty.shape.values, b.ty.shape.values):
+                if _by_itself(size, value, analyzer):
+                    raise TvmAttnError(f"the model states its size {size} as {value}, which TVM cannot compile "
+                                       f"(its CanonicalizeBindings recurses without end)")
 
 
 def tighten_shapes(mod: tvm.IRModule) -> tvm.IRModule:
