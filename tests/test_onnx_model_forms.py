@@ -136,14 +136,18 @@ def test_bloom_at_static_shapes_folds_alibi_into_a_constant_it_still_proves():
         assert errors(got, want)[1] <= 1e-4
 
 
-def test_mpt_masked_fill_over_its_alibi_is_causal_alibi():
-    """MPT (transformers 5, dynamo): where(causal mask, finfo.min, s + alibi) at bound sizes (its symbolic
-    import stops at dynamo's sym_max in shape arithmetic): on the kernel with the causal rule and the
-    slopes, no tensor mask; against ONNX Runtime. It was left to TVM: the mask over the sum matched no form."""
-    imported = tvmattn.import_onnx(exported("mpt", "dynamo"), shapes={"x": (2, 7)})
+@pytest.mark.parametrize("shapes", [{"x": (2, 7)}, None], ids=["bound", "symbolic"])
+def test_mpt_masked_fill_over_its_alibi_is_causal_alibi(shapes):
+    """MPT (transformers 5, dynamo): where(causal mask, finfo.min, s + alibi): on the kernel with the causal
+    rule and the slopes, no tensor mask; against ONNX Runtime. It was left to TVM: the mask over the sum
+    matched no form. Symbolic, the ALiBi is its table's keys from max(0, L - n) (dynamo's sym_max), the
+    scores and the mask cast to that length; the import stopped at the Max, then left it to TVM."""
+    imported = tvmattn.import_onnx(exported("mpt", "dynamo"), shapes=shapes)
     (r,) = {r.spec for r in imported.report.replacements}
     assert (r.causal, r.alibi, r.attn_mask) == (True, "signed", None), str(imported.report)
     assert len(imported.report.replacements) == 1 and not imported.report.left_to_tvm, str(imported.report)
+    scores = [f for f in imported.report.rule_of if "matmul" in f and "multiply" in f]  # q·kᵀ·scale, left dead
+    assert not scores, scores
     feed = feeds("mpt")[0]
     for got, want in zip(imported.run(feed), ort_run(exported("mpt", "dynamo"), feed), strict=True):
         assert errors(got, want)[1] <= 1e-4

@@ -30,9 +30,7 @@ TOLERANCE = 1e-4  # fp32, relative to the output's scale: every model meets it (
 NOT_IMPORTED: dict[str, str] = {
     "mobilebert": "TVM cannot prove its trigram embedding's pad(x[:, 1:]) n long: the concat's shape is unknown",
 }
-NOT_ON_KERNELS: dict[str, str] = {  # the attention is not recognised: left to TVM's schedules
-    "mpt": "its scores are cast to its ALiBi's length 1024 - max(0, 1024 - n) (dynamo's sym_max), not matched",
-} | NOT_IMPORTED
+NOT_ON_KERNELS: dict[str, str] = {} | NOT_IMPORTED  # the attention is not recognised: left to TVM's schedules
 OTHER_SOFTMAXES = {"convbert": 2}  # softmaxes that are no attention: ConvBERT's over its span convolution's taps
 ALIBI = {"bloom", "bloom-decode"}  # ALiBi's bias on the (B·h) batches (baddbmm): the kernel's variant, no bias read
 

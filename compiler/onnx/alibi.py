@@ -28,6 +28,9 @@ def slopes(bias: relax.Expr, heads: int, batched: bool, values: dict) -> np.ndar
     value = values.get(bias, bias)
     if isinstance(value, tvm.ir.GenericConst):  # (static shapes: folded when the model was read)
         return _constant_slopes(value.value.numpy(), heads, batched)
+    table = _table(value, values, keys=True)
+    if table is not None:  # a constant table's keys from a symbolic start: ALiBi's if the whole table is
+        return _constant_slopes(table, heads, batched)
     b, i, j = (tirx.Var(name, "int64") for name in ("b", "i", "j"))
     dims = shape_of(bias, "a bias")
     if batched and isinstance(dims[0], tirx.IntImm) and dims[0].value == heads:
@@ -44,6 +47,30 @@ def slopes(bias: relax.Expr, heads: int, batched: bool, values: dict) -> np.ndar
             return None
         found.append(slope)
     return np.array(found, np.float32) if any(found) else None  # (a bias of zeros is no mask, not ALiBi)
+
+
+def _table(value: relax.Expr, values: dict, keys: bool = False) -> np.ndarray | None:
+    """The constant a chain of unit-step slices reads: with constant bounds, what they keep; the first
+    (with ``keys``) may slice the last axis from a symbolic start (MPT's (h, 1, 1024) table at symbolic
+    sizes, its keys from max(0, 1024 - n)), and then the whole axis is returned."""
+    value = values.get(value, value)
+    if isinstance(value, tvm.ir.GenericConst):
+        return value.value.numpy()
+    if not (isinstance(value, relax.Call) and getattr(value.op, "name", "") == "relax.strided_slice"):
+        return None
+    data = _table(value.args[0], values)
+    bounds = [list(a) for a in value.args[1:]]
+    if data is None or len(value.args) != 5 or any(not (isinstance(s, tirx.IntImm) and s.value == 1)
+                                                   for s in bounds[3]):
+        return None
+    whole = [slice(None)] * data.ndim
+    for axis, begin, end in zip(*bounds[:3]):
+        axis = int(axis) % data.ndim
+        if isinstance(begin, tirx.IntImm) and isinstance(end, tirx.IntImm):
+            whole[axis] = slice(int(begin), int(end))
+        elif not (keys and axis == data.ndim - 1):
+            return None
+    return data[tuple(whole)]
 
 
 def _within(value: PrimExpr, j: tirx.Var, extent: PrimExpr) -> PrimExpr:

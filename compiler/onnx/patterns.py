@@ -44,15 +44,15 @@ from tvm import relax, tirx
 from tvm.relax.dpl import DFPattern
 
 from tvmattn.compiler.errors import TvmAttnError
-from tvmattn.compiler.onnx import alibi, key_masks, positions, run_checks
+from tvmattn.compiler.onnx import alibi, causal_masks, key_masks
 from tvmattn.compiler.onnx.canonical import canonical
+from tvmattn.compiler.onnx.causal_masks import HUGE_NEGATIVE
 from tvmattn.compiler.onnx.chain import ROOTS, AttentionPattern
 from tvmattn.compiler.onnx.constant_masks import hides_only, keep_rule
 from tvmattn.compiler.onnx.kernels import Kernels, Mask, attend, shape_of
-from tvmattn.compiler.onnx.shape_ops import bounded_below
+from tvmattn.compiler.onnx.shape_ops import without_unused_casts
 
 SOURCE = "pattern: decomposed attention"
-_HUGE_NEGATIVE = -1e30  # a fill at or below this absorbs any score: where(keep, s, f) == s + where(keep, 0, f)
 _SOFTMAX = tvm.ir.Op.get("relax.nn.softmax")
 
 
@@ -68,7 +68,7 @@ def rewrite(mod: tvm.IRModule, kernels: Kernels, provenance: dict,
     for root in ROOTS:
         mod = _Rewriter(mod, AttentionPattern(root), kernels, provenance,
                         reasons if reasons is not None else {}).run()
-        mod = relax.transform.DeadCodeElimination(["main"])(mod)
+        mod = relax.transform.DeadCodeElimination(["main"])(without_unused_casts(mod))
     return mod
 
 
@@ -89,11 +89,20 @@ class _Rewriter(relax.PyExprMutator):
         super().__init__(mod)
         self.mod, self.pattern, self.kernels, self.provenance = mod, pattern, kernels, provenance
         self.reasons = reasons
-        self.var2val = relax.analysis.get_var2val(mod["main"])
-        # every binding's value, match_cast's included (position arithmetic restates shapes with them)
-        self.values = dict(self.var2val.items()) | {b.var: b.value for block in mod["main"].body.blocks
-                                                    for b in block.bindings if isinstance(b, relax.MatchCast)}
+        # every binding's value, match_cast's included (position arithmetic restates shapes with them; MPT's
+        # symbolic scores are cast to its ALiBi's length, 1024 - max(0, 1024 - n): the chain goes through)
+        self.casts = {b.var: b.value for block in mod["main"].body.blocks for b in block.bindings
+                      if isinstance(b, relax.MatchCast)}
+        self.values = dict(relax.analysis.get_var2val(mod["main"]).items()) | self.casts
+        self.var2val = {var: self.values.get(value, value) if var in self.casts else value
+                        for var, value in self.values.items()}
         self.matches = self._maximal_matches()
+
+    def bound(self, expr: relax.Expr) -> relax.Expr:
+        """What ``expr`` is bound to, through variables bound to variables (and casts)."""
+        while isinstance(expr, relax.Var) and expr in self.values:
+            expr = self.values[expr]
+        return expr
 
     def _maximal_matches(self) -> dict:
         """Binding value → match, leaving out matches inside a larger one (softmax inside cast(softmax))."""
@@ -163,8 +172,23 @@ class _Match:
         self.alibi_slopes: np.ndarray | None = None  # each head's slope, where a bias is ALiBi's (`alibi`)
 
     def leaf(self, pattern: DFPattern) -> relax.Expr:
-        """A matched input of the chain, as the rewritten function names it."""
-        return self.r.visit_expr(self.m[pattern])
+        """A matched input of the chain, as the rewritten function names it. A term on the scores is taken on
+        the side of a size-restating cast (`shape_ops.state_broadcast`) whose sizes are the scores': MPT's
+        symbolic mask before its cast to the ALiBi's length, GPT-Neo's padding mask after its cast to
+        min(1024, n) (the matcher reads through casts: MPT's scores are cast too)."""
+        expr = self.m[pattern]
+        sides = [expr, self.r.casts.get(expr)] + [v for v, inner in self.r.casts.items()
+                                                  if expr.same_as(self.r.bound(inner))]
+        aligned = [x for x in sides if x is not None and self._on_the_scores(x)]
+        return self.r.visit_expr(expr if not aligned or expr in aligned else aligned[0])
+
+    def _on_the_scores(self, term: relax.Expr) -> bool:
+        """Whether ``term``'s last two sizes are 1 or provably the scores' (n, n_kv)."""
+        have, want = _dims(term), _dims(self._logits())
+        analyzer = tvm.sym.Analyzer()
+        return have is not None and want is not None and len(have) >= 2 and all(
+            (isinstance(h, tirx.IntImm) and h.value == 1) or analyzer.can_prove_equal(h, w)
+            for h, w in zip(have[-2:], want[-2:]))
 
     def replace(self) -> relax.Expr | None:
         """The kernel call, or None (the reason recorded under the softmax's node) where TVM keeps it."""
@@ -368,7 +392,7 @@ class _Match:
         """`_mask` of the additive term the pattern ``handle`` matched."""
         bias = self.leaf(handle)
         if not isinstance(bias, tvm.ir.GenericConst):
-            causal = self._positional_causal(self.m[handle], negate=False, additive=True)
+            causal = causal_masks.positional(self.m[handle], self._logits(), self.r.values, negate=False, additive=True)
             if causal:
                 return None, causal, None
             keep, fill = self._where_keep(self.m[handle])
@@ -376,7 +400,7 @@ class _Match:
             return split or (Mask(_either(self._per_key(handle), bias), "additive"), {}, None)
         values = bias.value.numpy().astype(np.float64)
         keep = values == 0
-        if np.all(keep | (values <= _HUGE_NEGATIVE)) and hides_only(keep, values):
+        if np.all(keep | (values <= HUGE_NEGATIVE)) and hides_only(keep, values):
             return (*keep_rule(keep, self._scores_shape()), keep)
         return Mask(bias, "additive"), {}, values != -np.inf
 
@@ -397,7 +421,9 @@ class _Match:
                 return (*keep_rule(keep, self._scores_shape()), keep)
             bias = np.where(keep, 0.0, fill).astype(np.float32)
             return Mask(relax.const(bias), "additive"), {}, np.ones_like(keep)
-        causal = self._sliced_causal(cond, negate, fill) or self._positional_causal(cond, negate, fill=fill)
+        scores = self._logits()
+        causal = (causal_masks.sliced(cond, scores, self.r.var2val, negate, fill)
+                  or causal_masks.positional(cond, scores, self.r.values, negate, fill=fill))
         if causal:
             return None, causal, None
         split = None if negate else self._split_keys(self.m[self.p.keep], fill)
@@ -423,76 +449,6 @@ class _Match:
         zero, hidden = relax.const(0.0, "float32"), relax.const(fill, "float32")
         return self.bb.emit(relax.op.where(cond, hidden, zero) if negate else relax.op.where(cond, zero, hidden))
 
-    def _sliced_causal(self, cond: relax.Expr, negate: bool, fill: float) -> dict:
-        """The spec's causal rule when ``cond`` is a window of a constant lower-triangular matrix C
-        whose offset is provably causal's at every length (Hugging Face GPT-2 slices its tril buffer
-        as ``C[n_kv - n : n_kv, :n_kv]``): the window keeps key j for query i iff
-        begin_c + j ≤ begin_r + i, i.e. j ≤ i + (begin_r − begin_c). Empty otherwise."""
-        begin: dict[int, tirx.PrimExpr] = {}
-        expr = self.r.var2val.get(cond, cond)
-        while isinstance(expr, relax.Call) and getattr(expr.op, "name", "") == "relax.strided_slice":
-            data, axes, begins, _, strides = expr.args
-            if any(not (isinstance(st, tirx.IntImm) and st.value == 1) for st in strides):
-                return {}
-            rank = len(shape_of(data, "a mask"))
-            for axis, b in zip(axes, begins):
-                axis = int(axis) % rank
-                begin[axis] = begin.get(axis, 0) + b  # a window of a window: offsets add up
-            expr = run_checks.unchecked(self.r.var2val.get(data, data), self.r.var2val)
-        if not begin or not isinstance(expr, tvm.ir.GenericConst):
-            return {}
-        keep = expr.value.numpy() != negate
-        if (keep.ndim < 2 or keep.shape[-1] != keep.shape[-2]
-                or not (keep == keep.reshape(-1, *keep.shape[-2:])[0]).all()):
-            return {}
-        size = keep.shape[-1]
-        if not np.array_equal(keep.reshape(-1, size, size)[0], np.tri(size, dtype=bool)):
-            return {}
-        *_, n, n_kv = shape_of(self._logits(), "the scores")
-        *_, rows, cols = shape_of(cond, "a mask")
-        analyzer = tvm.sym.Analyzer()
-        if not (analyzer.can_prove_equal(rows, n) and analyzer.can_prove_equal(cols, n_kv)):
-            return {}  # broadcast along the queries or keys: not a per-(query, key) rule
-        offset = begin.get(keep.ndim - 2, 0) - begin.get(keep.ndim - 1, 0)
-        if analyzer.can_prove_equal(offset, 0):
-            return {"causal": True, "causal_align": "top_left"}  # every query sees key 0
-        # bottom-right: a finite fill gives a row that sees no key uniform weights, the kernel zeros
-        if analyzer.can_prove_equal(offset, n_kv - n) and (fill == -np.inf or analyzer.can_prove(n_kv >= n)):
-            return {"causal": True, "causal_align": "bottom_right"}
-        return {}
-
-    def _positional_causal(self, mask: relax.Expr, negate: bool, additive: bool = False,
-                           fill: float = -np.inf) -> dict:
-        """The spec's causal rule (and sliding window) when ``mask`` is computed from positions
-        (`positions`) as that rule at every length: a bool ``keep`` (``hide`` when ``negate``), or an
-        additive where(keep, 0, fill). Empty otherwise."""
-        *lead, n, n_kv = shape_of(self._logits(), "the scores")
-        index = [tirx.Var(f"i{axis}", "int64") for axis in range(len(lead) + 2)]  # (B, h, query, key)
-        value = positions.rule(mask, positions.broadcast(index, mask), self.r.values)
-        if additive:
-            if isinstance(value, tirx.FloatImm) and value.value == 0:  # a bias of zeros: no mask at all
-                return {"causal": False}
-            if not isinstance(value, tirx.Select):
-                return {}
-            hidden = [tvm.sym.Analyzer().simplify(v) for v in (value.true_value, value.false_value)]
-            if not all(isinstance(v, (tirx.FloatImm, tirx.IntImm)) for v in hidden):
-                return {}
-            (zero, fill), negate = (hidden, False) if hidden[0].value == 0 else (hidden[::-1], True)
-            value, fill = value.condition, fill.value
-            if zero.value != 0 or fill > _HUGE_NEGATIVE:
-                return {}
-        if value is None or positions.dtype(value) != "bool":
-            return {}
-        keep = tirx.Not(value) if negate else value
-        if isinstance(tvm.sym.Analyzer().simplify(keep), tirx.IntImm) and tvm.sym.Analyzer().simplify(keep).value:
-            return {"causal": False}  # every key visible: no mask at all
-        rule = positions.key_rule(keep, index, n, n_kv)
-        if rule and fill != -np.inf and (rule["causal_align"] == "bottom_right" or "window" in rule):
-            # a row that sees no key: uniform weights in the model, zeros from the kernel
-            if not bounded_below(n_kv - n).can_prove(n_kv >= n):
-                return {}
-        return rule or {}
-
     def _per_key(self, leaf: DFPattern) -> relax.Expr | None:
         """The matched mask without its broadcast along the queries, where it does not vary by query."""
         return key_masks.per_key(self.bb, self.m[leaf], self.r.values, self.r.visit_expr)
@@ -504,7 +460,7 @@ class _Match:
             return None, 0.0
         cond, zero, fill = value.args
         if not all(isinstance(c, tvm.ir.GenericConst) and c.value.numpy().size == 1 for c in (zero, fill)) \
-                or _scalar(zero) != 0 or _scalar(fill) > _HUGE_NEGATIVE:
+                or _scalar(zero) != 0 or _scalar(fill) > HUGE_NEGATIVE:
             return None, 0.0
         return cond, _scalar(fill)
 
@@ -587,6 +543,12 @@ class _NoMatch(Exception):
     """The chain matched the pattern but is not provably what the kernel computes."""
 
 
+def _dims(x: relax.Expr) -> list | None:
+    ty = getattr(x, "ty", None)
+    return list(ty.shape.values) if isinstance(ty, relax.TensorType) and isinstance(ty.shape, relax.ShapeExpr) \
+        else None
+
+
 def _either(expr: relax.Expr | None, otherwise: relax.Expr) -> relax.Expr:
     return otherwise if expr is None else expr
 
@@ -595,7 +557,7 @@ def _check_select(cond: relax.Expr, fill: float) -> None:
     """A where() mask the kernel can apply: a bool condition, a fill that hides a key."""
     if str(cond.ty.dtype) != "bool":
         raise _NoMatch(f"where() on a {cond.ty.dtype} condition")
-    if fill > _HUGE_NEGATIVE:  # a moderate fill gives a fully masked row uniform weights, not what a mask does
+    if fill > HUGE_NEGATIVE:  # a moderate fill gives a fully masked row uniform weights, not what a mask does
         raise _NoMatch(f"the mask's fill {fill:g} does not hide a key (it must be -inf or ≤ -1e30)")
 
 

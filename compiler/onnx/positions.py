@@ -97,7 +97,13 @@ def _shape_to_tensor(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr 
 
 def _astype(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
     a = rule(expr.args[0], index, var2val)
-    return None if a is None else tirx.Cast(str(expr.attrs.dtype), a)
+    if a is None:
+        return None
+    sides = (a.true_value, a.false_value) if isinstance(a, tirx.Select) else ()
+    if str(expr.attrs.dtype) == "bool" and all(isinstance(v, (tirx.IntImm, tirx.FloatImm)) for v in sides) \
+            and len(sides) == 2 and (sides[0].value != 0) != (sides[1].value != 0):
+        return a.condition if sides[0].value != 0 else tirx.Not(a.condition)  # where(keep, 0, fill) as bool
+    return tirx.Cast(str(expr.attrs.dtype), a)
 
 
 def _strided_slice(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:

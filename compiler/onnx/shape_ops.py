@@ -317,7 +317,7 @@ def _by_itself(size: PrimExpr, value: PrimExpr, analyzer: Analyzer) -> bool:
     """Whether casting a dimension of size ``value`` to the variable ``size`` defines it by a min or max of
     itself (seq as ``min(1024, seq)``), which TVM 0.27's CanonicalizeBindings substitutes into itself
     without end (each substitution a min more, none simplified away)."""
-    return isinstance(size, tirx.Var) and _clamps(value) and any(
+    return isinstance(size, tirx.Var) and has_clamp(value) and any(
         v.same_as(size) for v in tirx.analysis.undefined_vars(value)) and not analyzer.can_prove_equal(value, size)
 
 
@@ -343,7 +343,7 @@ def tighten_shapes(mod: tvm.IRModule) -> tvm.IRModule:
     trims its padding so), left the sum's shape unknown and could not legalise it."""
     func = mod["main"]
     dims = [d for t in _tensor_types(func) for d in t.shape.values]
-    if not any(_clamps(d) for d in dims):
+    if not any(has_clamp(d) for d in dims):
         return mod
     with _sizes(dims) as analyzer:
         return _Tighten(mod, analyzer).run()
@@ -357,12 +357,12 @@ def _unclamped(bb: relax.BlockBuilder, inputs: list) -> list:
     types = [getattr(v, "ty", None) for v in inputs]
     shapes = [t.shape.values if isinstance(t, relax.TensorType) and isinstance(t.shape, relax.ShapeExpr) else None
               for t in types]
-    if not any(s is not None and any(_clamps(d) for d in s) for s in shapes):
+    if not any(s is not None and any(has_clamp(d) for d in s) for s in shapes):
         return inputs
     out = []
     with _sizes([d for s in shapes if s is not None for d in s]) as analyzer:
         for value, ty, shape in zip(inputs, types, shapes):
-            if shape is None or not any(_clamps(d) for d in shape):
+            if shape is None or not any(has_clamp(d) for d in shape):
                 out.append(value)
                 continue
             if not isinstance(value, relax.Var):
@@ -379,9 +379,33 @@ def _sizes(dims: list) -> Iterator[Analyzer]:
     for var in {v for d in dims for v in tirx.analysis.undefined_vars(d)}:
         analyzer.update(var, tvm.sym.ConstIntBound(0, tvm.sym.ConstIntBound.POS_INF))
     with contextlib.ExitStack() as scopes:
-        for d in {str(d): d for d in dims if not isinstance(d, (tirx.Var, tirx.IntImm)) and not _clamps(d)}.values():
+        for d in {str(d): d for d in dims if not isinstance(d, (tirx.Var, tirx.IntImm)) and not has_clamp(d)}.values():
             scopes.enter_context(analyzer.constraint_scope(d >= 0))
         yield analyzer
+
+
+def without_unused_casts(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` without the casts of `state_shape` and `state_broadcast` nothing reads any more, which
+    DeadCodeElimination keeps (a cast checks): MPT's symbolic scores cast to its ALiBi's length, read by
+    the chain a kernel replaced (`patterns.rewrite`), kept the scores' matmul alive (a third of its run)."""
+    func = mod["main"]
+    used = {v for block in func.body.blocks for b in block.bindings for v in relax.analysis.free_vars(b.value)}
+    used |= set(relax.analysis.free_vars(func.body.body))
+    given = {v for p in func.params if isinstance(p.ty, relax.TensorType) and isinstance(p.ty.shape, relax.ShapeExpr)
+             for d in p.ty.shape.values for v in tirx.analysis.undefined_vars(d)}
+
+    def unused(b: relax.Binding) -> bool:  # (a cast that defines a size is kept: what follows reads it)
+        return isinstance(b, relax.MatchCast) and b.var not in used and isinstance(b.ty, relax.TensorType) \
+            and isinstance(b.ty.shape, relax.ShapeExpr) \
+            and all(v in given for d in b.ty.shape.values for v in tirx.analysis.undefined_vars(d))
+
+    blocks = [type(block)([b for b in block.bindings if not unused(b)]) for block in func.body.blocks]
+    if all(len(a.bindings) == len(b.bindings) for a, b in zip(blocks, func.body.blocks)):
+        return mod
+    out = tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
+    out[mod.get_global_var("main")] = relax.Function(func.params, relax.SeqExpr(blocks, func.body.body),
+                                                     func.ret_ty, func.is_pure, func.attrs)
+    return out
 
 
 def _tensor_types(func: relax.Function) -> list:
@@ -389,7 +413,7 @@ def _tensor_types(func: relax.Function) -> list:
     return [t for t in types if isinstance(t, relax.TensorType) and isinstance(t.shape, relax.ShapeExpr)]
 
 
-def _clamps(dim: PrimExpr) -> bool:
+def has_clamp(dim: PrimExpr) -> bool:
     found = []
     tvm_ffi.structural_walk(dim, [((tirx.Min, tirx.Max), lambda n: found.append(n))])
     return bool(found)
@@ -409,7 +433,7 @@ class _Tighten(relax.PyExprMutator):
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         ty = binding.var.ty
         if not (isinstance(ty, relax.TensorType) and isinstance(ty.shape, relax.ShapeExpr)
-                and any(_clamps(d) for d in ty.shape.values)):
+                and any(has_clamp(d) for d in ty.shape.values)):
             super().visit_var_binding_(binding)
             return
         value = self.builder_.emit(self.visit_expr(binding.value))
