@@ -29,8 +29,9 @@ def slopes(bias: relax.Expr, heads: int, batched: bool, values: dict) -> np.ndar
     if isinstance(value, tvm.ir.GenericConst):  # (static shapes: folded when the model was read)
         return _constant_slopes(value.value.numpy(), heads, batched)
     table = _table(value, values, keys=True)
-    if table is not None:  # a constant table's keys from a symbolic start: ALiBi's if the whole table is
-        return _constant_slopes(table, heads, batched)
+    found = None if table is None else _constant_slopes(table, heads, batched)
+    if found is not None:  # a constant table's keys from a symbolic start: ALiBi's if the whole table is
+        return found
     b, i, j = (tirx.Var(name, "int64") for name in ("b", "i", "j"))
     dims = shape_of(bias, "a bias")
     if batched and isinstance(dims[0], tirx.IntImm) and dims[0].value == heads:

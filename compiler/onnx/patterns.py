@@ -50,7 +50,7 @@ from tvmattn.compiler.onnx.causal_masks import HUGE_NEGATIVE
 from tvmattn.compiler.onnx.chain import ROOTS, AttentionPattern
 from tvmattn.compiler.onnx.constant_masks import hides_only, keep_rule
 from tvmattn.compiler.onnx.kernels import Kernels, Mask, attend, shape_of
-from tvmattn.compiler.onnx.shape_ops import without_unused_casts
+from tvmattn.compiler.onnx.shape_ops import has_clamp, without_unused_casts
 
 SOURCE = "pattern: decomposed attention"
 _SOFTMAX = tvm.ir.Op.get("relax.nn.softmax")
@@ -94,8 +94,8 @@ class _Rewriter(relax.PyExprMutator):
         self.casts = {b.var: b.value for block in mod["main"].body.blocks for b in block.bindings
                       if isinstance(b, relax.MatchCast)}
         self.values = dict(relax.analysis.get_var2val(mod["main"]).items()) | self.casts
-        self.var2val = {var: self.values.get(value, value) if var in self.casts else value
-                        for var, value in self.values.items()}
+        self.var2val = {var: self.values.get(value, value) if _restates(var, value) else value
+                        for var, value in self.values.items() if var not in self.casts or _restates(var, value)}
         self.matches = self._maximal_matches()
 
     def bound(self, expr: relax.Expr) -> relax.Expr:
@@ -541,6 +541,14 @@ class _Match:
 
 class _NoMatch(Exception):
     """The chain matched the pattern but is not provably what the kernel computes."""
+
+
+def _restates(var: relax.Var, value: relax.Expr) -> bool:
+    """Whether ``var`` is ``value`` cast to sizes with a min or max where it had none (`shape_ops.
+    state_broadcast`'s min(1024, n) for n): the matcher reads through such a cast."""
+    have, want = _dims(value), _dims(var)
+    return have is not None and want is not None and any(has_clamp(d) for d in want) \
+        and not any(has_clamp(d) for d in have)
 
 
 def _dims(x: relax.Expr) -> list | None:
