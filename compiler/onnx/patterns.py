@@ -180,7 +180,7 @@ class _Match:
         sides = [expr, self.r.casts.get(expr)] + [v for v, inner in self.r.casts.items()
                                                   if expr.same_as(self.r.bound(inner))]
         aligned = [x for x in sides if x is not None and self._on_the_scores(x)]
-        return self.r.visit_expr(expr if not aligned or expr in aligned else aligned[0])
+        return self.r.visit_expr(expr if not aligned or any(expr.same_as(x) for x in aligned) else aligned[0])
 
     def _on_the_scores(self, term: relax.Expr) -> bool:
         """Whether ``term``'s last two sizes are 1 or provably the scores' (n, n_kv)."""

@@ -279,7 +279,7 @@ def state_broadcast(bb: relax.BlockBuilder, inputs: list, dims: tuple[int | str,
     TVM cannot prove them equal: a TorchScript export bakes a traced length (5) into one operand while
     the other keeps the named one (seq); the result's shape is then unknown to TVM, which cannot lower
     the op. Shape inference knows the output; the cast checks the sizes agree when the model runs.
-    Where an operand's size is the stated one in other terms (``min(1024, seq)`` for seq, from dynamo's
+    Where an operand's size is a min or max of the stated one (``min(1024, seq)`` for seq, from dynamo's
     ``sym_min``), the others are cast to that: a cast to seq would define seq by itself, and TVM's
     CanonicalizeBindings then substitutes it into itself without end (a segfault)."""
     stated = [dimension(d, symbols) for d in dims] if dims is not None else None
