@@ -89,16 +89,20 @@ def slice_(inputs: list) -> relax.Expr | None:
     start, end = _int_scalar(starts), _int_scalar(ends)
     dims = list(data.ty.shape.values) if isinstance(getattr(data, "ty", None), relax.TensorType) and \
         isinstance(data.ty.shape, relax.ShapeExpr) else None
-    if dims is None or start is None or isinstance(start, tirx.IntImm) or not isinstance(end, tirx.IntImm):
-        return None  # constant starts, or a bound computed as a tensor: the stock converter's
+    if dims is None or start is None or not isinstance(end, tirx.IntImm):
+        return None  # a bound computed as a tensor: the stock converter's
     step = _int_scalar(steps) if steps is not None else tirx.IntImm("int64", 1)
-    if not (isinstance(step, tirx.IntImm) and step.value == 1) or end.value < _TO_THE_END:
-        return None  # other steps or ends: the stock converter's
+    if not (isinstance(step, tirx.IntImm) and step.value == 1):
+        return None  # other steps: the stock converter's
     axis = _int_scalar(axes) if axes is not None else tirx.IntImm("int64", 0)
     if not isinstance(axis, tirx.IntImm):
         return None
     axis = int(axis.value) % len(dims)
     size = dims[axis]
+    if isinstance(start, tirx.IntImm):
+        return _constant_bounds(data, axis, size, int(start.value), int(end.value))
+    if end.value < _TO_THE_END:
+        return None  # a symbolic start to another end: the stock converter's
     analyzer = bounded_below(start, 1)  # sizes: the importer refuses empty dimensions
     if analyzer.can_prove(start < 0):  # ONNX: a negative bound counts from the end, then clamps
         start = tirx.max(size + start, 0)
@@ -107,6 +111,24 @@ def slice_(inputs: list) -> relax.Expr | None:
     else:
         return None
     return relax.op.strided_slice(data, [axis], [analyzer.simplify(start)], [size], [1], assume_inbound=True)
+
+
+def _constant_bounds(data: relax.Expr, axis: int, size: PrimExpr, start: int, end: int) -> relax.Expr | None:
+    """A slice by constant bounds of a symbolic axis (MobileBERT's trigram embedding: x[:, 1:], x[:, :-1]),
+    its length without a clamp where the axis's sizes being ≥ 1 (the importer refuses empty dimensions)
+    proves one needless: TVM's converter sized x[:, :-1] min(max(n - 1, 0), n), and the concat of the
+    three (padded) could not be proved n long. None (the stock converter's) where a clamp stays."""
+    if isinstance(size, tirx.IntImm):
+        return None
+
+    def bound(x: int) -> PrimExpr:  # ONNX: a negative bound counts from the end; both clamp to the axis
+        return size if x >= _TO_THE_END else tirx.max(size + x, 0) if x < 0 else tirx.min(x, size)
+
+    analyzer = bounded_below(size, 1)
+    begin, stop = analyzer.simplify(bound(start)), analyzer.simplify(bound(end))
+    if has_clamp(begin) or has_clamp(stop) or not analyzer.can_prove(stop >= begin):
+        return None
+    return relax.op.strided_slice(data, [axis], [begin], [stop], [1], assume_inbound=True)
 
 
 def bounded_below(expr: PrimExpr, least: int = 0) -> Analyzer:
