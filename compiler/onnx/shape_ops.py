@@ -100,35 +100,35 @@ def slice_(inputs: list) -> relax.Expr | None:
     axis = int(axis.value) % len(dims)
     size = dims[axis]
     if isinstance(start, tirx.IntImm):
-        return _constant_bounds(data, axis, size, int(start.value), int(end.value))
+        return _constant_bounds(data, axis, size, start, end)
     if end.value < _TO_THE_END:
         return None  # a symbolic start to another end: the stock converter's
-    analyzer = bounded_below(start, 1)  # sizes: the importer refuses empty dimensions
-    if analyzer.can_prove(start < 0):  # ONNX: a negative bound counts from the end, then clamps
-        start = tirx.max(size + start, 0)
-    elif analyzer.can_prove(start >= 0):
-        start = tirx.min(start, size)
-    else:
-        return None
-    return relax.op.strided_slice(data, [axis], [analyzer.simplify(start)], [size], [1], assume_inbound=True)
+    begin = _bound(start, size, bounded_below(start, 1))  # sizes: the importer refuses empty dimensions
+    return None if begin is None else relax.op.strided_slice(data, [axis], [begin], [size], [1], assume_inbound=True)
 
 
-def _constant_bounds(data: relax.Expr, axis: int, size: PrimExpr, start: int, end: int) -> relax.Expr | None:
+def _constant_bounds(data: relax.Expr, axis: int, size: PrimExpr, start: PrimExpr, end: PrimExpr) -> relax.Expr | None:
     """A slice by constant bounds of a symbolic axis (MobileBERT's trigram embedding: x[:, 1:], x[:, :-1]),
     its length without a clamp where the axis's sizes being ≥ 1 (the importer refuses empty dimensions)
     proves one needless: TVM's converter sized x[:, :-1] min(max(n - 1, 0), n), and the concat of the
     three (padded) could not be proved n long. None (the stock converter's) where a clamp stays."""
     if isinstance(size, tirx.IntImm):
         return None
-
-    def bound(x: int) -> PrimExpr:  # ONNX: a negative bound counts from the end; both clamp to the axis
-        return size if x >= _TO_THE_END else tirx.max(size + x, 0) if x < 0 else tirx.min(x, size)
-
     analyzer = bounded_below(size, 1)
-    begin, stop = analyzer.simplify(bound(start)), analyzer.simplify(bound(end))
+    begin, stop = _bound(start, size, analyzer), _bound(end, size, analyzer)
     if has_clamp(begin) or has_clamp(stop) or not analyzer.can_prove(stop >= begin):
         return None
     return relax.op.strided_slice(data, [axis], [begin], [stop], [1], assume_inbound=True)
+
+
+def _bound(x: PrimExpr, size: PrimExpr, analyzer: Analyzer) -> PrimExpr | None:
+    """ONNX's slice bound ``x`` on an axis of ``size``: a negative one counts from the end, then either
+    clamps to the axis (an exporter's INT64_MAX is its end); None where ``analyzer`` cannot tell the sign."""
+    if isinstance(x, tirx.IntImm) and x.value >= _TO_THE_END:
+        return size
+    if analyzer.can_prove(x < 0):
+        return analyzer.simplify(tirx.max(size + x, 0))
+    return analyzer.simplify(tirx.min(x, size)) if analyzer.can_prove(x >= 0) else None
 
 
 def bounded_below(expr: PrimExpr, least: int = 0) -> Analyzer:
