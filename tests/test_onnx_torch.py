@@ -1,9 +1,9 @@
 """PyTorch exports (TorchScript and dynamo exporters) imported by tvmattn and checked against ONNX Runtime.
 
 nn.MultiheadAttention with no mask, a causal attn_mask and a key_padding_mask; F.scaled_dot_product_attention
-(causal); hand-written attention with masked_fill; and Hugging Face's eager attention as its GPT-2 and
-Llama modules write it (causal mask from a tril buffer with Where(finfo.min); repeat_kv for GQA). Batch
-and sequence are dynamic; the report must show the attention on a tvmattn kernel. (TorchScript bakes
+(causal); hand-written attention with masked_fill; and Hugging Face's eager attention as its GPT-2, Llama and
+GPT-OSS modules write it (causal mask from a tril buffer with Where(finfo.min); repeat_kv for GQA; GPT-OSS's
+sink logits). Batch and sequence are dynamic; the report must show the attention on a tvmattn kernel. (TorchScript bakes
 nn.MultiheadAttention's sequence length into its reshapes, so that export varies only the batch.)
 """
 
@@ -20,7 +20,9 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-from onnx_testing import assert_matches_ort  # noqa: E402
+from onnx_testing import assert_matches_ort, ort_run  # noqa: E402
+
+import tvmattn  # noqa: E402
 
 E, HEADS = 32, 4
 
@@ -93,7 +95,7 @@ class LlamaAttention(torch.nn.Module):
         self.v_proj = torch.nn.Linear(E, kv_heads * self.d, bias=False)
         self.o_proj = torch.nn.Linear(E, E, bias=False)
 
-    def forward(self, x):
+    def logits(self, x):
         b, n, _ = x.shape
         q = self.q_proj(x).view(b, n, HEADS, self.d).transpose(1, 2)
         k = self.k_proj(x).view(b, n, self.kv_heads, self.d).transpose(1, 2)
@@ -102,13 +104,33 @@ class LlamaAttention(torch.nn.Module):
         k = k[:, :, None, :, :].expand(b, self.kv_heads, group, n, self.d).reshape(b, HEADS, n, self.d)
         v = v[:, :, None, :, :].expand(b, self.kv_heads, group, n, self.d).reshape(b, HEADS, n, self.d)
         mask = torch.full((n, n), torch.finfo(x.dtype).min).triu(1)[None, None]
-        w = torch.matmul(q, k.transpose(2, 3)) * self.d ** -0.5 + mask
-        w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
-        return self.o_proj(torch.matmul(w, v).transpose(1, 2).reshape(b, n, E))
+        return torch.matmul(q, k.transpose(2, 3)) * self.d ** -0.5 + mask, v  # (b, h, n, n), (b, h, n, d)
+
+    def forward(self, x):
+        w, v = self.logits(x)
+        w = F.softmax(w, dim=-1, dtype=torch.float32).to(w.dtype)
+        return self.o_proj(torch.matmul(w, v).transpose(1, 2).reshape(*x.shape))
+
+
+class GptOssAttention(LlamaAttention):
+    """transformers' GPT-OSS eager attention: each head's sink logit joined as one more key, the row max
+    subtracted, the sink's weight dropped after the softmax."""
+
+    def __init__(self, kept: slice = slice(None, -1)) -> None:
+        super().__init__()
+        self.sinks, self.kept = torch.nn.Parameter(torch.randn(HEADS)), kept
+
+    def forward(self, x):
+        w, v = self.logits(x)
+        sinks = self.sinks.reshape(1, -1, 1, 1).expand(w.shape[0], -1, w.shape[2], -1)
+        w = torch.cat([w, sinks], dim=-1)
+        w = F.softmax(w - w.max(dim=-1, keepdim=True).values, dim=-1)[..., self.kept]
+        return self.o_proj(torch.matmul(w, v).transpose(1, 2).reshape(*x.shape))
 
 
 MODELS = {"mha": lambda: MHA("none"), "mha-causal": lambda: MHA("causal"), "mha-padding": lambda: MHA("padding"),
-          "sdpa-causal": SDPA, "hand-written": HandWritten, "hf-gpt2": GPT2Attention, "hf-llama": LlamaAttention}
+          "sdpa-causal": SDPA, "hand-written": HandWritten, "hf-gpt2": GPT2Attention, "hf-llama": LlamaAttention,
+          "hf-gpt-oss": GptOssAttention}
 
 
 def export(name: str, dynamo: bool) -> onnx.ModelProto:
@@ -159,7 +181,23 @@ def _cases():
 def test_torch_export_matches_onnx_runtime(name, dynamo):
     imported = assert_matches_ort(export(name, dynamo), feeds(name, dynamo), attentions=1)
     spec = imported.report.replacements[0].spec
-    if name == "hf-llama":
+    if name in ("hf-llama", "hf-gpt-oss"):
         assert spec.h_kv == 2
-    if name in ("mha-causal", "hf-gpt2", "hf-llama", "sdpa-causal", "hand-written"):
+    assert spec.sinks == (name == "hf-gpt-oss")
+    if name in ("mha-causal", "hf-gpt2", "hf-llama", "hf-gpt-oss", "sdpa-causal", "hand-written"):
         assert spec.causal or spec.attn_mask is not None
+
+
+def test_weights_sliced_otherwise_than_the_sink_off_are_left_to_tvm():
+    """[..., 1:] keeps the sink's weight and drops key 0's: not attention with sinks."""
+    torch.manual_seed(0)
+    model, x = GptOssAttention(slice(1, None)).eval(), torch.randn(2, 5, E)
+    f = io.BytesIO()
+    torch.onnx.export(model, (x,), f, input_names=["x"], output_names=["y"], dynamo=False,
+                      dynamic_axes={"x": {0: "batch", 1: "seq"}})
+    proto = onnx.load_from_string(f.getvalue())
+    imported = tvmattn.import_onnx(proto)
+    fate, = imported.report.softmaxes
+    assert fate.kernel is None and "keep other columns than the keys" in fate.reason, str(imported.report)
+    feed = feeds("hf-llama", False)[1]
+    np.testing.assert_allclose(imported.run(feed)[0], ort_run(proto, feed)[0], rtol=1e-5, atol=1e-5)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tvm.relax.dpl import DFPattern, is_const, is_op, is_tuple_get_item, wildcard
+from tvm.relax.dpl import DFPattern, is_const, is_op, is_tuple, is_tuple_get_item, wildcard
 
 
 def _op(name: str, *args: DFPattern) -> DFPattern:
@@ -34,6 +34,10 @@ class _Scale:
         mul, div = is_const(), is_const()
         pattern = _op("multiply", x, mul) | _op("multiply", mul, x) | _op("divide", x, div) | x
         return pattern, _Scale(mul, div)
+
+
+class NoMatch(Exception):
+    """The chain matched the pattern but is not provably what the kernel computes."""
 
 
 ROOTS = ("merged", "out", "weights")  # the chain ending in the head merge, in probs @ v, in the probs
@@ -70,8 +74,17 @@ class AttentionPattern:
         selected = _op("where", self.keep, chosen, self.keep_fill) | _op("where", self.hide, self.hide_fill, chosen)
         masked = (_op("add", biased, self.bias2) | _op("add", self.bias2, biased) | biased
                   | _op("add", selected, self.bias2) | _op("add", self.bias2, selected) | selected | logits)
-        self.softmax = _op("nn.softmax", _cast(masked))
+        # each head's sink logit joined as one more key column, dropped after the softmax (GPT-OSS)
+        self.sink = wildcard()
+        self.joined = _op("concat", is_tuple([masked, self.sink]))
+        joined = self.joined | masked
+        # softmax(x - max x): the row max the kernel takes itself (GPT-OSS's overflow guard)
+        self.row_max = _op("max", joined)
+        self.stable = _op("subtract", joined, self.row_max)
+        self.softmax = _op("nn.softmax", _cast(self.stable | joined))
         probs = _cast(self.softmax)
+        self.sunk = _op("strided_slice", probs, *(wildcard() for _ in range(4)))  # the sink's column dropped
+        probs = self.sunk | probs
         probs = is_tuple_get_item(_op("nn.dropout", probs), 0) | probs
         self.guard, self.zero = wildcard(), is_const()
         self.weights = _op("where", self.guard, self.zero, probs) | probs

@@ -47,10 +47,11 @@ from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.onnx import alibi, causal_masks, key_masks
 from tvmattn.compiler.onnx.canonical import canonical
 from tvmattn.compiler.onnx.causal_masks import HUGE_NEGATIVE
-from tvmattn.compiler.onnx.chain import ROOTS, AttentionPattern
+from tvmattn.compiler.onnx.chain import ROOTS, AttentionPattern, NoMatch
 from tvmattn.compiler.onnx.constant_masks import hides_only, keep_rule
 from tvmattn.compiler.onnx.kernels import Kernels, Mask, attend, shape_of
 from tvmattn.compiler.onnx.shape_ops import has_clamp, without_unused_casts
+from tvmattn.compiler.onnx.sinks import sink_logits
 
 SOURCE = "pattern: decomposed attention"
 _SOFTMAX = tvm.ir.Op.get("relax.nn.softmax")
@@ -194,7 +195,7 @@ class _Match:
         """The kernel call, or None (the reason recorded under the softmax's node) where TVM keeps it."""
         try:
             return self._replace()
-        except (_NoMatch, TvmAttnError) as err:  # TvmAttnError: a shape or dtype the kernel does not take
+        except (NoMatch, TvmAttnError) as err:  # TvmAttnError: a shape or dtype the kernel does not take
             softmax = self.r.provenance.get(self.m[self.p.softmax])
             if softmax:
                 self.r.reasons[softmax] = str(err)
@@ -206,15 +207,17 @@ class _Match:
         v = k if weights else self._operand(self.p.v, self.p.v_perm, self.p.v_rep)  # a weights kernel reads no v
         rank = q.rank
         if k.rank != rank or v.rank != rank or rank not in (3, 4) or k.group != v.group:
-            raise _NoMatch(f"q, k, v of ranks {q.rank}, {k.rank}, {v.rank} (head groups {k.group}, {v.group}): "
+            raise NoMatch(f"q, k, v of ranks {q.rank}, {k.rank}, {v.rank} (head groups {k.group}, {v.group}): "
                            f"the kernel takes 3-D or 4-D operands of one rank")
         if self.m[self.p.softmax].attrs.axis not in (-1, rank - 1):
-            raise _NoMatch(f"softmax over axis {self.m[self.p.softmax].attrs.axis}, not the key axis")
+            raise NoMatch(f"softmax over axis {self.m[self.p.softmax].attrs.axis}, not the key axis")
         options = {"scale": self._scale()}
         cap = self._softcap()
         if cap is not None:
             options["softcap"] = cap
         heads = self._split(weights)
+        sinks = sink_logits(self.bb, self.m, self.p, shape_of(self._logits(), "the scores"), heads is not None,
+                            self.r.bound, self.r.visit_expr)
         mask, structure, keep = self._mask()
         options.update(structure)
         self._check_guard(keep)
@@ -227,13 +230,13 @@ class _Match:
             if rank == 3 and mask is not None:
                 mask = Mask(self._with_head_axis(mask.value), mask.kind)
         if str(self.m[self.p.root].ty.dtype) != str(operands[0].ty.dtype):
-            raise _NoMatch(f"the attention output is {self.m[self.p.root].ty.dtype}, its operands "
+            raise NoMatch(f"the attention output is {self.m[self.p.root].ty.dtype}, its operands "
                            f"{operands[0].ty.dtype}")
         if self.alibi_slopes is not None:
             options.update(alibi="signed", alibi_slopes=relax.const(self.alibi_slopes))
         out, = attend(self.bb, self.r.kernels, *operands, layout="BSHD" if bshd else "BHSD", mask=mask,
                       nodes=self._nodes(), source=SOURCE, outputs=("weights" if weights else "attn",),
-                      **options)
+                      sinks=sinks, **options)
         if self.empty_rows is not None:
             keys, rule = self.empty_rows
             out = key_masks.average_empty_rows(self.bb, out, operands[2], keys, rule, "BSHD" if bshd else "BHSD",
@@ -254,10 +257,10 @@ class _Match:
         analyzer = tvm.sym.Analyzer()
         if len(scores) != 3 or len(split) != 4 or not isinstance(split[1], tirx.IntImm) or not all(
                 analyzer.can_prove_equal(a, b) for a, b in zip(scores, (split[0] * split[1], split[2], split[3]))):
-            raise _NoMatch("the scores are reshaped otherwise than their (B·h) batches split into (B, h)")
+            raise NoMatch("the scores are reshaped otherwise than their (B·h) batches split into (B, h)")
         if not weights and (self.p.unsplit not in self.m or not all(analyzer.can_prove_equal(a, b) for a, b in zip(
                 shape_of(self.m[self.p.unsplit], "the weights"), scores))):
-            raise _NoMatch("the weights P·V reads are not the split ones merged back into (B·h) batches")
+            raise NoMatch("the weights P·V reads are not the split ones merged back into (B·h) batches")
         return split[0], int(split[1].value)
 
     def _with_batch_bias(self, mask: Mask | None, heads: tuple[tirx.PrimExpr, int]) -> Mask | None:
@@ -269,10 +272,10 @@ class _Match:
         shape = shape_of(bias, "the batched bias")
         shape = [tirx.IntImm("int64", 1)] * (3 - len(shape)) + shape
         if len(shape) != 3:
-            raise _NoMatch(f"a bias of rank {len(shape)} on (B·h, n, n_kv) scores")
+            raise NoMatch(f"a bias of rank {len(shape)} on (B·h, n, n_kv) scores")
         one = isinstance(shape[0], tirx.IntImm) and shape[0].value == 1
         if not one and not tvm.sym.Analyzer().can_prove_equal(shape[0], heads[0] * heads[1]):
-            raise _NoMatch("the batched bias does not broadcast along the (B·h) batches")
+            raise NoMatch("the batched bias does not broadcast along the (B·h) batches")
         lead = [1, 1] if one else list(heads)
         bias = self.bb.emit(relax.op.astype(self.bb.emit(relax.op.reshape(bias, lead + shape[1:])), "float32"))
         if mask is None:
@@ -303,7 +306,7 @@ class _Match:
         """K from the scores' right operand kᵀ (…, d_k, n_kv)."""
         if self.p.kt_perm not in self.m:  # kᵀ came from elsewhere: the kernel reads its transpose
             if self.p.k_perm in self.m or self.p.k_rep in self.m:
-                raise _NoMatch("kᵀ is not a transpose of the keys' last two axes")
+                raise NoMatch("kᵀ is not a transpose of the keys' last two axes")
             src = self.leaf(self.p.k)
             rank = len(shape_of(src, "k"))
             return _Operand(src, tuple(range(rank - 2)) + (rank - 1, rank - 2))
@@ -315,7 +318,7 @@ class _Match:
             # kᵀ straight from K's source in another order: (B, n_kv, h, d) by (0, 2, 3, 1), or torch's
             # MultiheadAttention's (n_kv, B·h, d) by (1, 2, 0); K is the same permutation, last two swapped
             return _Operand(self.leaf(self.p.k), outer[:-2] + (outer[-1], outer[-2]))
-        raise _NoMatch(f"kᵀ is a permutation {outer} of permuted or repeated keys the kernel cannot read as K")
+        raise NoMatch(f"kᵀ is a permutation {outer} of permuted or repeated keys the kernel cannot read as K")
 
     def _group(self, reshape: relax.Call) -> int:
         """g of a head repetition (B, h_kv, n, d) → (B, h_kv, g, n, d) → (B, h_kv·g, n, d), which makes
@@ -324,18 +327,18 @@ class _Match:
         broadcast = self.r.var2val.get(reshape.args[0], reshape.args[0])
         expand = self.r.var2val.get(broadcast.args[0], broadcast.args[0])
         if [int(a) for a in expand.attrs.axis] != [2]:
-            raise _NoMatch("K/V are expanded along another axis than GQA's head repetition")
+            raise NoMatch("K/V are expanded along another axis than GQA's head repetition")
         src = shape_of(expand.args[0], "a repeated K/V")
         wide = shape_of(broadcast, "a repeated K/V")
         out = shape_of(reshape, "a repeated K/V")
         if len(src) != 4 or len(wide) != 5 or len(out) != 4 or not isinstance(wide[2], tirx.IntImm):
-            raise _NoMatch("K/V are broadcast in a way that is not GQA's head repetition")
+            raise NoMatch("K/V are broadcast in a way that is not GQA's head repetition")
         b, h_kv, n, d = src
         analyzer = tvm.sym.Analyzer()
         if not all(analyzer.can_prove_equal(x, y) for x, y in zip(
                 (wide[0], wide[1], wide[3], wide[4], out[0], out[1], out[2], out[3]),
                 (b, h_kv, n, d, b, h_kv * wide[2], n, d))):
-            raise _NoMatch("K/V are reshaped in a way that is not GQA's head repetition")
+            raise NoMatch("K/V are reshaped in a way that is not GQA's head repetition")
         return int(wide[2].value)
 
     # ---- scale, softcap, mask ------------------------------------------------------------------------
@@ -352,7 +355,7 @@ class _Match:
         if self.p.cap_in not in self.m:
             return None
         if self.p.cap_out not in self.m or _scalar(self.m[self.p.cap_in]) != _scalar(self.m[self.p.cap_out]):
-            raise _NoMatch("c·tanh(s / c') with c ≠ c' is not a soft cap")
+            raise NoMatch("c·tanh(s / c') with c ≠ c' is not a soft cap")
         return _scalar(self.m[self.p.cap_in])
 
     def _mask(self) -> tuple[Mask | None, dict, np.ndarray | None]:
@@ -364,12 +367,12 @@ class _Match:
                                                  (self.p.hide, self.p.hide_fill, True)) if c in self.m), None)
         if self.p.bias in self.m and select is not None:  # where(mask, fill, s + bias): MPT's masked_fill
             if self.p.bias2 in self.m:
-                raise _NoMatch("a bias, a bool mask over the sum and another term after it")
+                raise NoMatch("a bias, a bool mask over the sum and another term after it")
             if heads is not None and self._alibi(self.p.bias, heads, batched=False):
                 return self._select_mask(self.leaf(select[0]), _scalar(self.m[select[1]]), select[2])
             terms = [self.leaf(self.p.bias), self._selected()]  # (the fill absorbs the bias: `_selected`)
             if any(str(t.ty.dtype) != "float32" for t in terms):
-                raise _NoMatch("additive terms on the scores that are not float32")
+                raise NoMatch("additive terms on the scores that are not float32")
             return Mask(self.bb.emit(relax.op.add(*terms)), "additive"), {}, None
         if self.p.bias2 in self.m:  # two additive terms: ALiBi (MPT's) and a mask, or the sum the kernel adds
             for alibi, other in ((self.p.bias, self.p.bias2), (self.p.bias2, self.p.bias)):
@@ -378,7 +381,7 @@ class _Match:
             first = self.leaf(self.p.bias) if self.p.bias in self.m else self._selected()
             terms = [first, self.leaf(self.p.bias2)]
             if any(str(t.ty.dtype) != "float32" for t in terms):
-                raise _NoMatch("additive terms on the scores that are not float32")
+                raise NoMatch("additive terms on the scores that are not float32")
             return Mask(self.bb.emit(relax.op.add(*terms)), "additive"), {}, None
         if self.p.bias in self.m:
             if heads is not None and self._alibi(self.p.bias, heads, batched=False):
@@ -499,14 +502,14 @@ class _Match:
         if self.p.guard not in self.m:
             return
         if np.any(self.m[self.p.zero].value.numpy() != 0):
-            raise _NoMatch("the weights' guard writes a value other than 0")
+            raise NoMatch("the weights' guard writes a value other than 0")
         guard = self.m[self.p.guard]
         if isinstance(guard, tvm.ir.GenericConst):
             if keep is None:
-                raise _NoMatch("a constant weights guard on a mask known only at run time")
+                raise NoMatch("a constant weights guard on a mask known only at run time")
             no_key = ~keep.any(axis=-1, keepdims=True)
             if not np.array_equal(*np.broadcast_arrays(guard.value.numpy(), no_key)):
-                raise _NoMatch("the weights' guard zeroes other rows than those whose mask hides every key")
+                raise NoMatch("the weights' guard zeroes other rows than those whose mask hides every key")
             return
         nan = self.p.guard_nan.extract_matched_expr(self.r.var2val.get(guard, guard), self.r.var2val)
         if nan is not None and nan[self.p.softmax].same_as(self.m[self.p.softmax]):
@@ -514,7 +517,7 @@ class _Match:
         rule = self.p.guard_rule.extract_matched_expr(self.r.var2val.get(guard, guard), self.r.var2val)
         if (rule is None or self.p.bias not in self.m or not rule[self.p.guard_bias].same_as(self.m[self.p.bias])
                 or not _reduces_last_axis(self.r.var2val.get(guard, guard), self.r.var2val)):
-            raise _NoMatch("the weights' guard is not 'the row's mask hides every key'")
+            raise NoMatch("the weights' guard is not 'the row's mask hides every key'")
 
     # ---- output --------------------------------------------------------------------------------------
     def _merge(self, out: relax.Expr, rank: int, bshd: bool, weights: bool) -> relax.Expr:
@@ -539,10 +542,6 @@ class _Match:
         return tuple(dict.fromkeys(n for n in names if n)) or ("(unnamed)",)
 
 
-class _NoMatch(Exception):
-    """The chain matched the pattern but is not provably what the kernel computes."""
-
-
 def _restates(var: relax.Var, value: relax.Expr) -> bool:
     """Whether ``var`` is ``value`` cast to sizes with a min or max where it had none (`shape_ops.
     state_broadcast`'s min(1024, n) for n): the matcher reads through such a cast."""
@@ -564,15 +563,15 @@ def _either(expr: relax.Expr | None, otherwise: relax.Expr) -> relax.Expr:
 def _check_select(cond: relax.Expr, fill: float) -> None:
     """A where() mask the kernel can apply: a bool condition, a fill that hides a key."""
     if str(cond.ty.dtype) != "bool":
-        raise _NoMatch(f"where() on a {cond.ty.dtype} condition")
+        raise NoMatch(f"where() on a {cond.ty.dtype} condition")
     if fill > HUGE_NEGATIVE:  # a moderate fill gives a fully masked row uniform weights, not what a mask does
-        raise _NoMatch(f"the mask's fill {fill:g} does not hide a key (it must be -inf or ≤ -1e30)")
+        raise NoMatch(f"the mask's fill {fill:g} does not hide a key (it must be -inf or ≤ -1e30)")
 
 
 def _scalar(const: tvm.ir.GenericConst) -> float:
     values = const.value.numpy()
     if values.size != 1:
-        raise _NoMatch(f"a scale or cap of {values.size} values, not one number")
+        raise NoMatch(f"a scale or cap of {values.size} values, not one number")
     return float(values.reshape(()))
 
 
