@@ -191,6 +191,32 @@ def test_an_out_of_range_gather_elements_index_is_an_error_not_a_read_out_of_bou
             imported.run({"x": x, "i": np.array([[0, 1, bad], [0, 0, 0]])})
 
 
+@pytest.mark.parametrize("batch_dims", [0, 1])
+def test_an_out_of_range_gather_nd_index_is_an_error_not_a_read_out_of_bounds(batch_dims):
+    """GatherND (dynamo's W[expert_ids] in a mixture of experts): TVM's kernel read past the data (garbage,
+    or a segfault); each coordinate of an index tuple is checked against its axis, negative ones counted
+    from the end, as ONNX Runtime does. x is (2, 3, 5): tuples of 2 index (3, 5) below batch 2 with
+    batch_dims=1, (2, 3) without."""
+    x = np.arange(30, dtype=np.float32).reshape(2, 3, 5)
+    extents = x.shape[batch_dims:batch_dims + 2]
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("GatherND", ["x", "i"], ["y"], batch_dims=batch_dims)], "g",
+        [onnx.helper.make_tensor_value_info("i", onnx.TensorProto.INT64, [2, "k", 2])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, "k"] if batch_dims
+                                            else [2, "k", 5])],
+        initializer=[onnx.numpy_helper.from_array(x, "x")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    imported = tvmattn.import_onnx(model)
+    index = np.array([[[0, 1], [-1, -extents[1]], [1, 2]], [[-extents[0], 0], [1, -1], [0, 0]]])
+    np.testing.assert_array_equal(imported.run({"i": index})[0], ort_run(model, {"i": index})[0])
+    for j, bad in ((0, extents[0]), (1, -extents[1] - 1), (1, 2**40)):
+        wrong = index.copy()
+        wrong[1, 2, j] = bad
+        with pytest.raises(tvmattn.TvmAttnError, match=rf"GatherND_0' \(GatherND\): coordinate {j} .*"
+                                                        rf"\[-{extents[j]}, {extents[j]}\)"):
+            imported.run({"i": wrong})
+
+
 @pytest.mark.parametrize("n", [3, 16, 37])
 def test_a_small_table_lookup_fuses_into_its_transposition_and_keeps_its_check(n):
     """T5's bias: a (32 buckets, 4 heads) table gathered by an (n, n) bucket map, then heads first. The

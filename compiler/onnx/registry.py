@@ -76,6 +76,7 @@ OPS: dict[tuple[str, str], Op] = {
     ("", "Concat"): Op(before=lambda inputs, attrs: shape_ops.nonempty(inputs, int(attrs.get("axis", 0)))),
     ("", "Gather"): Op(fix=shape_ops.gather, checked=run_checks.gather),
     ("", "GatherElements"): Op(checked=run_checks.gather_elements),
+    ("", "GatherND"): Op(checked=run_checks.gather_nd),
     **{("", name): Op(broadcasting=True, before=shape_ops.scalars_beside_arrays) for name in _BROADCASTING},
     **{("", name): Op(broadcasting=True, before=shape_ops.scalars_beside_arrays, fix=shape_ops.extremum(pick))
        for name, pick in (("Min", tirx.min), ("Max", tirx.max))},

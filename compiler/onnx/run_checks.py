@@ -7,7 +7,7 @@ Gather   TVM's ``take`` reads out of bounds for an index outside [-extent, exten
          check is a CPU kernel (parallel chunks of vectorised loops): the importer asks for it on CPU
          targets. GatherElements (TVM's ``gather_elements`` segfaulted too) gets the same check,
          before a broadcast of its indices, which it then reads through the broadcast (the expanded
-         tensor is never written).
+         tensor is never written). GatherND's index tuples are checked coordinate by coordinate.
 Ranges   an index input of ONNX Runtime's attention ops (GroupQueryAttention's seqlens_k and
          total_sequence_length, RotaryEmbedding's position_ids) checked at run time against the buffer it
          indexes, as ONNX Runtime checks it (`in_range`, asked for on CPU targets by the converters).
@@ -63,6 +63,35 @@ def gather(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict) -> rela
         bb.update_func(gv, bb.get()[gv].with_attr(OP_PATTERN, INJECTIVE))
         return out
     return relax.op.take(data, checked, axis, mode="clip")
+
+
+def gather_nd(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict) -> relax.Expr | None:
+    """A bounds-checked ONNX GatherND (TVM's reads out of bounds: an index past the data is garbage or a
+    segfault): coordinate j of every index tuple in [-extent_j, extent_j) of data's axis batch_dims + j,
+    the negative ones counted from the end as TVM's converter counts them."""
+    data, indices = inputs[0], inputs[1]
+    batch_dims = int(attrs.get("batch_dims", 0))
+    if not _index_tensor(indices) or not isinstance(data.ty, relax.TensorType) \
+            or not isinstance(data.ty.shape, relax.ShapeExpr):
+        return None
+    dims, coords = list(data.ty.shape.values), indices.ty.shape.values[-1]
+    if not isinstance(coords, tirx.IntImm) or not 0 < batch_dims + int(coords) <= len(dims):
+        return None  # TVM's converter, and its error
+    extents = [dims[batch_dims + j] for j in range(int(coords))]
+    checked = indices
+    if isinstance(indices, tvm.ir.GenericConst) and all(isinstance(e, tirx.IntImm) for e in extents):
+        values = indices.value.numpy()
+        for j, extent in enumerate(extents):
+            values[..., j] = _constant_in_range(relax.const(values[..., j]), batch_dims + j, int(extent),
+                                                f"node {node!r} (GatherND): ")
+        return relax.op.gather_nd(data, relax.const(values), batch_dims)
+    for j, extent in enumerate(extents):
+        column = bb.normalize(relax.op.strided_slice(indices, axes=[len(indices.ty.shape.values) - 1], begin=[j],
+                                                     end=[j + 1]))
+        checked = in_range(bb, f"node {node!r} (GatherND): coordinate {j} of an index", column, -extent, extent,
+                           carry=checked)
+    extent = onnx_frontend._coord_axis_extents(bb, data, checked, batch_dims)
+    return relax.op.gather_nd(data, onnx_frontend._normalize_negative_indices(bb, checked, extent), batch_dims)
 
 
 def _from_the_end(bb: relax.BlockBuilder, indices: relax.Expr, data: relax.Expr, axis: int) -> relax.Expr:
