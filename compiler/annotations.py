@@ -20,6 +20,7 @@ AMX_TILES = "tvmattn.amx_tiles"  # loop: each iteration configures the AMX tiles
 TILE_BLOCKS = "tvmattn.tile_blocks"
 CONSTANT_PARAMS = "tvmattn.constant_params"  # function: the parameters every call passes a constant
 STACK_TILES = "tvmattn.stack_tiles"  # function: local buffers (by name) to allocate on the stack (`stack_tiles`)
+WRITTEN_AS = "tvmattn.written_as"  # function: written scheduled, reported under this rule name (`experts`)
 SPEC = "tvmattn.spec"  # function: a tuning workload's AttentionSpec (JSON), for the build workers
 
 # ---- TVM's keys, as tvmattn sets them ------------------------------------------------------------------

@@ -257,6 +257,23 @@ def test_shapes_bind_an_input():
         imported.run({"x": randn(np.random.default_rng(0), 2, 3, H)})
 
 
+def test_pads_known_once_a_computed_slice_is_folded():
+    """SEW's squeeze: x sliced to an end computed from x's shape, then padded by an amount read from the
+    slice's shape. At bound sizes ONNX's inference sizes the slice only once its end is a constant, so the
+    pads are folded in a second round (TVM's Pad takes no computed pads)."""
+    def const(name, value):
+        return oh.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(np.array(value)))
+    nodes = [const("one", [1]), const("two", 2), const("zero", [0]), const("zeros", [0, 0, 0]),
+             oh.make_node("Shape", ["x"], ["s"]), oh.make_node("Gather", ["s", "one"], ["n"]),
+             oh.make_node("Div", ["n", "two"], ["half"]), oh.make_node("Slice", ["x", "zero", "half", "one"], ["y"]),
+             oh.make_node("Shape", ["y"], ["ys"]), oh.make_node("Gather", ["ys", "one"], ["pad"]),
+             oh.make_node("Concat", ["zeros", "pad"], ["pads"], axis=0), oh.make_node("Pad", ["y", "pads"], ["z"])]
+    model = _model(nodes, [("x", TP.FLOAT, ["b", "n"])], [("z", TP.FLOAT, 2)], opsets=(("", 17),))
+    x = randn(np.random.default_rng(0), 3, 8)
+    imported = tvmattn.import_onnx(model, shapes={"x": (3, 8)})
+    np.testing.assert_array_equal(imported.run({"x": x})[0], ort_run(model, {"x": x})[0])
+
+
 def test_unnamed_dimensions_get_names_of_their_own():
     """TVM's importer would read both unnamed sizes as one."""
     model = _gelu_model([None, None, H])
@@ -410,3 +427,29 @@ def test_external_data_imports_from_its_path(tmp_path):
     (tmp_path / "m.data").unlink()
     with pytest.raises(tvmattn.TvmAttnError, match="external data file 'm.data', which is not in"):
         tvmattn.import_onnx(str(tmp_path / "m.onnx"))
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(None, 1e-5), ("bfloat16", 1e-2)])
+@pytest.mark.parametrize("gather", ["GatherND", "Gather"])
+@pytest.mark.parametrize("left", [True, False])
+def test_a_matmul_by_gathered_expert_weights_reads_them_in_place(left, gather, dtype, tolerance):
+    """A mixture of experts' W[expert_ids] · x per routed token (transformers' batched_mm as dynamo writes
+    it: GatherND; Gather for a take), left W_s (S, O, K) · x (S, K, 1) or right x (S, 1, K) · W_s (S, K, O):
+    one `experts` kernel reads W in place (no (S, O, K) copy, no function gathers), against ONNX Runtime
+    fp32 (bf16: weights rounded to bf16). O = 96: tiles of 32 outputs; ids negative ones included."""
+    experts, k, o = 4, 24, 96
+    w = np.random.default_rng(7).standard_normal((experts, o, k) if left else (experts, k, o)).astype(np.float32)
+    ids = ("ids", TP.INT64, ["s", 1] if gather == "GatherND" else ["s"])
+    x = ("x", TP.FLOAT, ["s", k, 1] if left else ["s", 1, k])
+    nodes = [oh.make_node(gather, ["w", "ids"], ["ws"]),
+             oh.make_node("MatMul", ["ws", "x"] if left else ["x", "ws"], ["y"])]
+    model = _model(nodes, [ids, x], [("y", TP.FLOAT, 3)], [("w", w)])
+    imported = tvmattn.import_onnx(model, dtype=dtype)
+    assert "experts" in imported.report.rule_of.values(), imported.report.rule_of
+    assert not [name for name in imported.report.rule_of if "gather" in name or "take" in name], imported.report.rule_of
+    for s in (1, 37):
+        rng = np.random.default_rng(s)
+        feed = {"ids": rng.integers(-experts, experts, [s, 1] if gather == "GatherND" else [s]),
+                "x": randn(rng, *([s, k, 1] if left else [s, 1, k]))}
+        want = ort_run(model, feed)[0]
+        assert np.abs(imported.run(feed)[0] - want).max() <= tolerance * np.abs(want).max()

@@ -186,12 +186,30 @@ def fold_static(model: onnx.ModelProto, keep: Iterable[tuple[str, str]] = ()) ->
     """Evaluate every node whose inputs are constants or static shapes; keep (domain, op) pairs in ``keep``.
 
     Constants consumed by the remaining nodes become initializers. The static sizes are those ONNX
-    shape inference finds; where it fails, TVM's importer sees the model as given.
+    shape inference finds; where it fails, TVM's importer sees the model as given. Inference runs
+    again on what a round folded while it left sizes unknown (SEW's upsampling reshapes to a computed
+    shape: its length known only once that is a constant, and a Pad's amounts after it), at most
+    `FOLD_ROUNDS` rounds.
     """
     keep = set(keep)
+    for _ in range(FOLD_ROUNDS):
+        folded, unknown = _fold_round(model, keep)
+        if folded is model or not unknown:
+            return folded
+        model = folded
+    return model
+
+
+FOLD_ROUNDS = 4
+
+
+def _fold_round(model: onnx.ModelProto, keep: set[tuple[str, str]]) -> tuple[onnx.ModelProto, bool]:
+    """`fold_static`'s model after one round, and whether inference left a size of a tensor unknown."""
     opset = opset_of(model) or 1
-    shapes = {name: tuple(d if isinstance(d, int) else None for d in dims)
-              for name, dims in symbolic_shapes(model, onnx_only=True).items()}
+    inferred = symbolic_shapes(model, onnx_only=True)
+    named = {d.dim_param for i in model.graph.input for d in i.type.tensor_type.shape.dim if d.dim_param}
+    unknown = any(not isinstance(d, int) and d not in named for dims in inferred.values() for d in dims)
+    shapes = {name: tuple(d if isinstance(d, int) else None for d in dims) for name, dims in inferred.items()}
     consts: dict[str, np.ndarray] = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     partial: dict[str, tuple[int | None, ...]] = {}  # outputs of Shape nodes with some dimensions unknown
     kept: list[onnx.NodeProto] = []
@@ -202,7 +220,7 @@ def fold_static(model: onnx.ModelProto, keep: Iterable[tuple[str, str]] = ()) ->
         else:
             consts.update(value)
     if len(kept) == len(model.graph.node):
-        return model
+        return model, unknown
     needed = {i for node in kept for i in node.input} | {o.name for o in model.graph.output}
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -211,7 +229,7 @@ def fold_static(model: onnx.ModelProto, keep: Iterable[tuple[str, str]] = ()) ->
     del out.graph.initializer[:]
     out.graph.initializer.extend(numpy_helper.from_array(np.asarray(v), name) for name, v in consts.items()
                                  if name in needed)
-    return out
+    return out, unknown
 
 
 def symbolic_shapes(model: onnx.ModelProto, onnx_only: bool = False) -> dict[str, tuple[int | str, ...]]:

@@ -242,6 +242,8 @@ def _checked_indices(dtype: str, extent: int, node: str, op: str = "Gather") -> 
 
 _STRIDED_SLICE = tvm.ir.Op.get("relax.strided_slice")
 CHECK_SLICE = "check_slice_end"  # the check's function name (`unchecked` recognises it)
+CHECK_RANGE = "check_index_range"  # `in_range`'s
+_PASSED_THROUGH = {CHECK_SLICE: 0, CHECK_RANGE: 3}  # a check → its argument it returns (data, carry)
 # The check passes its data through a copy, every run: tables of positions (BERT's 512 ids) are small;
 # a mask buffer (GPT-2's 1024 × 1024 tril, per layer) would cost more than its attention saves.
 CHECK_COPY_LIMIT = 1 << 16
@@ -275,17 +277,42 @@ def slice_bounds(bb: relax.BlockBuilder, node: str, sliced: relax.Expr) -> relax
 
 
 def unchecked(expr: relax.Expr, var2val) -> relax.Expr:
-    """The data under a `slice_bounds` check (it passes its data through), else ``expr``: patterns that
-    read a sliced constant (a tril mask buffer) see the constant."""
-    value = lambda e: var2val.get(e, e)  # noqa: E731
-    reshaped = value(expr)
+    """The data under `slice_bounds` or `in_range` checks (each passes its data through, flat, and the
+    result is reshaped back), else ``expr``: patterns that read a sliced constant (a tril mask buffer) see
+    the constant, position rules the positions a GatherND's checked indices are (Hugging Face's vmap
+    masks: a check per coordinate, chained)."""
+    reshaped = _value(expr, var2val)
     if not _is_op(reshaped, "relax.reshape"):
         return expr
-    check = value(reshaped.args[0])
-    if not (_is_op(check, "relax.call_tir") and check.args[0].name_hint.startswith(CHECK_SLICE)):
+    data = _value(reshaped.args[0], var2val)
+    passed = _passed_through(data)
+    if passed is None:
         return expr
-    flat = value(check.args[1].fields[0])
-    return value(flat.args[0]) if _is_op(flat, "relax.reshape") else expr
+    while passed is not None:  # through the chain of checks to the flat data
+        data = _value(data.args[1].fields[passed], var2val)
+        passed = _passed_through(data)
+    if not _is_op(data, "relax.reshape"):
+        return expr
+    source = _value(data.args[0], var2val)
+    have, want = (getattr(getattr(x, "ty", None), "shape", None) for x in (source, reshaped))
+    analyzer = tvm.sym.Analyzer()
+    same = isinstance(have, relax.ShapeExpr) and isinstance(want, relax.ShapeExpr) and len(have.values) == len(
+        want.values) and all(analyzer.can_prove_equal(a, b) for a, b in zip(have.values, want.values))
+    return source if same else expr
+
+
+def _value(expr: relax.Expr, var2val) -> relax.Expr:
+    """What ``expr`` is bound to, through variables bound to variables."""
+    while isinstance(expr, relax.Var) and expr in var2val:
+        expr = var2val[expr]
+    return expr
+
+
+def _passed_through(expr: relax.Expr) -> int | None:
+    """The argument a run-time check returns, where ``expr`` calls one."""
+    if not _is_op(expr, "relax.call_tir"):
+        return None
+    return next((at for name, at in _PASSED_THROUGH.items() if expr.args[0].name_hint.startswith(name)), None)
 
 
 def _is_op(expr, name: str) -> bool:
@@ -323,7 +350,7 @@ def in_range(bb: relax.BlockBuilder, where: str, values: relax.Expr, lo, hi,
     bounds = [relax.prim_value(tirx.IntImm("int64", b) if isinstance(b, int) else tirx.Cast("int64", b))
               for b in (lo, hi)]
     message = f"{where}: a value lies outside [{_size(lo)}, {_size(hi)})"
-    checker = bb.add_func(_checked_range(str(flat.ty.dtype), str(kept.ty.dtype), message), "check_index_range")
+    checker = bb.add_func(_checked_range(str(flat.ty.dtype), str(kept.ty.dtype), message), CHECK_RANGE)
     out = bb.normalize(relax.call_tir(checker, [flat, *bounds, kept], relax.TensorType(kept.ty.shape, kept.ty.dtype)))
     return bb.normalize(relax.op.reshape(out, carry.ty.shape))
 

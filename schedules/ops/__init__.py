@@ -19,6 +19,8 @@ gives every function not scheduled yet (tvmattn's attention kernels are) the fir
     scan        TVM's own loops (cumsum's scan), already parallel over rows: kept as written
     fallback    whatever is left: parallel over each block's outermost spatial loop
 
+and reports the functions a Relax rewrite wrote scheduled under their own name (``experts``: `experts`).
+
 CUDA models take TVM's dlight GPU rules (Relax's CUDA pipeline applies them).
 """
 
@@ -31,10 +33,11 @@ from tvm import relax, tirx
 from tvm.s_tir import dlight
 from tvm.target import Target
 
-from tvmattn.compiler.annotations import IS_SCHEDULED
+from tvmattn.compiler.annotations import IS_SCHEDULED, WRITTEN_AS
 from tvmattn.compiler.passes import polynomial_math
 from tvmattn.compiler.work import TirWork, tir_work
 from tvmattn.schedules.ops.conv import conv_as_gemm
+from tvmattn.schedules.ops.experts import gathered_matmuls
 from tvmattn.schedules.ops.fallback import Fallback, Scan
 from tvmattn.schedules.ops.gemv import Gemv
 from tvmattn.schedules.ops.injective import Injective
@@ -61,15 +64,16 @@ RULES: tuple[tuple[str, dlight.ScheduleRule], ...] = (
 )
 
 
-# the Relax rewrites before legalisation into what the rules schedule: convolutions as GEMMs, x**2 as x·x,
+# the Relax rewrites before legalisation into what the rules schedule: a mixture of experts' matmuls by
+# gathered weights as one kernel over the weights in place, convolutions as GEMMs, x**2 as x·x,
 # transpositions that undo each other (the convolutions' channels-first output transposed straight back),
 # each concatenation once, elementwise operators before the reshapes that split their GEMM's rows
 # (the transpositions elementwise_before_reshapes brings together cancelled after it)
 def before_legalize(dtype: str | None = None, row_block: int | None = None) -> list[tvm.transform.Pass]:
     """Those rewrites, for an import whose matmuls run in ``dtype`` (None: fp32) and pad their rows to
     whole blocks of ``row_block`` (`conv.conv_as_gemm`)."""
-    return [constant_tiles, conv_as_gemm(dtype, row_block), small_powers, cancel_transposes, same_concats,
-            elementwise_before_reshapes, cancel_transposes]
+    return [constant_tiles, gathered_matmuls(dtype), conv_as_gemm(dtype, row_block), small_powers, cancel_transposes,
+            same_concats, elementwise_before_reshapes, cancel_transposes]
 
 
 def is_scheduled(func: tirx.PrimFunc) -> bool:
@@ -96,7 +100,9 @@ class ScheduleFunctions:
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         mod = mod.clone()  # a pass leaves its input as it was
-        packed, rule_of, tuned, work = {}, {}, [], {}
+        packed, tuned, work = {}, [], {}
+        rule_of = {gvar: str(func.attrs[WRITTEN_AS]) for gvar, func in mod.functions_items()
+                   if isinstance(func, tirx.PrimFunc) and func.attrs is not None and WRITTEN_AS in func.attrs}
         for gvar, func in unscheduled(mod):
             mod[gvar] = func.without_attr(CONSTANT_PARAMS)  # its sizes named: the packing compares with it
             work[gvar] = tir_work(func)
