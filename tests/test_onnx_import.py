@@ -494,25 +494,30 @@ def test_cuda_run_matches_onnx_runtime():
     np.testing.assert_allclose(got, ort_run(model, feed)[0], rtol=1e-4, atol=1e-4)
 
 
-def test_slice_past_a_table_is_a_clean_error():
-    """A table of 8 positions sliced to the input's length (BERT's position ids): within it the model
-    matches ONNX Runtime; past it, one error naming the node (TVM's slice read past the table: a crash)."""
+@pytest.mark.parametrize("halved", [False, True])
+def test_slice_past_a_table_is_a_clean_error(halved):
+    """A table of 8 positions sliced to the input's length (BERT's position ids), or to an expression of it
+    (``halved``: seq // 2 + 1, as Wav2Vec2-Conformer's rotary table to its frames): within it the model
+    matches ONNX Runtime; past it, one error naming the node (TVM's slice read past the table: a crash,
+    or garbage where ONNX Runtime refuses the sizes)."""
     table = onnx.numpy_helper.from_array(np.arange(8, dtype=np.float32).reshape(1, 8), "table")  # (1, 8)
+    length = [oh.make_node("Div", ["seq", "two"], ["half"]), oh.make_node("Add", ["half", "one"], ["end1"])]
     nodes = [oh.make_node("Shape", ["x"], ["shape"]),
-             oh.make_node("Gather", ["shape", "one"], ["seq"], axis=0),
-             oh.make_node("Unsqueeze", ["seq", "zero"], ["end"]),
+             oh.make_node("Gather", ["shape", "one"], ["seq"], axis=0), *(length if halved else []),
+             oh.make_node("Unsqueeze", ["end1" if halved else "seq", "zero"], ["end"]),
              oh.make_node("Slice", ["table", "start", "end", "axis"], ["positions"], name="positions"),
-             oh.make_node("Add", ["x", "positions"], ["out"])]
+             oh.make_node("Mul", ["positions", "two_f"], ["out"])]
     consts = [onnx.numpy_helper.from_array(np.array(v, np.int64), n) for n, v in
-              (("one", 1), ("zero", [0]), ("start", [0]), ("axis", [1]))]
+              (("one", 1), ("two", 2), ("zero", [0]), ("start", [0]), ("axis", [1]))]
+    consts.append(onnx.numpy_helper.from_array(np.array(2, np.float32), "two_f"))
     graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TP.FLOAT, [1, "seq"])],
-                          [oh.make_tensor_value_info("out", TP.FLOAT, [1, "seq"])], [table, *consts])
+                          [oh.make_tensor_value_info("out", TP.FLOAT, [1, None])], [table, *consts])
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
     imported = tvmattn.import_onnx(model)
     x = randn(np.random.default_rng(0), 1, 5)
     np.testing.assert_allclose(imported.run({"x": x})[0], ort_run(model, {"x": x})[0], rtol=1e-6)
     with pytest.raises(tvmattn.TvmAttnError, match="node 'positions' \\(Slice\\): its end is past the 8 entries"):
-        imported.run({"x": randn(np.random.default_rng(0), 1, 9)})
+        imported.run({"x": randn(np.random.default_rng(0), 1, 16 if halved else 9)})
 
 
 def test_a_sum_with_a_trimmed_convolution_keeps_the_inputs_sizes():

@@ -1,10 +1,11 @@
 """PyTorch exports (TorchScript and dynamo exporters) imported by tvmattn and checked against ONNX Runtime.
 
 nn.MultiheadAttention with no mask, a causal attn_mask and a key_padding_mask; F.scaled_dot_product_attention
-(causal); hand-written attention with masked_fill; and Hugging Face's eager attention as its GPT-2, Llama and
-GPT-OSS modules write it (causal mask from a tril buffer with Where(finfo.min); repeat_kv for GQA; GPT-OSS's
-sink logits). Batch and sequence are dynamic; the report must show the attention on a tvmattn kernel. (TorchScript bakes
-nn.MultiheadAttention's sequence length into its reshapes, so that export varies only the batch.)
+(causal); hand-written attention with masked_fill; Swin v2's cosine attention (a scale a head); and Hugging
+Face's eager attention as its GPT-2, Llama and GPT-OSS modules write it (causal mask from a tril buffer with
+Where(finfo.min); repeat_kv for GQA; GPT-OSS's sink logits). Batch and sequence are dynamic; the report must
+show the attention on a tvmattn kernel. (TorchScript bakes nn.MultiheadAttention's sequence length into its
+reshapes, so that export varies only the batch.)
 """
 
 from __future__ import annotations
@@ -61,6 +62,22 @@ class HandWritten(FusedQKV):
         q, k, v = (t.view(b, n, HEADS, -1).transpose(1, 2) for t in self.qkv(x).split(E, dim=2))
         w = (q @ k.transpose(-2, -1)) / math.sqrt(E // HEADS)
         w = w.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        return (w.softmax(-1) @ v).transpose(1, 2).reshape(b, n, E)
+
+
+class CosineAttention(FusedQKV):
+    """Swin v2's: normalized q and k, their product times a learned scale a head (the kernel's scale is one
+    number: the importer multiplies q's heads instead)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logit_scale = torch.nn.Parameter(torch.log(10 * torch.rand(HEADS, 1, 1) + 1))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, HEADS, -1).transpose(1, 2) for t in self.qkv(x).split(E, dim=2))
+        w = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+        w = w * torch.clamp(self.logit_scale, max=math.log(100.0)).exp()
         return (w.softmax(-1) @ v).transpose(1, 2).reshape(b, n, E)
 
 
@@ -130,7 +147,7 @@ class GptOssAttention(LlamaAttention):
 
 MODELS = {"mha": lambda: MHA("none"), "mha-causal": lambda: MHA("causal"), "mha-padding": lambda: MHA("padding"),
           "sdpa-causal": SDPA, "hand-written": HandWritten, "hf-gpt2": GPT2Attention, "hf-llama": LlamaAttention,
-          "hf-gpt-oss": GptOssAttention}
+          "hf-gpt-oss": GptOssAttention, "swinv2-cosine": CosineAttention}
 
 
 def export(name: str, dynamo: bool) -> onnx.ModelProto:

@@ -211,7 +211,8 @@ class _Match:
                            f"the kernel takes 3-D or 4-D operands of one rank")
         if self.m[self.p.softmax].attrs.axis not in (-1, rank - 1):
             raise NoMatch(f"softmax over axis {self.m[self.p.softmax].attrs.axis}, not the key axis")
-        options = {"scale": self._scale()}
+        scale, head_scales = self._scale()
+        options = {"scale": scale}
         cap = self._softcap()
         if cap is not None:
             options["softcap"] = cap
@@ -229,6 +230,10 @@ class _Match:
             operands = [x.src for x in (q, k, v)] if bshd else [x.bhsd(self.bb) for x in (q, k, v)]
             if rank == 3 and mask is not None:
                 mask = Mask(self._with_head_axis(mask.value), mask.kind)
+        if head_scales is not None:
+            if rank != 4 or heads is not None:
+                raise NoMatch("a scale a head on (B·h) batches")
+            operands[0] = self._by_head(operands[0], head_scales, bshd)
         if str(self.m[self.p.root].ty.dtype) != str(operands[0].ty.dtype):
             raise NoMatch(f"the attention output is {self.m[self.p.root].ty.dtype}, its operands "
                            f"{operands[0].ty.dtype}")
@@ -342,14 +347,31 @@ class _Match:
         return int(wide[2].value)
 
     # ---- scale, softcap, mask ------------------------------------------------------------------------
-    def _scale(self) -> float:
-        scale = 1.0
+    def _scale(self) -> tuple[float, np.ndarray | None]:
+        """The scale, and each query head's own factor where a constant varies along the heads (Swin v2's
+        learned logit scale a head): the kernel's scale is one number, so those multiply q instead."""
+        scale, heads = 1.0, None
         for s in self.p.scales:
-            if s.mul in self.m:
-                scale *= _scalar(self.m[s.mul])
-            if s.div in self.m:
-                scale /= _scalar(self.m[s.div])
-        return scale
+            for handle, power in ((s.mul, 1.0), (s.div, -1.0)):
+                if handle not in self.m:
+                    continue
+                values = self.m[handle].value.numpy().astype(np.float64)
+                if values.size == 1:
+                    scale *= float(values.reshape(())) ** power
+                    continue
+                shape = (1,) * (4 - values.ndim) + values.shape
+                if values.ndim > 4 or shape[0] != 1 or shape[2:] != (1, 1):
+                    raise NoMatch(f"a scale of shape {values.shape}: one number, or one a head (h, 1, 1)")
+                heads = (1.0 if heads is None else heads) * values.reshape(-1) ** power
+        return scale, heads
+
+    def _by_head(self, q: relax.Expr, factors: np.ndarray, bshd: bool) -> relax.Expr:
+        """q (B, h, n, d) or, ``bshd``, (B, n, h, d) with each head multiplied by its factor."""
+        heads = shape_of(q, "q")[2 if bshd else 1]
+        if factors.size != 1 and not (isinstance(heads, tirx.IntImm) and int(heads) == factors.size):
+            raise NoMatch(f"{factors.size} scales a head for {heads} query heads")
+        shape = (1, 1, factors.size, 1) if bshd else (1, factors.size, 1, 1)
+        return self.bb.emit(relax.op.multiply(q, relax.const(factors.reshape(shape).astype(str(q.ty.dtype)))))
 
     def _softcap(self) -> float | None:
         if self.p.cap_in not in self.m:

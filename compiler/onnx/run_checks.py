@@ -250,7 +250,8 @@ CHECK_COPY_LIMIT = 1 << 16
 
 
 def slice_bounds(bb: relax.BlockBuilder, node: str, sliced: relax.Expr) -> relax.Expr:
-    """TVM's Slice with its symbolic ends (size variables) checked against the static sizes of their axes."""
+    """TVM's Slice with its symbolic ends (sizes, or expressions of them) checked against the static sizes of
+    their axes."""
     if not (isinstance(sliced, relax.Call) and sliced.op.same_as(_STRIDED_SLICE) and sliced.attrs.assume_inbound):
         return sliced
     data, axes, begin, end, strides = sliced.args
@@ -263,8 +264,8 @@ def slice_bounds(bb: relax.BlockBuilder, node: str, sliced: relax.Expr) -> relax
     checked = data
     for axis, bound in zip([int(a) for a in axes.fields], end.fields):
         extent = dims[axis % len(dims)]
-        if not isinstance(bound, tirx.Var) or not isinstance(extent, tirx.IntImm):
-            continue
+        if isinstance(bound, tirx.IntImm) or not isinstance(extent, tirx.IntImm):  # (a size or an expression
+            continue  # of sizes: Wav2Vec2-Conformer's rotary table sliced to its frames, (n - 400) // 320 + 1)
         flat = bb.normalize(relax.op.reshape(checked, [-1]))
         probe = bb.normalize(relax.op.zeros(relax.ShapeExpr([bound]), "int8"))  # its length is the end
         checker = bb.add_func(_checked_end(str(ty.dtype), int(extent.value), axis % len(dims), node), CHECK_SLICE)
