@@ -33,6 +33,9 @@ _MEANINGS = (("object has no attribute 'value'", "a size it needs as a number is
               "model's inputs static shapes"),
              ("'PrimType' object has no attribute", "an input of it is a size the model computes from its dynamic "
               "sizes (shape arithmetic), which TVM's converter takes only as a tensor"),
+             ("Dynamic pads are not supported", "its pads are computed from the model's dynamic sizes, and TVM's "
+              "Pad takes them as numbers: give the model's inputs static shapes (import_onnx(..., shapes={input: "
+              "sizes}), --shape)"),
              ("integer modulo by zero", "a size or a head count is 0"),
              ("division by zero", "a size or a head count is 0"))
 

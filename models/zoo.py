@@ -341,9 +341,16 @@ def _wav2vec2(width: int, heads: int) -> dict[str, Any]:
                 vocab_size=32, do_stable_layer_norm=True, feat_extract_norm="layer")
 
 
+def _sew(width: int, heads: int) -> dict[str, Any]:
+    return {k: v for k, v in _wav2vec2(width, heads).items() if k != "do_stable_layer_norm"}
+
+
 _TS_CAUSAL = ("torch 2.13's TorchScript exporter fails: without an attention_mask, transformers 5's mask "
               "builder looks for packed sequences with aten::diff, which it cannot export")
 _ROPE = {"rope_theta": 10000.0, "rope_type": "default"}
+_MOE = dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, experts_implementation="batched_mm")
+_MOE_NOTE = ("transformers 5's default experts (grouped_mm) have no ONNX export, and its eager loop routes by "
+             "data-dependent indices dynamo cannot export, nor TorchScript trace at other routings")
 
 # ---- the catalogue -------------------------------------------------------------------------------
 M = ZooModel
@@ -412,6 +419,10 @@ MODELS: list[ZooModel] = [
       _causal("Gemma3TextConfig", num_key_value_heads=2, head_dim=64, sliding_window=64), _TS_CAUSAL),
     M("smollm3", "SmolLM3", "dynamo", PREFILL, 256, 4, _causal("SmolLM3Config", num_key_value_heads=2), _TS_CAUSAL),
     M("mpt", "MPT", "dynamo", PREFILL, 256, 4, _causal("MptConfig", _mpt), _TS_CAUSAL),  # ALiBi, masked_fill over it
+    # mixtures of experts, in the form transformers 5 exports (batched_mm: each token's experts gathered)
+    M("mixtral", "Mixtral", "dynamo", PREFILL, 256, 4, _causal("MixtralConfig", **_MOE), _MOE_NOTE),
+    M("gpt-oss", "GPT-OSS", "dynamo", PREFILL, 256, 4,  # attention sinks, a window on layer 0
+      _causal("GptOssConfig", head_dim=64, sliding_window=64, **_MOE), _MOE_NOTE),
     # decode steps: one token against a cache (batch 1)
     M("gpt2-decode", "GPT-2", "torchscript", DECODE, 768, 12, _causal("GPT2Config", _gpt2)),
     M("qwen3-decode", "Qwen3", "dynamo", DECODE, 256, 4,
@@ -438,6 +449,8 @@ MODELS: list[ZooModel] = [
       _pixels("YolosConfig", 16, num_detection_tokens=10, image_size=[224, 224])),
     M("swin", "Swin", "torchscript", VISION, 128, 8,
       Recipe("AutoModel", "SwinConfig", _swin, ("pixel_values",), "last_hidden_state", example=(3, 224, 224))),
+    M("swinv2", "Swinv2", "torchscript", VISION, 128, 8,  # cosine attention: a learned scale a head
+      Recipe("AutoModel", "Swinv2Config", _swin, ("pixel_values",), "last_hidden_state", example=(3, 224, 224))),
     M("segformer", "SegFormer", "torchscript", VISION, 128, 2,  # 3×3 depthwise convolutions in its MLPs
       Recipe("AutoModel", "SegformerConfig", _segformer, ("pixel_values",), "last_hidden_state",
              example=(3, 224, 224))),
@@ -453,6 +466,9 @@ MODELS: list[ZooModel] = [
       own_shapes=((2, 32000),)),
     M("wavlm", "WavLM", "torchscript", AUDIO, 256, 4,  # a gated relative-position bias on (B·h, n, n) scores
       Recipe("AutoModel", "WavLMConfig", _wav2vec2, ("input_values",), "last_hidden_state", example=(16000,)),
+      own_shapes=((2, 32000),)),
+    M("sew", "SEW", "torchscript", AUDIO, 256, 4,  # squeezed by pooling, upsampled and padded back
+      Recipe("AutoModel", "SEWConfig", _sew, ("input_values",), "last_hidden_state", example=(16000,)),
       own_shapes=((2, 32000),)),
 ]
 BY_NAME = {m.name: m for m in MODELS}

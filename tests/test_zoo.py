@@ -27,9 +27,13 @@ from tvmattn.models import zoo  # noqa: E402
 QUICK = {"bert", "falcon-decode"}  # a few seconds each to export and import (ORT's fused forms: test_onnx_model_forms)
 TOLERANCE = 1e-4  # fp32, relative to the output's scale: every model meets it (errors are 2e-7–3e-6)
 # the import with the export's symbolic sizes fails today (at the benchmark's static sizes each imports)
-NOT_IMPORTED: dict[str, str] = {}  # (MobileBERT's, GPT-Neo's and MPT's were, until their fixes)
+NOT_IMPORTED: dict[str, str] = {  # (MobileBERT's, GPT-Neo's and MPT's were, until their fixes)
+    "sew": "its Pad's amounts are computed from the length, and TVM's Pad takes numbers (static sizes import)"}
 NOT_ON_KERNELS: dict[str, str] = {} | NOT_IMPORTED  # the attention is not recognised: left to TVM's schedules
-OTHER_SOFTMAXES = {"convbert": 2}  # softmaxes that are no attention: ConvBERT's over its span convolution's taps
+# softmaxes that are no attention: ConvBERT's over its span convolution's taps, a mixture of experts' router
+OTHER_SOFTMAXES = {"convbert": 2, "mixtral": 2, "gpt-oss": 2}
+# functions a rule may leave to the fallback: TVM's top-k (a router's; a sort, ~0.03 ms a call)
+ON_FALLBACK = {"mixtral": {"topk"}, "gpt-oss": {"topk"}}
 ALIBI = {"bloom", "bloom-decode"}  # ALiBi's bias on the (B·h) batches (baddbmm): the kernel's variant, no bias read
 
 
@@ -105,7 +109,8 @@ def test_zoo_model_has_nothing_on_the_fallback_rule(name):
     """Every function of the import is a rule's own (GEMMs, convolutions, norms, elementwise chains,
     transpositions): none left to the fallback's parallel loops."""
     rules = _imported(name).report.rule_of
-    assert rules and "fallback" not in rules.values(), sorted(f for f, r in rules.items() if r == "fallback")
+    fallback = {f for f, r in rules.items() if r == "fallback"}
+    assert rules and fallback <= ON_FALLBACK.get(name, set()), sorted(fallback)
 
 
 def test_zoo_catalogue_spans_the_families():
@@ -121,7 +126,7 @@ def test_zoo_catalogue_spans_the_families():
     for m in models:
         assert m.shapes[0] == min(m.shapes, key=lambda s: s[0] * s[1]), m.name
     assert zoo.select("bloom") == [zoo.get("bloom"), zoo.get("bloom-decode")]
-    assert [m.kind for m in zoo.select("audio")] == [zoo.AUDIO] * 4
+    assert [m.kind for m in zoo.select("audio")] == [zoo.AUDIO] * 5
     with pytest.raises(KeyError, match="nope"):
         zoo.select("bert,nope")
 
