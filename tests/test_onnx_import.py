@@ -494,13 +494,15 @@ def test_cuda_run_matches_onnx_runtime():
     np.testing.assert_allclose(got, ort_run(model, feed)[0], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("halved", [False, True])
-def test_slice_past_a_table_is_a_clean_error(halved):
+@pytest.mark.parametrize("halved, rows", [(False, 1), (True, 1), (False, 9000)])
+def test_slice_past_a_table_is_a_clean_error(halved, rows):
     """A table of 8 positions sliced to the input's length (BERT's position ids), or to an expression of it
     (``halved``: seq // 2 + 1, as Wav2Vec2-Conformer's rotary table to its frames): within it the model
     matches ONNX Runtime; past it, one error naming the node (TVM's slice read past the table: a crash,
-    or garbage where ONNX Runtime refuses the sizes)."""
-    table = onnx.numpy_helper.from_array(np.arange(8, dtype=np.float32).reshape(1, 8), "table")  # (1, 8)
+    or garbage where ONNX Runtime refuses the sizes). 9000 rows of them: a table the check had skipped
+    (it copied the table; now it returns it in place)."""
+    table = np.arange(8 * rows, dtype=np.float32).reshape(rows, 8)
+    table = onnx.numpy_helper.from_array(table, "table")  # (rows, 8)
     length = [oh.make_node("Div", ["seq", "two"], ["half"]), oh.make_node("Add", ["half", "one"], ["end1"])]
     nodes = [oh.make_node("Shape", ["x"], ["shape"]),
              oh.make_node("Gather", ["shape", "one"], ["seq"], axis=0), *(length if halved else []),
@@ -511,7 +513,7 @@ def test_slice_past_a_table_is_a_clean_error(halved):
               (("one", 1), ("two", 2), ("zero", [0]), ("start", [0]), ("axis", [1]))]
     consts.append(onnx.numpy_helper.from_array(np.array(2, np.float32), "two_f"))
     graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TP.FLOAT, [1, "seq"])],
-                          [oh.make_tensor_value_info("out", TP.FLOAT, [1, None])], [table, *consts])
+                          [oh.make_tensor_value_info("out", TP.FLOAT, [rows, None])], [table, *consts])
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
     imported = tvmattn.import_onnx(model)
     x = randn(np.random.default_rng(0), 1, 5)

@@ -14,7 +14,7 @@ Ranges   an index input of ONNX Runtime's attention ops (GroupQueryAttention's s
 Slice    TVM's converter assumes a symbolic end (``seq``) within the sliced axis and reads past it
          (BERT's 512 position ids sliced to a longer input segfaulted); ONNX clamps it, ONNX Runtime
          then rejects the sizes. The end is checked against a static axis at run time (naming the
-         node) for tables up to `CHECK_COPY_LIMIT` entries; clamping instead makes TVM's FuseTIR crash.
+         node), in place: the check returns the table itself; clamping instead makes TVM's FuseTIR crash.
 """
 
 from __future__ import annotations
@@ -244,9 +244,6 @@ _STRIDED_SLICE = tvm.ir.Op.get("relax.strided_slice")
 CHECK_SLICE = "check_slice_end"  # the check's function name (`unchecked` recognises it)
 CHECK_RANGE = "check_index_range"  # `in_range`'s
 _PASSED_THROUGH = {CHECK_SLICE: 0, CHECK_RANGE: 3}  # a check → its argument it returns (data, carry)
-# The check passes its data through a copy, every run: tables of positions (BERT's 512 ids) are small;
-# a mask buffer (GPT-2's 1024 × 1024 tril, per layer) would cost more than its attention saves.
-CHECK_COPY_LIMIT = 1 << 16
 
 
 def slice_bounds(bb: relax.BlockBuilder, node: str, sliced: relax.Expr) -> relax.Expr:
@@ -259,7 +256,7 @@ def slice_bounds(bb: relax.BlockBuilder, node: str, sliced: relax.Expr) -> relax
     if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
         return sliced
     dims = list(ty.shape.values)
-    if not all(isinstance(d, tirx.IntImm) for d in dims) or np.prod([int(d) for d in dims]) > CHECK_COPY_LIMIT:
+    if not all(isinstance(d, tirx.IntImm) for d in dims):
         return sliced
     checked = data
     for axis, bound in zip([int(a) for a in axes.fields], end.fields):
@@ -269,7 +266,10 @@ def slice_bounds(bb: relax.BlockBuilder, node: str, sliced: relax.Expr) -> relax
         flat = bb.normalize(relax.op.reshape(checked, [-1]))
         probe = bb.normalize(relax.op.zeros(relax.ShapeExpr([bound]), "int8"))  # its length is the end
         checker = bb.add_func(_checked_end(str(ty.dtype), int(extent.value), axis % len(dims), node), CHECK_SLICE)
-        flat = bb.normalize(relax.call_tir(checker, [flat, probe], relax.TensorType(flat.ty.shape, ty.dtype)))
+        # in place: the check writes nothing and returns the table itself (a copy, every run, had cost a
+        # 1024 × 1024 mask buffer more than its attention, so large tables went unchecked)
+        flat = bb.normalize(relax.call_tir_inplace(checker, [flat, probe], [0],
+                                                   relax.TensorType(flat.ty.shape, ty.dtype)))
         checked = bb.normalize(relax.op.reshape(flat, ty.shape))
     if checked is data:
         return sliced
@@ -311,7 +311,7 @@ def _value(expr: relax.Expr, var2val) -> relax.Expr:
 
 def _passed_through(expr: relax.Expr) -> int | None:
     """The argument a run-time check returns, where ``expr`` calls one."""
-    if not _is_op(expr, "relax.call_tir"):
+    if not (_is_op(expr, "relax.call_tir") or _is_op(expr, "relax.call_tir_inplace")):
         return None
     return next((at for name, at in _PASSED_THROUGH.items() if expr.args[0].name_hint.startswith(name)), None)
 
@@ -321,21 +321,17 @@ def _is_op(expr, name: str) -> bool:
 
 
 def _checked_end(dtype: str, extent: int, axis: int, node: str) -> tirx.PrimFunc:
-    """out = data, asserting the length of ``probe`` (the slice's end) is at most ``extent``."""
+    """Asserts the length of ``probe`` (the slice's end) is at most ``extent``; ``data`` is its in-place
+    output, untouched."""
     message = (f"node {node!r} (Slice): its end is past the {extent} entries of axis {axis} (a longer input "
                f"than the model's table allows); use inputs of at most {extent} along it")
 
     @T.prim_func(private=True, s_tir=True)
-    def check(data_h: T.handle, probe_h: T.handle, out_h: T.handle):
+    def check(data_h: T.handle, probe_h: T.handle):
         m, end = T.int64(), T.int64()
-        data = T.match_buffer(data_h, (m,), dtype)
+        T.match_buffer(data_h, (m,), dtype)
         T.match_buffer(probe_h, (end,), "int8")
-        out = T.match_buffer(out_h, (m,), dtype)
-        for i in range(m):
-            with T.sblock("check"):
-                vi = T.axis.spatial(m, i)
-                assert end <= extent, message
-                out[vi] = data[vi]
+        assert end <= extent, message
 
     return check.with_attr(OP_PATTERN, OPAQUE).with_attr(IS_SCHEDULED, True)
 
