@@ -5,6 +5,7 @@ shapes (``shapes=``, ``--shape``); models saved with external data.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnx.helper as oh
@@ -431,27 +432,38 @@ def test_external_data_imports_from_its_path(tmp_path):
         tvmattn.import_onnx(str(tmp_path / "m.onnx"))
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(None, 1e-5), ("bfloat16", 1e-2)])
+@pytest.mark.parametrize("graph, dtype, tolerance", [
+    ("float32", None, 1e-5), ("float32", "bfloat16", 1e-2), ("float16", None, 2e-3), ("bfloat16", None, 1e-2)])
 @pytest.mark.parametrize("gather", ["GatherND", "Gather"])
 @pytest.mark.parametrize("left", [True, False])
-def test_a_matmul_by_gathered_expert_weights_reads_them_in_place(left, gather, dtype, tolerance):
+def test_a_matmul_by_gathered_expert_weights_reads_them_in_place(left, gather, graph, dtype, tolerance):
     """A mixture of experts' W[expert_ids] · x per routed token (transformers' batched_mm as dynamo writes
     it: GatherND; Gather for a take), left W_s (S, O, K) · x (S, K, 1) or right x (S, 1, K) · W_s (S, K, O):
-    one `experts` kernel reads W in place (no (S, O, K) copy, no function gathers), against ONNX Runtime
-    fp32 (bf16: weights rounded to bf16). O = 96: tiles of 32 outputs; ids negative ones included."""
-    experts, k, o = 4, 24, 96
-    w = np.random.default_rng(7).standard_normal((experts, o, k) if left else (experts, k, o)).astype(np.float32)
+    one `experts` kernel reads W in place (no (S, O, K) copy, no function gathers), against the float64
+    product of the graph's own (rounded) W and x: an fp32 graph (imported in fp32, or with bf16 weights),
+    an fp16 or a bf16 export. O = 96: tiles of 32 outputs; negative ids included."""
+    experts, k, o = 4, 48, 96  # (W over 32 KB in 16 bits: a Gather of a smaller table is fused as a lookup)
+    store = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[graph]
+    w = np.random.default_rng(7).standard_normal((experts, o, k) if left else (experts, k, o)).astype(store)
+    elem = {"float32": TP.FLOAT, "float16": TP.FLOAT16, "bfloat16": TP.BFLOAT16}[graph]
     ids = ("ids", TP.INT64, ["s", 1] if gather == "GatherND" else ["s"])
-    x = ("x", TP.FLOAT, ["s", k, 1] if left else ["s", 1, k])
+    x = ("x", elem, ["s", k, 1] if left else ["s", 1, k])
     nodes = [oh.make_node(gather, ["w", "ids"], ["ws"]),
              oh.make_node("MatMul", ["ws", "x"] if left else ["x", "ws"], ["y"])]
-    model = _model(nodes, [ids, x], [("y", TP.FLOAT, 3)], [("w", w)])
+    weight = onnx.numpy_helper.from_array(w, "w") if graph != "bfloat16" else oh.make_tensor(
+        "w", TP.BFLOAT16, w.shape, w.astype(np.float32).reshape(-1).tolist())
+    graph_proto = oh.make_graph(nodes, "g", [oh.make_tensor_value_info(*i) for i in (ids, x)],
+                                [oh.make_tensor_value_info("y", elem, [None] * 3)], [weight])
+    model = oh.make_model(graph_proto, opset_imports=[oh.make_opsetid("", 17)])
     imported = tvmattn.import_onnx(model, dtype=dtype)
     assert "experts" in imported.report.rule_of.values(), imported.report.rule_of
     assert not [name for name in imported.report.rule_of if "gather" in name or "take" in name], imported.report.rule_of
     for s in (1, 37):
         rng = np.random.default_rng(s)
         feed = {"ids": rng.integers(-experts, experts, [s, 1] if gather == "GatherND" else [s]),
-                "x": randn(rng, *([s, k, 1] if left else [s, 1, k]))}
-        want = ort_run(model, feed)[0]
-        assert np.abs(imported.run(feed)[0] - want).max() <= tolerance * np.abs(want).max()
+                "x": randn(rng, *([s, k, 1] if left else [s, 1, k])).astype(store)}
+        chosen = w.astype(np.float64)[feed["ids"].reshape(-1) % experts]
+        xs = feed["x"].astype(np.float64)
+        want = chosen @ xs if left else xs @ chosen
+        got = imported.run(feed)[0]
+        assert got.dtype == store and np.abs(got.astype(np.float64) - want).max() <= tolerance * np.abs(want).max()

@@ -8,10 +8,10 @@ exported by dynamo) selects each routed token's expert weights and multiplies th
 
 The copy is S times an expert's weights (Mixtral's 2 × 128 tokens × top-2: 1.5 GB a layer), then a
 batched GEMV reads it once: ~700 ms of Mixtral's 800 (ONNX Runtime and OpenVINO copy it too). Rewritten,
-no copy is made (`_experts_gemv`): each expert's weights stay where they are (one constant, in bf16 for
-a bf16 import, widened as they load) and a tile of 64 outputs of expert e is computed for every token
-routed to e while the tile is in cache; a token's row is x_s · W[e][:, tile], fp32 FMAs over the
-reduction (Mixtral's: ~85 GFLOP/s on 2 Zen 4 cores, a sixth of their fp32 FMA peak; a row at a time,
+no copy is made (`_experts_gemv`): each expert's weights stay where they are (one constant, in 16 bits
+for a 16-bit import or export, widened as they load) and a tile of 64 outputs of expert e is computed
+for every token routed to e while the tile is in cache; a token's row is x_s · W[e][:, tile], fp32 FMAs
+over the reduction (Mixtral's: ~85 GFLOP/s on 2 Zen 4 cores, a sixth of their fp32 FMA peak; a row at a time,
 each weight vector loaded and widened for one FMA). The indices arrive checked in range
 (`run_checks.gather_nd`, `gather`); a row whose index named no expert would be left unwritten, never
 read from outside W.
@@ -30,6 +30,8 @@ from tvmattn.schedules.ops.rewrite import rewrite_functions
 
 LANES = 16  # fp32 lanes of the widest vectors this targets (a tile is 1–4 of them)
 _GATHERS = ("relax.gather_nd", "relax.take")
+_FLOATS = ("float32", "float16", "bfloat16")  # the graph's (a 16-bit export's weights and activations too)
+_STORED = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}  # a 16-bit import's fp32 weights, converted
 
 
 def gathered_matmuls(dtype: str | None = None) -> tvm.transform.Pass:
@@ -54,7 +56,7 @@ class _GatheredMatmuls(relax.PyExprMutator):
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        if getattr(call.op, "name", "") != "relax.matmul" or str(call.ty.dtype) != "float32":
+        if getattr(call.op, "name", "") != "relax.matmul" or str(call.ty.dtype) not in _FLOATS:
             return call
         a, b = call.args
         for gathered, x, left in ((a, b, True), (b, a, False)):
@@ -65,9 +67,9 @@ class _GatheredMatmuls(relax.PyExprMutator):
             rows = _dims(x)
             # left: W_s (S, O, K) · x (S, K, 1); right: x (S, 1, K) · W_s (S, K, O)
             k = weights.shape[2] if left else weights.shape[1]
-            if rows is None or len(rows) != 3 or str(x.ty.dtype) != "float32" or not _is(rows[2 if left else 1], 1) \
-                    or not _is(rows[1 if left else 2], k) or not tvm.sym.Analyzer().can_prove_equal(
-                        rows[0], _dims(ids)[0]):
+            if rows is None or len(rows) != 3 or str(x.ty.dtype) != str(call.ty.dtype) \
+                    or not _is(rows[2 if left else 1], 1) or not _is(rows[1 if left else 2], k) \
+                    or not tvm.sym.Analyzer().can_prove_equal(rows[0], _dims(ids)[0]):
                 continue
             panel = weights.transpose(0, 2, 1) if left else weights  # (E, K, O)
             if panel.shape[2] % LANES:
@@ -81,7 +83,7 @@ class _GatheredMatmuls(relax.PyExprMutator):
         if not isinstance(value, relax.Call) or getattr(value.op, "name", "") not in _GATHERS:
             return None
         w, ids = value.args
-        if not isinstance(w, tvm.ir.GenericConst) or len(w.ty.shape) != 3 or str(w.ty.dtype) != "float32":
+        if not isinstance(w, tvm.ir.GenericConst) or len(w.ty.shape) != 3 or str(w.ty.dtype) not in _FLOATS:
             return None
         dims = _dims(ids)
         if value.op.name == "relax.gather_nd":  # ids (S, 1): one coordinate, the expert
@@ -99,16 +101,20 @@ class _GatheredMatmuls(relax.PyExprMutator):
         tile = next(t for t in (4 * LANES, 2 * LANES, LANES) if o % t == 0)  # (8 vectors: slower, out of L1)
         # (E, O / tile, K, tile): a tile's weights contiguous (strided by O, its rows shared a cache set)
         packed = panel.reshape(experts, k, o // tile, tile).transpose(0, 2, 1, 3)
-        stored = packed.astype(ml_dtypes.bfloat16) if self.dtype == "bfloat16" else packed
-        func = _experts_gemv(experts, k, o, tile, str(stored.dtype), str(ids.ty.dtype))
+        narrow = packed.dtype == np.float32 and self.dtype in _STORED
+        stored = packed.astype(_STORED[self.dtype]) if narrow else packed
+        func = _experts_gemv(experts, k, o, tile, str(stored.dtype), str(ids.ty.dtype), str(x.ty.dtype))
         gv = self.builder_.add_func(func, "experts_gemv")
         flat = self.builder_.emit(relax.op.reshape(x, [rows, k]))
         out = self.builder_.emit(relax.call_tir(gv, [flat, ids, relax.const(np.ascontiguousarray(stored))],
                                                 relax.TensorType([rows, o], "float32")))
+        if str(x.ty.dtype) != "float32":  # (a 16-bit graph: its product in its dtype, summed in fp32)
+            out = self.builder_.emit(relax.op.astype(out, str(x.ty.dtype)))
         return relax.op.reshape(out, [rows, o, 1] if left else [rows, 1, o])
 
 
-def _experts_gemv(experts: int, k: int, o: int, tile: int, w_dtype: str, id_dtype: str) -> tirx.PrimFunc:
+def _experts_gemv(experts: int, k: int, o: int, tile: int, w_dtype: str, id_dtype: str,
+                  x_dtype: str = "float32") -> tirx.PrimFunc:
     """out[s, :] = x[s, :] · W[ids[s]], W (E, K, O) packed as w (E, O / tile, K, tile): per tile of outputs
     (parallel), per expert, every row routed to it (the tile's K × tile weights in cache while they are
     read)."""
@@ -116,7 +122,7 @@ def _experts_gemv(experts: int, k: int, o: int, tile: int, w_dtype: str, id_dtyp
     @T.prim_func(private=True, s_tir=True)
     def gemv(x_h: T.handle, ids_h: T.handle, w_h: T.handle, out_h: T.handle):
         s = T.int64()
-        x = T.match_buffer(x_h, (s, k), "float32")
+        x = T.match_buffer(x_h, (s, k), x_dtype)
         ids = T.match_buffer(ids_h, (s,), id_dtype)
         w = T.match_buffer(w_h, (experts, o // tile, k, tile), w_dtype)
         out = T.match_buffer(out_h, (s, o), "float32")
@@ -131,7 +137,7 @@ def _experts_gemv(experts: int, k: int, o: int, tile: int, w_dtype: str, id_dtyp
                                     acc[j] = T.float32(0)
                                 for c in range(k):
                                     for j in T.vectorized(tile):
-                                        acc[j] = acc[j] + x[r, c] * T.Cast("float32", w[e, t, c, j])
+                                        acc[j] = acc[j] + T.Cast("float32", x[r, c]) * T.Cast("float32", w[e, t, c, j])
                                 for j in T.vectorized(tile):
                                     out[r, t * tile + j] = acc[j]
 
