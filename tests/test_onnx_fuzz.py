@@ -215,6 +215,22 @@ def test_an_out_of_range_gather_nd_index_is_an_error_not_a_read_out_of_bounds(ba
         with pytest.raises(tvmattn.TvmAttnError, match=rf"GatherND_0' \(GatherND\): coordinate {j} .*"
                                                         rf"\[-{extents[j]}, {extents[j]}\)"):
             imported.run({"i": wrong})
+        # bound at import (a static import folds the indices into a constant): checked there
+        with pytest.raises(tvmattn.TvmAttnError, match=rf"GatherND.*index {bad} is out of range"):
+            tvmattn.import_onnx(_with_constant(model, "i", wrong))
+    np.testing.assert_array_equal(tvmattn.import_onnx(_with_constant(model, "i", index)).run({})[0],
+                                  ort_run(model, {"i": index})[0])
+
+
+def _with_constant(model: onnx.ModelProto, name: str, value: np.ndarray) -> onnx.ModelProto:
+    """``model`` with its input ``name`` an initializer holding ``value``."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    kept = [i for i in out.graph.input if i.name != name]
+    del out.graph.input[:]
+    out.graph.input.extend(kept)
+    out.graph.initializer.append(onnx.numpy_helper.from_array(value.astype(np.int64), name))
+    return out
 
 
 @pytest.mark.parametrize("n", [3, 16, 37])

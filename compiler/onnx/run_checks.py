@@ -82,9 +82,11 @@ def gather_nd(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict) -> r
     if isinstance(indices, tvm.ir.GenericConst) and all(isinstance(e, tirx.IntImm) for e in extents):
         values = indices.value.numpy()
         for j, extent in enumerate(extents):
-            values[..., j] = _constant_in_range(relax.const(values[..., j]), batch_dims + j, int(extent),
+            # (in the indices' dtype: relax.const's default for an int array is int32)
+            column = relax.const(np.ascontiguousarray(values[..., j]), str(indices.ty.dtype))
+            values[..., j] = _constant_in_range(column, batch_dims + j, int(extent),
                                                 f"node {node!r} (GatherND): ")
-        return relax.op.gather_nd(data, relax.const(values), batch_dims)
+        return relax.op.gather_nd(data, relax.const(values, str(indices.ty.dtype)), batch_dims)  # (not int32)
     for j, extent in enumerate(extents):
         column = bb.normalize(relax.op.strided_slice(indices, axes=[len(indices.ty.shape.values) - 1], begin=[j],
                                                      end=[j + 1]))
