@@ -86,7 +86,7 @@ def gather_nd(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict) -> r
             column = relax.const(np.ascontiguousarray(values[..., j]), str(indices.ty.dtype))
             values[..., j] = _constant_in_range(column, batch_dims + j, int(extent),
                                                 f"node {node!r} (GatherND): ")
-        return relax.op.gather_nd(data, relax.const(values, str(indices.ty.dtype)), batch_dims)  # (not int32)
+        return relax.op.gather_nd(data, relax.const(values, str(indices.ty.dtype)), batch_dims)
     for j, extent in enumerate(extents):
         column = bb.normalize(relax.op.strided_slice(indices, axes=[len(indices.ty.shape.values) - 1], begin=[j],
                                                      end=[j + 1]))
