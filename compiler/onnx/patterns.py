@@ -50,6 +50,7 @@ from tvmattn.compiler.onnx.causal_masks import HUGE_NEGATIVE
 from tvmattn.compiler.onnx.chain import ROOTS, AttentionPattern, NoMatch
 from tvmattn.compiler.onnx.constant_masks import hides_only, keep_rule
 from tvmattn.compiler.onnx.kernels import Kernels, Mask, attend, shape_of
+from tvmattn.compiler.onnx.positions import dims_of
 from tvmattn.compiler.onnx.shape_ops import has_clamp, without_unused_casts
 from tvmattn.compiler.onnx.sinks import sink_logits
 
@@ -185,7 +186,7 @@ class _Match:
 
     def _on_the_scores(self, term: relax.Expr) -> bool:
         """Whether ``term``'s last two sizes are 1 or provably the scores' (n, n_kv)."""
-        have, want = _dims(term), _dims(self._logits())
+        have, want = dims_of(term), dims_of(self._logits())
         analyzer = tvm.sym.Analyzer()
         return have is not None and want is not None and len(have) >= 2 and all(
             (isinstance(h, tirx.IntImm) and h.value == 1) or analyzer.can_prove_equal(h, w)
@@ -567,15 +568,9 @@ class _Match:
 def _restates(var: relax.Var, value: relax.Expr) -> bool:
     """Whether ``var`` is ``value`` cast to sizes with a min or max where it had none (`shape_ops.
     state_broadcast`'s min(1024, n) for n): the matcher reads through such a cast."""
-    have, want = _dims(value), _dims(var)
+    have, want = dims_of(value), dims_of(var)
     return have is not None and want is not None and any(has_clamp(d) for d in want) \
         and not any(has_clamp(d) for d in have)
-
-
-def _dims(x: relax.Expr) -> list | None:
-    ty = getattr(x, "ty", None)
-    return list(ty.shape.values) if isinstance(ty, relax.TensorType) and isinstance(ty.shape, relax.ShapeExpr) \
-        else None
 
 
 def _either(expr: relax.Expr | None, otherwise: relax.Expr) -> relax.Expr:

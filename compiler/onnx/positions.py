@@ -88,7 +88,7 @@ def _arange(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
 def _shape_to_tensor(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
     """Shape arithmetic as a tensor: a ShapeExpr's values, or the static shape of a shape_of."""
     shape = var2val.get(expr.args[0], expr.args[0])
-    values = (_dims(shape.args[0]) or [] if _is_call(shape, "relax.shape_of")
+    values = (dims_of(shape.args[0]) or [] if _is_call(shape, "relax.shape_of")
               else list(shape.values) if isinstance(shape, relax.ShapeExpr) else [])
     if len(index) != 1 or not (len(values) == 1 or (values and isinstance(index[0], tirx.IntImm))):
         return None
@@ -122,7 +122,7 @@ def _strided_slice(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | 
 def _concat(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
     """The part the index falls in, at the index less the sizes of the parts before it."""
     parts = var2val.get(expr.args[0], expr.args[0])
-    dims = [_dims(p) for p in getattr(parts, "fields", [])]
+    dims = [dims_of(p) for p in getattr(parts, "fields", [])]
     if not dims or any(d is None for d in dims):
         return None
     axis = int(expr.attrs.axis) % len(index)
@@ -139,7 +139,7 @@ def _concat(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
 
 def _gather_nd(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
     """data[indices[..., 0], indices[..., 1], …] (Hugging Face's vmap masks index positions so)."""
-    dims = _dims(expr.args[1])
+    dims = dims_of(expr.args[1])
     if int(expr.attrs.batch_dims) != 0 or dims is None or not isinstance(dims[-1], tirx.IntImm):
         return None
     lead, tail = index[:len(dims) - 1], index[len(dims) - 1:]
@@ -185,7 +185,7 @@ def _call_tir(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
     known only at run time): each axis's element i is the input's element i mod its size."""
     callee, args = expr.args[0], getattr(expr.args[1], "fields", [])
     data = args[0] if args else None
-    into, out = (_dims(data) if data is not None else None), _dims(expr)
+    into, out = (dims_of(data) if data is not None else None), dims_of(expr)
     if not isinstance(callee, tvm.ir.GlobalVar) or not TILE_FUNCTION.fullmatch(callee.name_hint) or into is None \
             or out is None or not len(into) == len(out) == len(index):
         return None
@@ -300,7 +300,7 @@ def _same_type(a: PrimExpr, b: PrimExpr) -> tuple[PrimExpr, PrimExpr]:
     return tirx.Cast(wide, a), tirx.Cast(wide, b)
 
 
-def _dims(expr: relax.Expr) -> list[PrimExpr] | None:
+def dims_of(expr: relax.Expr) -> list[PrimExpr] | None:
     ty = getattr(expr, "ty", None)
     if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
         return None
@@ -309,7 +309,7 @@ def _dims(expr: relax.Expr) -> list[PrimExpr] | None:
 
 def broadcast(index: Index, operand: relax.Expr) -> Index | None:
     """The index into a broadcast operand: the trailing axes, 0 along its axes of size 1."""
-    dims = _dims(operand)
+    dims = dims_of(operand)
     if dims is None or len(dims) > len(index):
         return None
     return [tirx.IntImm("int64", 0) if _is(d, 1) else i for d, i in zip(dims, index[len(index) - len(dims):])]
@@ -318,7 +318,7 @@ def broadcast(index: Index, operand: relax.Expr) -> Index | None:
 def _unit_axes_dropped(expr: relax.Expr, data: relax.Expr, index: Index) -> Index | None:
     """The index into ``data`` of an op that only adds or removes axes of size 1 or broadcasts them
     (expand_dims, a reshape that keeps the other sizes in order, broadcast_to): None else."""
-    out, into = _dims(expr), _dims(data)
+    out, into = dims_of(expr), dims_of(data)
     if out is None or into is None:
         return None
     kept = [(d, i) for d, i in zip(out, index) if not _is(d, 1)]

@@ -41,7 +41,7 @@ def gather(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict) -> rela
         return None
     axis, extent = gathered
     if isinstance(extent, int) and isinstance(indices, tvm.ir.GenericConst):
-        values = _constant_in_range(indices, axis, extent, "")
+        values = _constant_in_range(indices.value.numpy(), axis, extent, "")
         if isinstance(data, tvm.ir.GenericConst):
             return None  # TVM's converter folds it
         return relax.op.take(data, relax.const(values), axis, mode="clip")
@@ -82,10 +82,9 @@ def gather_nd(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict) -> r
     if isinstance(indices, tvm.ir.GenericConst) and all(isinstance(e, tirx.IntImm) for e in extents):
         values = indices.value.numpy()
         for j, extent in enumerate(extents):
-            # (in the indices' dtype: relax.const's default for an int array is int32)
-            column = relax.const(np.ascontiguousarray(values[..., j]), str(indices.ty.dtype))
-            values[..., j] = _constant_in_range(column, batch_dims + j, int(extent),
+            values[..., j] = _constant_in_range(values[..., j], batch_dims + j, int(extent),
                                                 f"node {node!r} (GatherND): ")
+        # (in the indices' dtype: relax.const's default for an int array is int32, which gather_nd refuses)
         return relax.op.gather_nd(data, relax.const(values, str(indices.ty.dtype)), batch_dims)
     for j, extent in enumerate(extents):
         column = bb.normalize(relax.op.strided_slice(indices, axes=[len(indices.ty.shape.values) - 1], begin=[j],
@@ -114,7 +113,7 @@ def gather_elements(bb: relax.BlockBuilder, node: str, inputs: list, attrs: dict
     axis, extent = gathered
     if isinstance(extent, int) and isinstance(indices, tvm.ir.GenericConst):
         return relax.op.gather_elements(data, relax.const(_constant_in_range(
-            indices, axis, extent, f"node {node!r} (GatherElements): ")), axis)
+            indices.value.numpy(), axis, extent, f"node {node!r} (GatherElements): ")), axis)
     source = bb.lookup_binding(indices) if isinstance(indices, relax.Var) else indices  # (TVM's: often a Call)
     broadcast = isinstance(source, relax.Call) and source.op.same_as(_BROADCAST_TO) and _index_tensor(source.args[0])
     given = source.args[0] if broadcast else indices
@@ -179,9 +178,8 @@ def _index_tensor(indices: relax.Expr) -> bool:
             and str(indices.ty.dtype) in ("int32", "int64"))
 
 
-def _constant_in_range(indices: tvm.ir.GenericConst, axis: int, extent: int, where: str) -> np.ndarray:
+def _constant_in_range(values: np.ndarray, axis: int, extent: int, where: str) -> np.ndarray:
     """Constant indices, negative ones counted from the end; a TvmAttnError for one out of range."""
-    values = indices.value.numpy()
     if values.size and (values.min() < -extent or values.max() >= extent):
         bad = values[(values < -extent) | (values >= extent)].reshape(-1)[0]
         raise TvmAttnError(f"{where}index {bad} is out of range: axis {axis} has {extent} entries, so indices lie "
