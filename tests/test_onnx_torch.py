@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-from onnx_testing import assert_matches_ort, ort_run  # noqa: E402
+from onnx_testing import assert_matches_ort, errors, kernels_used, ort_run  # noqa: E402
 
 import tvmattn  # noqa: E402
 
@@ -101,6 +101,24 @@ class GPT2Attention(torch.nn.Module):
         return self.c_proj(o.permute(0, 2, 1, 3).reshape(b, n, E))
 
 
+class Gpt1Attention(GPT2Attention):
+    """transformers' OpenAIGPT Attention._attn: its causal buffer of ones and zeros blended into the scores,
+    w·b − 1e4·(1 − b), not selected (``ones``: that buffer; one not of zeros and ones is no mask)."""
+
+    def __init__(self, ones: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.bias = self.bias.float() if ones is None else ones
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, HEADS, -1).permute(0, 2, 1, 3) for t in self.c_attn(x).split(E, dim=2))
+        w = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(v.size(-1))
+        keep = self.bias[:, :, :n, :n]
+        w = w * keep + -1e4 * (1 - keep)
+        o = torch.matmul(F.softmax(w, dim=-1), v)
+        return self.c_proj(o.permute(0, 2, 1, 3).reshape(b, n, E))
+
+
 class LlamaAttention(torch.nn.Module):
     """transformers' eager_attention_forward with repeat_kv (GQA) and an additive causal mask."""
 
@@ -146,7 +164,8 @@ class GptOssAttention(LlamaAttention):
 
 
 MODELS = {"mha": lambda: MHA("none"), "mha-causal": lambda: MHA("causal"), "mha-padding": lambda: MHA("padding"),
-          "sdpa-causal": SDPA, "hand-written": HandWritten, "hf-gpt2": GPT2Attention, "hf-llama": LlamaAttention,
+          "sdpa-causal": SDPA, "hand-written": HandWritten, "hf-gpt2": GPT2Attention, "hf-gpt1": Gpt1Attention,
+          "hf-llama": LlamaAttention,
           "hf-gpt-oss": GptOssAttention, "swinv2-cosine": CosineAttention}
 
 
@@ -203,6 +222,28 @@ def test_torch_export_matches_onnx_runtime(name, dynamo):
     assert spec.sinks == (name == "hf-gpt-oss")
     if name in ("mha-causal", "hf-gpt2", "hf-llama", "hf-gpt-oss", "sdpa-causal", "hand-written"):
         assert spec.causal or spec.attn_mask is not None
+    if name == "hf-gpt1":  # the blended buffer read as the causal rule, at symbolic and at static sizes
+        assert spec.causal and spec.attn_mask is None
+        static = tvmattn.import_onnx(export(name, dynamo), shapes={"x": (2, 5, E)})
+        assert static.report.replacements[0].spec.causal, str(static.report)
+        feed = feeds(name, dynamo)[0]
+        assert errors(static.run(feed)[0], ort_run(export(name, dynamo), feed)[0])[1] <= 1e-4
+
+
+def test_a_blend_by_a_buffer_not_of_zeros_and_ones_is_left_to_tvm():
+    """w·b − 1e4·(1 − b) is a mask only where b is 0 or 1: with a 0.5 in b it is arithmetic, run as written."""
+    ones = torch.tril(torch.ones(64, 64)).view(1, 1, 64, 64)
+    ones[..., 3, 1] = 0.5
+    torch.manual_seed(0)
+    model, x = Gpt1Attention(ones).eval(), torch.randn(2, 5, E)
+    f = io.BytesIO()
+    torch.onnx.export(model, (x,), f, input_names=["x"], output_names=["y"], dynamo=False,
+                      dynamic_axes={"x": {0: "batch", 1: "seq"}})
+    proto = onnx.load_from_string(f.getvalue())
+    imported = tvmattn.import_onnx(proto)
+    assert kernels_used(imported) == 0, str(imported.report)
+    feed = {"x": np.random.default_rng(0).standard_normal((2, 5, E)).astype(np.float32)}
+    assert errors(imported.run(feed)[0], ort_run(proto, feed)[0])[1] <= 1e-4
 
 
 def test_weights_sliced_otherwise_than_the_sink_off_are_left_to_tvm():

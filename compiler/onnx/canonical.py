@@ -14,6 +14,9 @@ run (`patterns.rewrite`), so that one pattern reads them all.
   the scores are a product of matrices and the mask is built from finite constants (XGLM's:
   ``where(causal, 0, finfo.min)``): the sum is then finite and at least finfo.min. (Over a mask of -inf
   the clamp would matter: a row that sees no key would average V; that spelling is left as it is.)
+- A mask blended in by arithmetic: ``s·b + (1 − b)·c`` (or ``s·b − (1 − b)·c'``) is ``where(b, s, c)``
+  where b holds only zeros and ones (a window of a constant 0/1 buffer: GPT-1's ``w·b − 1e4·(1 − b)``)
+  and s is a product of matrices: exactly, for finite s (s·1 + 0·c = s, s·0 + c = c).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from tvmattn.compiler.onnx import run_checks
 from tvmattn.compiler.onnx.kernels import shape_of
 
 
@@ -70,7 +74,10 @@ class _Canonical(relax.PyExprMutator):
         if inner is not None and _keeps_last_axis(inner, call.attrs.axis):
             x, reshaped = inner.args[0], inner
         x = _unclamped(x, self.var2val)
-        if reshaped is None and x.same_as(src):  # (same_as: each `args[0]` is a new Python object)
+        blend = _blended(x, self.var2val)
+        if blend is not None:
+            x = self._selected(*blend)
+        elif reshaped is None and x.same_as(src):  # (same_as: each `args[0]` is a new Python object)
             return call
         # over the axis it was (a clamp keeps the shape), or the last one, which the reshape keeps
         probs = relax.op.nn.softmax(self.visit_expr(x), -1 if reshaped is not None else call.attrs.axis)
@@ -80,6 +87,16 @@ class _Canonical(relax.PyExprMutator):
         if original in self.provenance:
             self.provenance.setdefault(self.builder_.lookup_binding(moved), self.provenance[original])
         return relax.op.reshape(moved, reshaped.args[1])
+
+    def _selected(self, keep: relax.Expr, s: relax.Expr, fill: float) -> relax.Expr:
+        """where(keep ≠ 0, s, fill) for `_blended`'s terms, each a binding of its own (the patterns read a
+        constant keep as one, and a window of a 0/1 buffer through its cast, `causal_masks.sliced`)."""
+        value = self.var2val.get(keep, keep)
+        if isinstance(value, tvm.ir.GenericConst):
+            keep = relax.const(value.value.numpy() != 0)
+        else:
+            keep = self.builder_.emit(relax.op.astype(self.visit_expr(keep), "bool"))
+        return self.builder_.emit(relax.op.where(keep, self.visit_expr(s), relax.const(fill, str(s.ty.dtype))))
 
 
 def _op(expr: relax.Expr, name: str, var2val: dict) -> relax.Call | None:
@@ -157,6 +174,74 @@ def _unclamped(x: relax.Expr, var2val: dict) -> relax.Expr:
                 _scores(a, var2val) and _finite(m, var2val) for a, m in (add.args, add.args[::-1])):
             return total
     return x
+
+
+def _blended(x: relax.Expr, var2val: dict) -> tuple[relax.Expr, relax.Expr, float] | None:
+    """(b, s, c) where ``x`` is s·b + (1 − b)·c or s·b − (1 − b)·c' (c = −c'), the products in either
+    order, s a product of matrices (`_scores`: finite), b of zeros and ones only (`_zero_one`), c a finite
+    scalar constant: x is then where(b, s, c) exactly."""
+    add, sub = _op(x, "add", var2val), _op(x, "subtract", var2val)
+    if add is None and sub is None:
+        return None
+    a, b = (add if add is not None else sub).args
+    for kept, hidden, sign in ((a, b, 1.0), (b, a, 1.0)) if add is not None else ((a, b, -1.0),):
+        for s, keep in _factors(kept, var2val):
+            if not (_scores(s, var2val) and _zero_one(keep, var2val)):
+                continue
+            for rest, fill in _factors(hidden, var2val):
+                one_minus = _op(rest, "subtract", var2val)
+                if (one_minus is not None and _constant(one_minus.args[0]) == 1.0
+                        and one_minus.args[1].same_as(keep) and _constant(fill) is not None):
+                    return keep, s, sign * _constant(fill)
+            fill = _folded_fill(keep, hidden, var2val)  # (a static import folds (1 − b)·c into one constant)
+            if fill is not None:
+                return keep, s, sign * fill
+    return None
+
+
+def _folded_fill(keep: relax.Expr, hidden: relax.Expr, var2val: dict) -> float | None:
+    """c where ``keep`` and ``hidden`` are constants B and (1 − B)·c: 0 where B is 1, one finite c where it
+    is 0."""
+    keep, hidden = var2val.get(keep, keep), var2val.get(hidden, hidden)
+    if not (isinstance(keep, tvm.ir.GenericConst) and isinstance(hidden, tvm.ir.GenericConst)):
+        return None
+    try:
+        b, h = np.broadcast_arrays(keep.value.numpy().astype(np.float64), hidden.value.numpy().astype(np.float64))
+    except ValueError:
+        return None
+    fills = np.unique(h[b == 0])
+    if b.shape != keep.value.numpy().shape or np.any(h[b == 1] != 0) or fills.size != 1 \
+            or not np.isfinite(fills[0]):
+        return None
+    return float(fills[0])
+
+
+def _factors(x: relax.Expr, var2val: dict) -> tuple[tuple[relax.Expr, relax.Expr], ...]:
+    """(p, q) and (q, p) where ``x`` is p·q; none otherwise."""
+    mul = _op(x, "multiply", var2val)
+    return ((mul.args[0], mul.args[1]), (mul.args[1], mul.args[0])) if mul is not None else ()
+
+
+def _constant(c: relax.Expr) -> float | None:
+    """The value of a finite scalar constant; else None."""
+    if not isinstance(c, tvm.ir.GenericConst) or c.value.numpy().size != 1:
+        return None
+    value = float(c.value.numpy().reshape(()).astype(np.float64))
+    return value if np.isfinite(value) else None
+
+
+def _zero_one(b: relax.Expr, var2val: dict, depth: int = 0) -> bool:
+    """Whether ``b`` holds zeros and ones only, by construction: a constant that does, moved by the
+    layout operators of `_FINITE_THROUGH` (a checked slice read through its check), or a cast of a bool."""
+    b = run_checks.unchecked(var2val.get(b, b), var2val)
+    if isinstance(b, tvm.ir.GenericConst):
+        return bool(np.isin(b.value.numpy().astype(np.float64), (0.0, 1.0)).all())
+    if depth > 16 or not isinstance(b, relax.Call):
+        return False
+    name = getattr(b.op, "name", "").removeprefix("relax.")
+    if name == "astype" and str(b.args[0].ty.dtype) == "bool":
+        return True
+    return name in _FINITE_THROUGH and _zero_one(b.args[0], var2val, depth + 1)
 
 
 def _maximum_of_two(x: relax.Expr, var2val: dict) -> tuple[relax.Expr, relax.Expr] | None:

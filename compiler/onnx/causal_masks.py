@@ -13,6 +13,9 @@ from tvmattn.compiler.onnx.kernels import shape_of
 from tvmattn.compiler.onnx.shape_ops import bounded_below
 
 HUGE_NEGATIVE = -1e30  # a fill at or below this absorbs any score: where(keep, s, f) == s + where(keep, 0, f)
+# where(keep, s, f) with f at or below this hides a key from a row that keeps one: exp(f − max) is 0 in fp32
+# unless every kept logit of the row is below f + 104 (old Hugging Face models' -1e4)
+MODERATE_FILL = -1e4
 
 
 def sliced(cond: relax.Expr, scores: relax.Expr, var2val: dict, negate: bool, fill: float) -> dict:
@@ -22,6 +25,8 @@ def sliced(cond: relax.Expr, scores: relax.Expr, var2val: dict, negate: bool, fi
     begin_c + j ≤ begin_r + i, i.e. j ≤ i + (begin_r − begin_c). Empty otherwise."""
     begin: dict[int, tirx.PrimExpr] = {}
     expr = var2val.get(cond, cond)
+    if isinstance(expr, relax.Call) and getattr(expr.op, "name", "") == "relax.astype":
+        expr = var2val.get(expr.args[0], expr.args[0])  # a window of a 0/1 buffer cast to bool (`canonical`)
     while isinstance(expr, relax.Call) and getattr(expr.op, "name", "") == "relax.strided_slice":
         data, axes, begins, _, strides = expr.args
         if any(not (isinstance(st, tirx.IntImm) and st.value == 1) for st in strides):

@@ -46,7 +46,7 @@ from tvm.relax.dpl import DFPattern
 from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.onnx import alibi, causal_masks, key_masks
 from tvmattn.compiler.onnx.canonical import canonical
-from tvmattn.compiler.onnx.causal_masks import HUGE_NEGATIVE
+from tvmattn.compiler.onnx.causal_masks import HUGE_NEGATIVE, MODERATE_FILL
 from tvmattn.compiler.onnx.chain import ROOTS, AttentionPattern, NoMatch
 from tvmattn.compiler.onnx.constant_masks import hides_only, keep_rule
 from tvmattn.compiler.onnx.kernels import Kernels, Mask, attend, shape_of
@@ -440,11 +440,13 @@ class _Match:
 
     def _select_mask(self, cond: relax.Expr, fill: float,
                      negate: bool) -> tuple[Mask | None, dict, np.ndarray | None]:
-        _check_select(cond, fill)
+        # a moderate fill hides keys only from rows that keep one: a constant mask's or a causal rule's
+        _check_select(cond, min(fill, HUGE_NEGATIVE) if fill <= MODERATE_FILL else fill)
         if isinstance(cond, tvm.ir.GenericConst):
             keep = cond.value.numpy() != negate
-            if hides_only(keep, np.where(keep, 0.0, fill)):
+            if keep.any(axis=-1).all() or hides_only(keep, np.where(keep, 0.0, fill)):
                 return (*keep_rule(keep, self._scores_shape()), keep)
+            _check_select(cond, fill)
             bias = np.where(keep, 0.0, fill).astype(np.float32)
             return Mask(relax.const(bias), "additive"), {}, np.ones_like(keep)
         scores = self._logits()
@@ -452,6 +454,7 @@ class _Match:
                   or causal_masks.positional(cond, scores, self.r.values, negate, fill=fill))
         if causal:
             return None, causal, None
+        _check_select(cond, fill)
         split = None if negate else self._split_keys(self.m[self.p.keep], fill)
         if split:
             return split
