@@ -194,7 +194,7 @@ def until_scheduling(target: Target, dtype: str | None = None) -> list[tvm.trans
     dot = isa.dot if isa is not None else None
     # the rows a bf16 GEMM pads to (AMX's blocks, the dot product's register tiles; none widened to fp32)
     row_block = None if dot is None or dtype != "bfloat16" else isa.tiles.block if isa.tiles else PADDED_ROW_BLOCK
-    rewrites = before_legalize(dtype, row_block) if is_cpu(target) else []
+    rewrites = before_legalize(dtype, row_block, isa) if is_cpu(target) else []
     if dtype is not None:
         rewrites.append(matmuls_in(dtype, *((dot.lanes, isa.tiles) if dot is not None else ())))
     # an exporter repeats a computation per layer (T5's position bias plus mask, in every attention)

@@ -212,6 +212,39 @@ def test_bf16_gemm_assembly(target, instruction):
     assert re.search(r"vfmadd\d+ps", asm) or instruction
 
 
+@pytest.mark.parametrize("target, instruction", [(ZEN4, "vdpbf16ps"), (ZEN3, None)])
+def test_experts_on_the_dot_product(target, instruction):
+    """A mixture of experts' W[ids] · x in a bf16 import: on AVX512-BF16 the experts kernel multiplies an
+    expert's block of rows on vdpbf16ps, its accumulators in registers (its loop of dot products stores
+    nothing); on AVX2 fp32 FMAs. Both against the float64 product of the bf16-rounded W and x, with rows
+    of each expert that fill no whole block."""
+    experts, k, o = 4, 64, 128
+    w = np.random.default_rng(3).standard_normal((experts, o, k)).astype(np.float32)
+    nodes = [oh.make_node("GatherND", ["w", "ids"], ["ws"]), oh.make_node("MatMul", ["ws", "x"], ["y"])]
+    inputs = [oh.make_tensor_value_info("ids", TP.INT64, ["s", 1]),
+              oh.make_tensor_value_info("x", TP.FLOAT, ["s", k, 1])]
+    graph = oh.make_graph(nodes, "moe", inputs, [oh.make_tensor_value_info("y", TP.FLOAT, ["s", o, 1])],
+                          [onnx.numpy_helper.from_array(w, "w")])
+    imported = tvmattn.import_onnx(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)]), target,
+                                   dtype="bfloat16")
+    assert "experts" in imported.report.rule_of.values(), imported.report.rule_of
+    lib = imported.executable.mod
+    asm = "".join(m.inspect_source("asm") for m in [lib, *lib.imports] if m.kind == "llvm")
+    assert ("vdpbf16ps" in asm) == (instruction is not None)
+    for block in [b for b in re.split(r"\n\.?[\w.]+:", asm) if "vdpbf16ps" in b]:
+        body = block[block.index("vdpbf16ps"):block.rindex("vdpbf16ps")]
+        assert not re.search(r"vmov\w*\s+%zmm\d+, [^%\n]*\(", body), body[:2000]
+    if not runs_here(target):
+        return
+    rng = np.random.default_rng(0)
+    ids = np.array([0, 2, 2, 1, 2, 0, 3, 2, 2, 2, 1])[:, None]  # 2, 2, 6 and 1 rows
+    x = rng.standard_normal((len(ids), k, 1)).astype(np.float32)
+    w16, x16 = (a.astype(ml_dtypes.bfloat16).astype(np.float64) for a in (w, x))
+    want = w16[ids[:, 0]] @ x16
+    got = imported.run({"ids": ids, "x": x})[0]
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
 def test_symbolic_bf16_gemm_accumulates_in_registers():
     """An imported symbolic-row bf16 GEMM with no epilogue (its padded rows' copy back is the only one)
     keeps its register tile in registers on AVX512-BF16: its loop of dot products stores nothing. In

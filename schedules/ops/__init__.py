@@ -34,6 +34,7 @@ from tvm.s_tir import dlight
 from tvm.target import Target
 
 from tvmattn.compiler.annotations import IS_SCHEDULED, WRITTEN_AS
+from tvmattn.compiler.isa.record import Isa
 from tvmattn.compiler.passes import polynomial_math
 from tvmattn.compiler.work import TirWork, tir_work
 from tvmattn.schedules.ops.conv import conv_as_gemm
@@ -69,11 +70,12 @@ RULES: tuple[tuple[str, dlight.ScheduleRule], ...] = (
 # transpositions that undo each other (the convolutions' channels-first output transposed straight back),
 # each concatenation once, elementwise operators before the reshapes that split their GEMM's rows
 # (the transpositions elementwise_before_reshapes brings together cancelled after it)
-def before_legalize(dtype: str | None = None, row_block: int | None = None) -> list[tvm.transform.Pass]:
+def before_legalize(dtype: str | None = None, row_block: int | None = None,
+                    isa: Isa | None = None) -> list[tvm.transform.Pass]:
     """Those rewrites, for an import whose matmuls run in ``dtype`` (None: fp32) and pad their rows to
-    whole blocks of ``row_block`` (`conv.conv_as_gemm`)."""
-    return [constant_tiles, gathered_matmuls(dtype), conv_as_gemm(dtype, row_block), small_powers, cancel_transposes,
-            same_concats, elementwise_before_reshapes, cancel_transposes]
+    whole blocks of ``row_block`` (`conv.conv_as_gemm`), on the instruction set ``isa``."""
+    return [constant_tiles, gathered_matmuls(dtype, isa), conv_as_gemm(dtype, row_block), small_powers,
+            cancel_transposes, same_concats, elementwise_before_reshapes, cancel_transposes]
 
 
 def is_scheduled(func: tirx.PrimFunc) -> bool:
