@@ -441,10 +441,10 @@ class _Match:
     def _select_mask(self, cond: relax.Expr, fill: float,
                      negate: bool) -> tuple[Mask | None, dict, np.ndarray | None]:
         # a moderate fill hides keys only from rows that keep one: a constant mask's or a causal rule's
-        _check_select(cond, min(fill, HUGE_NEGATIVE) if fill <= MODERATE_FILL else fill)
+        _check_select(cond, fill, MODERATE_FILL)
         if isinstance(cond, tvm.ir.GenericConst):
             keep = cond.value.numpy() != negate
-            if keep.any(axis=-1).all() or hides_only(keep, np.where(keep, 0.0, fill)):
+            if hides_only(keep, np.where(keep, 0.0, fill)):  # (every row keeps a key: any fill checked above)
                 return (*keep_rule(keep, self._scores_shape()), keep)
             _check_select(cond, fill)
             bias = np.where(keep, 0.0, fill).astype(np.float32)
@@ -580,12 +580,13 @@ def _either(expr: relax.Expr | None, otherwise: relax.Expr) -> relax.Expr:
     return otherwise if expr is None else expr
 
 
-def _check_select(cond: relax.Expr, fill: float) -> None:
-    """A where() mask the kernel can apply: a bool condition, a fill that hides a key."""
+def _check_select(cond: relax.Expr, fill: float, limit: float = HUGE_NEGATIVE) -> None:
+    """A where() mask the kernel can apply: a bool condition, a fill that hides a key (at most ``limit``)."""
     if str(cond.ty.dtype) != "bool":
         raise NoMatch(f"where() on a {cond.ty.dtype} condition")
-    if fill > HUGE_NEGATIVE:  # a moderate fill gives a fully masked row uniform weights, not what a mask does
-        raise NoMatch(f"the mask's fill {fill:g} does not hide a key (it must be -inf or ≤ -1e30)")
+    if fill > limit:  # a moderate fill gives a fully masked row uniform weights, not what a mask does
+        raise NoMatch(f"the mask's fill {fill:g} does not hide a key (it must be -inf or ≤ -1e30; "
+                      f"≤ {MODERATE_FILL:g} where every row keeps a key)")
 
 
 def _scalar(const: tvm.ir.GenericConst) -> float:
