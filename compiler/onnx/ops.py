@@ -233,3 +233,12 @@ def ms_rotary_embedding(node: Node, inputs: list) -> list:
         position_ids = node.emit(op.expand_dims(op.add(steps, position_ids), 0))
     cos, sin = rotary.at_positions(node, position_ids, cos, sin)
     return [_rotate(node, x, cos, sin, bool(a["interleaved"]), a["rotary_embedding_dim"], heads)]
+
+
+# ---- einsum ------------------------------------------------------------------------------------------------
+def einsum(node: Node, inputs: list) -> list:
+    """Relax's einsum (TVM's converter writes `topi.einsum` straight into a function): before legalisation,
+    one of two operands that is a batched matmul becomes one (`schedules.ops.einsum`)."""
+    equation = node.attrs({"equation": None})["equation"]
+    equation = equation.decode() if isinstance(equation, bytes) else equation
+    return [node.emit(op.einsum(list(inputs), equation))]

@@ -57,6 +57,7 @@ OPS: dict[tuple[str, str], Op] = {
     (MS, "PagedAttention"): Op(paged_attention.ms_paged_attention),
     # norms, GELUs, rotary embeddings
     ("", "RMSNormalization"): Op(ops.rms_normalization),
+    ("", "Einsum"): Op(ops.einsum),  # as a batched matmul where it is one (`schedules.ops.einsum`)
     ("", "LayerNormalization"): Op(contrib_in_onnx_domain=17),  # TVM's converter (ONNX's at 17, the same op)
     ("", "SimplifiedLayerNormalization"): Op(ops.simplified_layer_normalization, contrib_in_onnx_domain=True),
     (MS, "SkipLayerNormalization"): Op(ops.skip_layer_normalization),

@@ -38,6 +38,7 @@ from tvmattn.compiler.isa.record import Isa
 from tvmattn.compiler.passes import polynomial_math
 from tvmattn.compiler.work import TirWork, tir_work
 from tvmattn.schedules.ops.conv import conv_as_gemm
+from tvmattn.schedules.ops.einsum import einsum_as_matmul
 from tvmattn.schedules.ops.experts import gathered_matmuls
 from tvmattn.schedules.ops.fallback import Fallback, Scan
 from tvmattn.schedules.ops.gemv import Gemv
@@ -66,16 +67,17 @@ RULES: tuple[tuple[str, dlight.ScheduleRule], ...] = (
 
 
 # the Relax rewrites before legalisation into what the rules schedule: a mixture of experts' matmuls by
-# gathered weights as one kernel over the weights in place, convolutions as GEMMs, x**2 as x·x,
-# transpositions that undo each other (the convolutions' channels-first output transposed straight back),
+# gathered weights as one kernel over the weights in place, einsums as batched matmuls, convolutions as
+# GEMMs, x**2 as x·x, transpositions that undo each other (the convolutions' channels-first output
+# transposed straight back),
 # each concatenation once, elementwise operators before the reshapes that split their GEMM's rows
 # (the transpositions elementwise_before_reshapes brings together cancelled after it)
 def before_legalize(dtype: str | None = None, row_block: int | None = None,
                     isa: Isa | None = None) -> list[tvm.transform.Pass]:
     """Those rewrites, for an import whose matmuls run in ``dtype`` (None: fp32) and pad their rows to
     whole blocks of ``row_block`` (`conv.conv_as_gemm`), on the instruction set ``isa``."""
-    return [constant_tiles, gathered_matmuls(dtype, isa), conv_as_gemm(dtype, row_block), small_powers,
-            cancel_transposes, same_concats, elementwise_before_reshapes, cancel_transposes]
+    return [constant_tiles, gathered_matmuls(dtype, isa), einsum_as_matmul, conv_as_gemm(dtype, row_block),
+            small_powers, cancel_transposes, same_concats, elementwise_before_reshapes, cancel_transposes]
 
 
 def is_scheduled(func: tirx.PrimFunc) -> bool:

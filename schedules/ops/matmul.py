@@ -25,6 +25,7 @@ from tvmattn.compiler.target import isa_of, vector_lanes
 from tvmattn.schedules.knobs import resolve
 from tvmattn.schedules.micro_kernels import GEMM_KNOBS, gemm, gemm_defaults
 from tvmattn.schedules.ops.injective import spatial
+from tvmattn.schedules.primitives import lanes_for
 
 KNOBS = GEMM_KNOBS
 WIDE = 8192  # output columns from which a GEMM takes taller register tiles (`Matmul.defaults`)
@@ -68,6 +69,12 @@ class Matmul(ScheduleRule):
         constants = func.attrs.get(CONSTANT_PARAMS, []) if func.attrs else []
         packed = any(weight.same_as(func.params[int(i)]) for i in constants) and len(weight.ty.shape) == 2
         epilogue = _chain(sch, [info.block_rv for info in infos[at + 1:]])
+        axes = sch.get(block).iter_vars
+        width = int(axes[-2].dom.extent)
+        if self.rows and not packed and width > lanes and 2 * lanes_for(width, lanes) < lanes:
+            # an activation B of a width no half vector divides (LongT5's 99 keys): its columns padded to
+            # whole vectors (as a packed weight's are), not run a lane at a time
+            epilogue = pad_axes(sch, block, [1] * (len(axes) - 2) + [lanes, 1], lanes, list(epilogue))
         for rest in self.tiles(sch, block, lanes, knobs, epilogue, padded_columns=packed):
             spatial(sch, rest, target)
         if packed:  # last: a padded layout adds an assume block, which later primitives reject
@@ -118,6 +125,23 @@ class Matmul(ScheduleRule):
         elif width >= WIDE:
             knobs.update(gemm_vecs=3, gemm_block_rows=32)
         return knobs
+
+
+def pad_axes(sch: Schedule, block, factors: list[int], lanes: int, epilogue: list) -> list:
+    """``block``'s axes padded to whole multiples of ``factors`` (`pad_einsum`: its operands copied with
+    zeros past their ends, each copy parallel over its outer axes and vectorised along its last), the copy
+    of the product's real part back joining the ``epilogue``'s first stage, or its only one. Returns the
+    epilogue."""
+    sch.pad_einsum(block, factors)
+    back = sch.get_consumers(block)[0]
+    for copy in (b for b in sch.get_producers(block) if sch.get(b).name_hint.endswith("_pad")):
+        *outer, inner = sch.get_loops(copy)
+        sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+        sch.vectorize(sch.split(inner, [None, lanes])[1])
+    if epilogue:
+        sch.compute_inline(back)
+        return epilogue
+    return [back]
 
 
 def _chain(sch: Schedule, blocks: list) -> tuple:

@@ -37,7 +37,7 @@ from tvmattn.schedules.cpu.tiles import tile_gemm
 from tvmattn.schedules.knobs import resolve
 from tvmattn.schedules.micro_kernels import PADDED_ROW_BLOCK, dot_columns, gemv, whole_row_tile
 from tvmattn.schedules.ops.injective import spatial
-from tvmattn.schedules.ops.matmul import CONSTANT_PARAMS, KNOBS, Matmul, _chain
+from tvmattn.schedules.ops.matmul import CONSTANT_PARAMS, KNOBS, Matmul, _chain, pad_axes
 from tvmattn.schedules.primitives import same_domain, vectorize
 
 # x's padded copy keeps its bf16 bits for the instruction (whichever record's dot product reads it)
@@ -87,7 +87,7 @@ class MatmulPairs(Matmul):
             knobs = {**knobs, "gemm_rows": retiled[0], "gemm_vecs": retiled[1]}
         padded = not few and (not static or ragged and retiled is None)
         if padded:  # symbolic rows, or static ones without the tile's rows as a divisor (ViT's 2·197)
-            epilogue = _padded_epilogue(sch, block, len(stmt.iter_vars), lanes, PADDED_ROW_BLOCK, epilogue)
+            epilogue = pad_axes(sch, block, _rows_in_blocks(stmt, PADDED_ROW_BLOCK), lanes, epilogue)
         pair = dot.pair
         packing = None if constant else _pair_panel(sch, block, weight, dot, lanes)
         panel = weight if packing is None else packing[0]
@@ -153,7 +153,7 @@ def _on_tiles(sch: Schedule, infos, at: int, weight: tirx.Buffer, constant: bool
     padded = not isinstance(rows, tirx.IntImm) or rows.value % tiles.block != 0
     epilogue = list(_chain(sch, [info.block_rv for info in infos[at + 1:]]))
     if padded:
-        epilogue = _padded_epilogue(sch, block, len(stmt.iter_vars), lanes, tiles.block, epilogue)
+        epilogue = pad_axes(sch, block, _rows_in_blocks(stmt, tiles.block), lanes, epilogue)
     packing = None if constant else _pair_panel(sch, block, weight, isa.dot, lanes)
     panel = weight if packing is None else packing[0]
     later: list = []
@@ -176,22 +176,11 @@ def _row_pairs(pair: int):
     return lambda *i: (*i[:-2], i[-2] // pair, i[-1], i[-2] % pair)
 
 
-def _padded_epilogue(sch: Schedule, block, axes: int, lanes: int, rows: int, epilogue: list) -> list:
-    """Rows in whole blocks of ``rows`` (x padded with zero rows, its copy parallel over its rows and
-    vectorised along its columns), the copy of the product's real rows back joining the ``epilogue``'s
-    first stage, or its only one: each block of the product stores its own real rows (the whole padded
-    fp32 product had been an array, read and copied back in a pass of its own: an audio front end's
-    10-tap convolution, 13 MB). Returns the epilogue."""
-    sch.pad_einsum(block, [1] * (axes - 3) + [rows, 1, 1])
-    back = sch.get_consumers(block)[0]
-    for copy in (b for b in sch.get_producers(block) if sch.get(b).name_hint.endswith("_pad")):
-        *outer, inner = sch.get_loops(copy)
-        sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
-        sch.vectorize(sch.split(inner, [None, lanes])[1])
-    if epilogue:
-        sch.compute_inline(back)
-        return epilogue
-    return [back]
+def _rows_in_blocks(stmt: tirx.SBlock, rows: int) -> list[int]:
+    """`matmul.pad_axes`'s factors for rows in whole blocks of ``rows``: each block of the product stores its
+    own real rows (the whole padded fp32 product had been an array, read and copied back in a pass of its
+    own: an audio front end's 10-tap convolution, 13 MB)."""
+    return [1] * (len(stmt.iter_vars) - 3) + [rows, 1, 1]
 
 
 def _tile_loop(sch: Schedule, block):
