@@ -259,3 +259,44 @@ def test_weights_sliced_otherwise_than_the_sink_off_are_left_to_tvm():
     assert fate.kernel is None and "keep other columns than the keys" in fate.reason, str(imported.report)
     feed = feeds("hf-llama", False)[1]
     np.testing.assert_allclose(imported.run(feed)[0], ort_run(proto, feed)[0], rtol=1e-5, atol=1e-5)
+
+
+class BlockPad(torch.nn.Module):
+    """LongT5's padding of its tokens to whole blocks, F.pad by an amount computed from the length (TorchScript
+    writes it through Concat, Reshape, a reversing Slice and a Transpose); ``mode`` "reflect" is left to TVM."""
+
+    def __init__(self, mode: str = "constant") -> None:
+        super().__init__()
+        self.mode = mode
+
+    def forward(self, x):
+        pad = (-x.shape[1]) % 5
+        if self.mode == "constant":
+            y = F.pad(x, (0, 0, 0, pad), value=-2.0)
+        else:
+            y = F.pad(x.transpose(1, 2), (0, pad), mode=self.mode).transpose(1, 2)
+        return y.reshape(x.shape[0], -1, 5, x.shape[2]).sum(2)
+
+
+@pytest.mark.parametrize("mode", ["constant", "reflect"])
+def test_pad_by_an_amount_computed_from_the_length(mode):
+    """At symbolic sizes the pads are read back as an expression of the length (TVM's converter took only
+    numbers, "Dynamic pads are not supported"); against ONNX Runtime at lengths that need 0 to 4 more rows.
+    A computed reflection is still refused, with the sentence that says to bind the sizes."""
+    f = io.BytesIO()
+    x = torch.randn(2, 7, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(BlockPad(mode), (x,), f, input_names=["x"], output_names=["y"], dynamo=False,
+                          dynamic_axes={"x": {0: "batch", 1: "seq"}})
+    proto = onnx.load_from_string(f.getvalue())
+    if mode != "constant":
+        with pytest.raises(tvmattn.TvmAttnError, match="pads are computed.*static shapes"):
+            tvmattn.import_onnx(proto)
+        return
+    imported = tvmattn.import_onnx(proto)
+    rng = np.random.default_rng(0)
+    for n in (5, 6, 7, 9, 12):
+        feed = {"x": rng.standard_normal((2, n, 8)).astype(np.float32)}
+        got, want = imported.run(feed)[0], ort_run(proto, feed)[0]
+        assert got.shape == want.shape and errors(got, want)[1] <= 1e-5, n

@@ -398,7 +398,7 @@ class _Importer(onnx_frontend.ONNXGraphImporter):
             inputs = state_broadcast(self.bb, list(inputs), self._shapes.get(node.output[0]), self._symbols)
         if op.before is not None:
             inputs = op.before(list(inputs), attrs)
-        sym = op.fix(list(inputs)) if op.fix is not None else None
+        sym = op.fix(list(inputs), attrs) if op.fix is not None else None
         cpu = node is not None and is_cpu(self.kernels.target)  # (run-time checks: CPU kernels)
         if sym is None and op.checked is not None and cpu:
             sym = op.checked(self.bb, node.name, list(inputs), attrs)

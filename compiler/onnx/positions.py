@@ -29,6 +29,7 @@ _BINARY: dict[str, Callable[[PrimExpr, PrimExpr], PrimExpr]] = {
     "relax.less": tirx.LT, "relax.less_equal": tirx.LE, "relax.greater": tirx.GT,
     "relax.greater_equal": tirx.GE, "relax.equal": tirx.EQ, "relax.not_equal": tirx.NE,
     "relax.logical_and": tirx.And, "relax.logical_or": tirx.Or,
+    "relax.floor_mod": tirx.floormod, "relax.floor_divide": tirx.floordiv,
 }
 
 
@@ -107,16 +108,53 @@ def _astype(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
 
 
 def _strided_slice(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
-    """Element i of the slice is element begin + stride·i."""
+    """Element i of the slice is element begin + stride·i (a negative begin of a static axis counts from
+    its end: TorchScript reverses a pads tensor with [-1::-1])."""
     args = expr.args
     axes, begins, strides = (_prims(a) for a in (args[1], args[2], args[4] if len(args) > 4 else None))
-    if axes is None or begins is None or not all(bounded_below(b).can_prove(b >= 0) for b in begins):
-        return None  # a begin that may count from the end
+    dims = dims_of(args[0])
+    if axes is None or begins is None or dims is None:
+        return None
     inner = list(index)
     for k, (axis, begin) in enumerate(zip(axes, begins)):
         axis = int(axis) % len(index)
+        if isinstance(begin, tirx.IntImm) and begin.value < 0 and isinstance(dims[axis], tirx.IntImm):
+            begin = tirx.IntImm("int64", max(begin.value + dims[axis].value, 0))
+        if not bounded_below(begin).can_prove(begin >= 0):
+            return None  # a begin that may count from the end
         inner[axis] = begin + (strides[k] if strides else 1) * index[axis]
     return rule(args[0], inner, var2val)
+
+
+def _reshape(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
+    """A reshape that adds or removes unit axes (`_unit_axes`), or one of static sizes: the element at the
+    same position of the row-major order."""
+    inner = _unit_axes_dropped(expr, expr.args[0], index)
+    if inner is None:
+        out, into = dims_of(expr), dims_of(expr.args[0])
+        if out is None or into is None or not all(isinstance(d, tirx.IntImm) for d in (*out, *into)):
+            return None
+        flat = sum((i * int(np.prod([d.value for d in out[k + 1:]], dtype=np.int64)) for k, i in enumerate(index)),
+                   tirx.IntImm("int64", 0))
+        strides = [int(np.prod([d.value for d in into[k + 1:]], dtype=np.int64)) for k in range(len(into))]
+        inner = [tvm.sym.Analyzer().simplify(tirx.floormod(tirx.floordiv(flat, stride), d.value))
+                 for stride, d in zip(strides, into)]
+    return rule(expr.args[0], inner, var2val)
+
+
+def _permute_dims(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
+    """Output axis k is the input's axis axes[k]."""
+    axes = expr.attrs.axes
+    axes = list(range(len(index)))[::-1] if axes is None else [int(a) for a in axes]
+    inner = [None] * len(index)
+    for k, a in enumerate(axes):
+        inner[a] = index[k]
+    return rule(expr.args[0], inner, var2val)
+
+
+def _negative(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
+    a = rule(expr.args[0], index, var2val)
+    return None if a is None else -a
 
 
 def _concat(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
@@ -127,6 +165,12 @@ def _concat(expr: relax.Call, index: Index, var2val: dict) -> PrimExpr | None:
         return None
     axis = int(expr.attrs.axis) % len(index)
     starts = [sum((d[axis] for d in dims[:k]), tirx.IntImm("int64", 0)) for k in range(len(dims))]
+    known = tvm.sym.Analyzer().simplify(index[axis])
+    if isinstance(known, tirx.IntImm) and all(isinstance(s, tirx.IntImm) for s in starts):  # one part: it alone
+        if known.value < 0:
+            return None
+        k = max(k for k, s in enumerate(starts) if s.value <= known.value)
+        return rule(parts.fields[k], index[:axis] + [known - starts[k]] + index[axis + 1:], var2val)
     values = [rule(p, index[:axis] + [index[axis] - at] + index[axis + 1:], var2val)
               for p, at in zip(parts.fields, starts)]
     if any(v is None for v in values):
@@ -198,8 +242,8 @@ _RULES: dict[str, Callable[[relax.Call, Index, dict], PrimExpr | None]] = {
     "relax.arange": _arange, "relax.shape_to_tensor": _shape_to_tensor, "relax.astype": _astype,
     "relax.strided_slice": _strided_slice, "relax.concat": _concat, "relax.gather_nd": _gather_nd,
     "relax.cumsum": _cumsum, "relax.logical_not": _logical_not, "relax.where": _where,
-    "relax.broadcast_to": _unit_axes, "relax.reshape": _unit_axes, "relax.expand_dims": _unit_axes,
-    "relax.call_tir": _call_tir,
+    "relax.broadcast_to": _unit_axes, "relax.reshape": _reshape, "relax.expand_dims": _unit_axes,
+    "relax.call_tir": _call_tir, "relax.permute_dims": _permute_dims, "relax.negative": _negative,
 }
 
 

@@ -6,8 +6,8 @@ a node of it before, instead of and after TVM's converter.
 
 convert       tvmattn's converter (`converters.Node`, inputs → outputs): the attention ops, and ops TVM
               0.27's importer lacks or gets wrong (`ops`); TVM's converter never sees the node.
-fix           inputs → a Relax expression, or None to leave the node to TVM's converter: shape
-              arithmetic TVM's converter loses (`shape_ops`).
+fix           (inputs, attrs) → a Relax expression, or None to leave the node to TVM's converter: shape
+              arithmetic TVM's converter loses (`shape_ops`), pads computed from it (`pads`).
 before        (inputs, attrs) → inputs for TVM's converter (a Concat's empty parts dropped).
 checked       CPU targets, where ``fix`` gave None: (bb, node name, inputs, attrs) → the node with its
               index inputs checked when the model runs (`run_checks`), or None: TVM's converter.
@@ -28,7 +28,7 @@ from typing import Callable
 import onnx
 from tvm import tirx
 
-from tvmattn.compiler.onnx import gqa, ops, ort_attention, paged_attention, run_checks, shape_ops
+from tvmattn.compiler.onnx import gqa, ops, ort_attention, pads, paged_attention, run_checks, shape_ops
 from tvmattn.compiler.onnx.converters import Converter, onnx_attention
 from tvmattn.compiler.onnx.graph import DEFAULT_DOMAINS
 
@@ -71,6 +71,7 @@ OPS: dict[tuple[str, str], Op] = {
     (MS, "RotaryEmbedding"): Op(ops.ms_rotary_embedding),
     # TVM's converter, around shape arithmetic and index inputs
     ("", "Expand"): Op(fix=shape_ops.expand),
+    ("", "Pad"): Op(fix=pads.pad),
     ("", "Range"): Op(fix=shape_ops.range_),
     ("", "Reshape"): Op(fix=shape_ops.reshape),
     ("", "Slice"): Op(fix=shape_ops.slice_, check_after=run_checks.slice_bounds),

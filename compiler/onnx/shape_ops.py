@@ -55,7 +55,7 @@ from tvmattn.compiler.errors import TvmAttnError
 from tvmattn.compiler.onnx.graph import check_shape_indices
 
 
-def expand(inputs: list) -> relax.Expr | None:
+def expand(inputs: list, _attrs: dict | None = None) -> relax.Expr | None:
     data, shape = inputs[0], inputs[1]
     if not isinstance(shape, tvm.ir.GenericConst) or not isinstance(data.ty, relax.TensorType):
         return None
@@ -71,7 +71,7 @@ def expand(inputs: list) -> relax.Expr | None:
     return relax.op.broadcast_to(data, relax.ShapeExpr(out))
 
 
-def reshape(inputs: list) -> relax.Expr | None:
+def reshape(inputs: list, _attrs: dict | None = None) -> relax.Expr | None:
     data, shape = inputs[0], inputs[1]
     if not isinstance(data.ty, tvm.ir.PrimType) or not isinstance(shape, tvm.ir.GenericConst):
         return None
@@ -83,7 +83,7 @@ def reshape(inputs: list) -> relax.Expr | None:
 _TO_THE_END = 2**62  # an end at least this large means the axis' end (exporters write INT64_MAX)
 
 
-def slice_(inputs: list) -> relax.Expr | None:
+def slice_(inputs: list, _attrs: dict | None = None) -> relax.Expr | None:
     data, starts, ends = inputs[:3]
     axes, steps = (inputs[i] if len(inputs) > i else None for i in (3, 4))
     start, end = _int_scalar(starts), _int_scalar(ends)
@@ -140,7 +140,7 @@ def bounded_below(expr: PrimExpr, least: int = 0) -> Analyzer:
     return analyzer
 
 
-def gather(inputs: list) -> relax.Expr | None:
+def gather(inputs: list, _attrs: dict | None = None) -> relax.Expr | None:
     data, indices = inputs[0], inputs[1]
     if not isinstance(data, relax.ShapeExpr) or not isinstance(indices, tvm.ir.GenericConst):
         return None
@@ -151,11 +151,11 @@ def gather(inputs: list) -> relax.Expr | None:
     return relax.ShapeExpr([data.values[int(i)] for i in picks])
 
 
-def extremum(pick: Callable[[PrimExpr, PrimExpr], PrimExpr]) -> Callable[[list], PrimExpr | None]:
+def extremum(pick: Callable[[PrimExpr, PrimExpr], PrimExpr]) -> Callable[..., PrimExpr | None]:
     """Min or Max (``pick``: tirx.min, tirx.max) of sizes of shape arithmetic, a size too (dynamo's
     ``torch.sym_min(1024, n)`` in GPT-Neo's reshapes, ``sym_max(0, max_len - n)`` in MPT's ALiBi slice):
     the stock converter takes only tensors."""
-    def fix(inputs: list) -> PrimExpr | None:
+    def fix(inputs: list, _attrs: dict | None = None) -> PrimExpr | None:
         sizes = [_int_scalar(x) for x in inputs]
         if any(s is None for s in sizes) or all(isinstance(s, tirx.IntImm) for s in sizes):
             return None  # a tensor operand, or all constant: the stock converter's
@@ -164,7 +164,7 @@ def extremum(pick: Callable[[PrimExpr, PrimExpr], PrimExpr]) -> Callable[[list],
     return fix
 
 
-def range_(inputs: list) -> relax.Expr | None:
+def range_(inputs: list, _attrs: dict | None = None) -> relax.Expr | None:
     bounds = [_int_scalar(x) for x in inputs[:3]]
     if any(b is None for b in bounds) or all(isinstance(b, tirx.IntImm) for b in bounds):
         return None  # a float range, a bound computed as a tensor, or all constant: the stock converter's
