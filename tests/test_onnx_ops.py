@@ -496,3 +496,22 @@ def test_einsum_as_a_batched_matmul(equation, a, b, matmul):
     feed = {"a": randn(rng, *a), "b": randn(rng, *b)}
     got, want = imported.run(feed)[0], ort_run(model, feed)[0]
     assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("a, b", [(["s", 64], [64, "m"]), ([2, 3, "s", 16], [1, 3, 16, "m"])])
+def test_a_matmul_of_a_symbolic_width_runs_in_register_tiles(a, b):
+    """A GEMM whose width is known only at run time (DeBERTa's scores against 2·min(n, span) relative
+    positions) runs on the `matmul-columns` rule, padded to whole tiles (it ran a product at a time on the
+    `reduce` rule: DeBERTa at symbolic sizes 0.11× OpenVINO); against float64 at widths and row counts
+    that fill no tile, one tile, and a power of two."""
+    model = _model(oh.make_node("MatMul", ["a", "b"], ["y"]), [("a", TP.FLOAT, a), ("b", TP.FLOAT, b)],
+                   [("y", TP.FLOAT, len(a))], opsets=(("", 17),))
+    imported = tvmattn.import_onnx(model)
+    assert "matmul-columns" in imported.report.rule_of.values(), imported.report.rule_of
+    rng = np.random.default_rng(0)
+    for s, m in ((1, 1), (5, 3), (37, 99), (64, 256)):
+        sizes = {"s": s, "m": m}
+        x, w = (randn(rng, *[sizes.get(d, d) for d in dims]) for dims in (a, b))
+        want = x.astype(np.float64) @ w.astype(np.float64)
+        got = imported.run({"a": x, "b": w})[0]
+        assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (s, m)

@@ -35,7 +35,8 @@ ROUNDS = 20  # turns of a few runs each: the implementations alternate closely
 PAUSE_S = 0.01  # before each turn: OpenVINO's TBB workers spin a few ms after a run
 CLASSES = ("attention", "matmul", "norm", "elementwise", "other")
 RULE_CLASS = {"matmul": "matmul", "experts": "matmul", "matmul-bf16": "matmul", "gemv": "matmul", "gemv-bf16": "matmul",
-              "dlight-gemv": "matmul", "reduction": "norm", "reduce": "norm", "injective": "elementwise"}
+              "dlight-gemv": "matmul", "matmul-columns": "matmul", "reduction": "norm", "reduce": "norm",
+              "injective": "elementwise"}
 OV_PRECISION = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # tvmattn's matmuls → OpenVINO's hint
 PEER_NAMES = {"onnxruntime": "ONNX Runtime", "openvino": "OpenVINO", "openvino dynamic": "OpenVINO (dynamic)"}
 

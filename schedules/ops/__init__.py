@@ -37,6 +37,7 @@ from tvmattn.compiler.annotations import IS_SCHEDULED, WRITTEN_AS
 from tvmattn.compiler.isa.record import Isa
 from tvmattn.compiler.passes import polynomial_math
 from tvmattn.compiler.work import TirWork, tir_work
+from tvmattn.schedules.ops.columns import SymbolicColumns
 from tvmattn.schedules.ops.conv import conv_as_gemm
 from tvmattn.schedules.ops.einsum import einsum_as_matmul
 from tvmattn.schedules.ops.experts import gathered_matmuls
@@ -58,6 +59,7 @@ RULES: tuple[tuple[str, dlight.ScheduleRule], ...] = (
     ("gemv-bf16", GemvPairs()),
     ("gemv", Gemv()),
     ("dlight-gemv", dlight.cpu.GEMV()),
+    ("matmul-columns", SymbolicColumns()),
     ("reduction", RowReduction()),
     ("injective", Injective()),
     ("reduce", Reduce()),

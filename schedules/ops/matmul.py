@@ -167,10 +167,11 @@ def _pack_weight(sch: Schedule, block, weight, width: int) -> None:
         sch.annotate(block, PADDED_AXES, [len(sch.get(block).iter_vars) - 2])
 
 
-def gemm_operands(block: tirx.SBlock):
+def gemm_operands(block: tirx.SBlock, symbolic_width: bool = False):
     """(c, B's buffer, whether there is a row axis s) when ``block`` is ``C[…, s, m] += A[…, s, c] ·
     B[…, c, m]`` (or, one row, ``C[…, m] += A[…, c] · B[…, c, m]``) with its loops in that order and
-    both operands contiguous along their last axis; else None."""
+    both operands contiguous along their last axis, the width m static (symbolic: ``symbolic_width``);
+    else None."""
     store = block.body
     kinds = [iv.iter_type for iv in block.iter_vars]
     if not isinstance(store, tirx.BufferStore) or len(kinds) < 2 or kinds[-1] != tirx.IterVar.CommReduce or \
@@ -196,8 +197,8 @@ def gemm_operands(block: tirx.SBlock):
     s = spatial_vars[-2] if len(spatial_vars) >= 2 else None
     has_rows = s is not None and uses(loads[a], s) and not uses(loads[b], s)
     extent = block.iter_vars[-1].dom.extent
-    if not (rows_ok and cols_ok) or not isinstance(block.iter_vars[-2].dom.extent, tirx.IntImm):
-        return None  # a symbolic width: no fixed register tile
+    if not (rows_ok and cols_ok) or isinstance(block.iter_vars[-2].dom.extent, tirx.IntImm) == symbolic_width:
+        return None  # a symbolic width: no fixed register tile (`columns.SymbolicColumns`)
     # a symbolic reduction (P·V over a sequence's keys) sizes the task's panels as a long one would
     return int(extent.value) if isinstance(extent, tirx.IntImm) else SYMBOLIC_REDUCTION, loads[b].source, has_rows
 
