@@ -28,7 +28,7 @@ QUICK = {"bert", "falcon-decode"}  # a few seconds each to export and import (OR
 TOLERANCE = 1e-4  # fp32, relative to the output's scale: every model meets it (errors are 2e-7–3e-6)
 # the import with the export's symbolic sizes fails today (at the benchmark's static sizes each imports)
 NOT_IMPORTED: dict[str, str] = {  # (MobileBERT's, GPT-Neo's and MPT's were, until their fixes)
-    "sew": "its Pad's amounts are computed from the length, and TVM's Pad takes numbers (static sizes import)"}
+    "sew": "its Pad's amount (L mod 2 through nested floor divisions) is not provably ≥ 0 (static sizes import)"}
 NOT_ON_KERNELS: dict[str, str] = {} | NOT_IMPORTED  # the attention is not recognised: left to TVM's schedules
 # softmaxes that are no attention: ConvBERT's over its span convolution's taps, a mixture of experts' router
 OTHER_SOFTMAXES = {"convbert": 2, "mixtral": 2, "gpt-oss": 2}
