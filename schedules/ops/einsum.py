@@ -26,7 +26,7 @@ import string
 import tvm
 from tvm import relax
 
-from tvmattn.schedules.ops.rewrite import rewrite_functions
+from tvmattn.schedules.ops.rewrite import dims, rewrite_functions
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvmattn.EinsumAsMatmul")
@@ -53,7 +53,7 @@ class _Einsums(relax.PyExprMutator):
         if not isinstance(operands, relax.Tuple) or len(operands.fields) != 2:
             return call
         a, b = operands.fields
-        shapes = [_dims(x) for x in (a, b)]
+        shapes = [dims(x) for x in (a, b)]
         if None in shapes or str(a.ty.dtype) != str(b.ty.dtype):
             return call
         plan = _plan(str(call.attrs.subscripts), *shapes)
@@ -115,8 +115,3 @@ def _plan(subscripts: str, shape_a: list, shape_b: list) -> tuple[str, str, str,
 
 def _product(size: dict, indices: list[str]):
     return functools.reduce(lambda p, i: p * size[i], indices, tvm.tirx.IntImm("int64", 1))
-
-
-def _dims(x: relax.Expr) -> list | None:
-    shape = getattr(getattr(x, "ty", None), "shape", None)
-    return list(shape.values) if isinstance(shape, relax.ShapeExpr) else None

@@ -28,7 +28,7 @@ from tvm.script import tirx as T
 
 from tvmattn.compiler.annotations import IS_SCHEDULED, OP_PATTERN, OPAQUE, WRITTEN_AS
 from tvmattn.compiler.isa.record import Dot, Isa
-from tvmattn.schedules.ops.rewrite import rewrite_functions
+from tvmattn.schedules.ops.rewrite import dims, rewrite_functions
 
 LANES = 16  # fp32 lanes of the widest vectors this targets (a tile is 1–4 of them)
 MAX_ROWS = 8  # an expert's rows per pass over a tile's weights, at most (the accumulators take half the registers)
@@ -68,12 +68,12 @@ class _GatheredMatmuls(relax.PyExprMutator):
             if found is None:
                 continue
             weights, ids = found
-            rows = _dims(x)
+            rows = dims(x)
             # left: W_s (S, O, K) · x (S, K, 1); right: x (S, 1, K) · W_s (S, K, O)
             k = weights.shape[2] if left else weights.shape[1]
             if rows is None or len(rows) != 3 or str(x.ty.dtype) != str(call.ty.dtype) \
                     or not _is(rows[2 if left else 1], 1) or not _is(rows[1 if left else 2], k) \
-                    or not tvm.sym.Analyzer().can_prove_equal(rows[0], _dims(ids)[0]):
+                    or not tvm.sym.Analyzer().can_prove_equal(rows[0], dims(ids)[0]):
                 continue
             panel = weights.transpose(0, 2, 1) if left else weights  # (E, K, O)
             if panel.shape[2] % LANES:
@@ -89,12 +89,12 @@ class _GatheredMatmuls(relax.PyExprMutator):
         w, ids = value.args
         if not isinstance(w, tvm.ir.GenericConst) or len(w.ty.shape) != 3 or str(w.ty.dtype) not in _FLOATS:
             return None
-        dims = _dims(ids)
+        sizes = dims(ids)
         if value.op.name == "relax.gather_nd":  # ids (S, 1): one coordinate, the expert
-            if int(value.attrs.batch_dims) != 0 or dims is None or len(dims) != 2 or not _is(dims[1], 1):
+            if int(value.attrs.batch_dims) != 0 or sizes is None or len(sizes) != 2 or not _is(sizes[1], 1):
                 return None
-            ids = self.builder_.emit(relax.op.reshape(ids, [dims[0]]))
-        elif int(value.attrs.axis) != 0 or dims is None or len(dims) != 1:  # take(W, ids (S,), axis=0)
+            ids = self.builder_.emit(relax.op.reshape(ids, [sizes[0]]))
+        elif int(value.attrs.axis) != 0 or sizes is None or len(sizes) != 1:  # take(W, ids (S,), axis=0)
             return None
         if str(ids.ty.dtype) not in ("int32", "int64"):
             return None
@@ -191,12 +191,6 @@ def _experts_gemv(experts: int, k: int, o: int, tile: int, w_dtype: str, id_dtyp
 
     # opaque: Relax's fusion must not look into it; scheduled: the rules leave it as written
     return gemv.with_attr(OP_PATTERN, OPAQUE).with_attr(IS_SCHEDULED, True).with_attr(WRITTEN_AS, "experts")
-
-
-def _dims(x: relax.Expr) -> list | None:
-    ty = getattr(x, "ty", None)
-    shape = getattr(ty, "shape", None)
-    return list(shape.values) if isinstance(shape, relax.ShapeExpr) else None
 
 
 def _is(d, n: int) -> bool:

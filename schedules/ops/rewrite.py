@@ -27,3 +27,9 @@ def readers(func: relax.Function) -> collections.Counter:
                 count.update(relax.analysis.used_vars(binding.value))
         count.update(relax.analysis.used_vars(func.body.body))
     return count
+
+
+def dims(x: relax.Expr) -> list | None:
+    """The sizes of a tensor expression of a known rank (PrimExprs), else None."""
+    shape = getattr(getattr(x, "ty", None), "shape", None)
+    return list(shape.values) if isinstance(shape, relax.ShapeExpr) else None
