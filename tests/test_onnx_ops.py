@@ -280,6 +280,26 @@ def test_pads_known_once_a_computed_slice_is_folded():
         np.testing.assert_array_equal(symbolic.run({"x": x})[0], ort_run(model, {"x": x})[0])
 
 
+def test_a_pad_amount_not_provably_nonnegative_is_checked_when_the_model_runs():
+    """x padded at its end by n - 5, computed from x's shape: >= 0 only from n = 5 on, which no analyzer proves
+    (sizes are only >= 1; SEW's L - 2·(L // 2) is >= 0 only where a size far upstream is). It imports at
+    symbolic sizes and pads as ONNX Runtime does; below 5, where ONNX crops, the run fails with a sentence
+    (TVM's fill of a negative size had failed in its allocator)."""
+    def const(name, value):
+        return oh.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(np.array(value)))
+    nodes = [const("one", [1]), const("five", [5]), const("zeros", [0, 0, 0]),
+             oh.make_node("Shape", ["x"], ["s"]), oh.make_node("Gather", ["s", "one"], ["n"]),
+             oh.make_node("Sub", ["n", "five"], ["k"]), oh.make_node("Concat", ["zeros", "k"], ["pads"], axis=0),
+             oh.make_node("Pad", ["x", "pads"], ["z"])]
+    model = _model(nodes, [("x", TP.FLOAT, ["b", "n"])], [("z", TP.FLOAT, 2)], opsets=(("", 17),))
+    imported = tvmattn.import_onnx(model)
+    for n in (5, 6, 9):
+        x = randn(np.random.default_rng(n), 2, n)
+        np.testing.assert_array_equal(imported.run({"x": x})[0], ort_run(model, {"x": x})[0])
+    with pytest.raises(tvmattn.TvmAttnError, match="Pad's amount computed from the input sizes is negative"):
+        imported.run({"x": randn(np.random.default_rng(0), 2, 3)})
+
+
 def test_unnamed_dimensions_get_names_of_their_own():
     """TVM's importer would read both unnamed sizes as one."""
     model = _gelu_model([None, None, H])

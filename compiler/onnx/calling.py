@@ -133,10 +133,13 @@ def host_outputs(outs: list[tvm.runtime.Tensor | np.ndarray], calling: Calling, 
 
 def run_failure(err: Exception, args: list[np.ndarray]) -> str:
     """What a failed run says to the user: the model's own check (an index out of range, a size that
-    does not fit), or for an allocation failure how much memory the inputs alone hold."""
+    does not fit), or for an allocation failure how much memory the inputs alone hold and its two causes (a
+    size computed from the inputs' that is negative, as for audio shorter than a convolution's window, asks
+    the allocator for an impossible number of bytes)."""
     text = str(err).strip()
     if "bad_alloc" in text or isinstance(err, MemoryError):
-        return (f"the model ran out of memory (its inputs alone hold {_gib(sum(a.nbytes for a in args))}): "
+        return (f"the model could not allocate a tensor (its inputs alone hold {_gib(sum(a.nbytes for a in args))}): "
+                f"inputs shorter than the model takes (a convolution's window) give a negative size; otherwise "
                 f"use smaller inputs or a machine with more memory")
     return f"the model rejected its inputs: {tvm_reason(err)}"
 

@@ -3,35 +3,45 @@ pads its tokens to whole blocks; SEW pads back what its pooling dropped): TVM's 
 constant amounts ("Dynamic pads are not supported"). Each amount is read back as an expression of the
 sizes (`positions.rule`, element by element of the small pads tensor, through the reshape, reversal and
 transposition TorchScript writes it with), and the padding is the data between fills of those sizes
-(a concatenation per padded axis: its size an expression of the model's, as ONNX's shapes are)."""
+(a concatenation per padded axis: its size an expression of the model's, as ONNX's shapes are). An amount
+is ≥ 0 (a negative one would crop) where TVM's analyzer proves it, else asserted at run time
+(`run_checks.nonnegative`): SEW's L − 2·(L // 2), written through floor divisions of the samples by 320 and
+by 640, is ≥ 0 only where its frames' count L is, a size of a tensor far upstream."""
 
 from __future__ import annotations
+
+import functools
 
 import tvm
 from tvm import relax, tirx
 
-from tvmattn.compiler.onnx import positions
+from tvmattn.compiler.onnx import positions, run_checks
 from tvmattn.compiler.onnx.shape_ops import bounded_below
 
 
 def pad(inputs: list, attrs: dict) -> relax.Expr | None:
-    """The padded data where the amounts are computed, readable and provably ≥ 0 (mode constant, every
-    axis), else None: TVM's converter (constant amounts; a clear error for computed ones)."""
+    """The padded data where the amounts are computed and readable (mode constant, every axis), an amount not
+    provably ≥ 0 checked at run time; else None: TVM's converter (constant amounts; a clear error for
+    computed ones)."""
     data, pads = inputs[0], inputs[1]
     dims = positions.dims_of(data)
     mode = attrs.get("mode", "constant")
     mode = mode.decode() if isinstance(mode, bytes) else str(mode)
     fill = _fill(inputs[2] if len(inputs) > 2 else None, str(getattr(data.ty, "dtype", "")))
-    if dims is None or isinstance(pads, tvm.ir.GenericConst) or mode != "constant" or fill is None \
-            or (len(inputs) > 3 and inputs[3] is not None):
-        return None  # (an axes input: TVM's converter, or its error)
     bindings = _Bindings()
+    if dims is None or isinstance(pads, tvm.ir.GenericConst) or mode != "constant" or fill is None \
+            or (len(inputs) > 3 and inputs[3] is not None) or bindings.bb is None:
+        return None  # (an axes input: TVM's converter, or its error)
     amounts = [positions.rule(pads, [tirx.IntImm("int64", i)], bindings) for i in range(2 * len(dims))]
     if any(a is None for a in amounts):
         return None
     amounts = [bounded_below(a).simplify(tirx.Cast("int64", a)) for a in amounts]
-    if not all(bounded_below(a).can_prove(a >= 0) for a in amounts):
-        return None  # (a negative amount crops)
+    unproven = [a for a in amounts if not bounded_below(a).can_prove(a >= 0)]
+    if unproven:  # (a negative amount crops, which no fill does); emitted now: the fills run after the check
+        message = ("a Pad's amount computed from the input sizes is negative at these sizes (it would crop): "
+                   "the model does not take inputs of these sizes")
+        least = functools.reduce(tirx.min, unproven)
+        data = bindings.bb.emit(run_checks.nonnegative(bindings.bb, message, data, least))
     out, sizes = data, list(dims)
     for axis in range(len(dims)):
         before, after = amounts[axis], amounts[len(dims) + axis]

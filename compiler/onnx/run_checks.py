@@ -11,6 +11,8 @@ Gather   TVM's ``take`` reads out of bounds for an index outside [-extent, exten
 Ranges   an index input of ONNX Runtime's attention ops (GroupQueryAttention's seqlens_k and
          total_sequence_length, RotaryEmbedding's position_ids) checked at run time against the buffer it
          indexes, as ONNX Runtime checks it (`in_range`, asked for on CPU targets by the converters).
+Pad      an amount computed from the sizes that is not provably ≥ 0 (a negative one crops, and TVM's fill
+         of a negative size failed in its allocator) is asserted ≥ 0 at run time (`nonnegative`).
 Slice    TVM's converter assumes a symbolic end (``seq``) within the sliced axis and reads past it
          (BERT's 512 position ids sliced to a longer input segfaulted); ONNX clamps it, ONNX Runtime
          then rejects the sizes. The end is checked against a static axis at run time (naming the
@@ -243,7 +245,8 @@ def _checked_indices(dtype: str, extent: int, node: str, op: str = "Gather") -> 
 _STRIDED_SLICE = tvm.ir.Op.get("relax.strided_slice")
 CHECK_SLICE = "check_slice_end"  # the check's function name (`unchecked` recognises it)
 CHECK_RANGE = "check_index_range"  # `in_range`'s
-_PASSED_THROUGH = {CHECK_SLICE: 0, CHECK_RANGE: 3}  # a check → its argument it returns (data, carry)
+CHECK_SIZE = "check_nonnegative"  # `nonnegative`'s
+_PASSED_THROUGH = {CHECK_SLICE: 0, CHECK_RANGE: 3, CHECK_SIZE: 0}  # a check → its argument it returns (data, carry)
 
 
 def slice_bounds(bb: relax.BlockBuilder, node: str, sliced: relax.Expr) -> relax.Expr:
@@ -350,6 +353,28 @@ def in_range(bb: relax.BlockBuilder, where: str, values: relax.Expr, lo, hi,
     checker = bb.add_func(_checked_range(str(flat.ty.dtype), str(kept.ty.dtype), message), CHECK_RANGE)
     out = bb.normalize(relax.call_tir(checker, [flat, *bounds, kept], relax.TensorType(kept.ty.shape, kept.ty.dtype)))
     return bb.normalize(relax.op.reshape(out, carry.ty.shape))
+
+
+def nonnegative(bb: relax.BlockBuilder, message: str, carry: relax.Expr, value: tirx.PrimExpr) -> relax.Expr:
+    """``carry`` passed through, in place, after a run-time assertion that ``value`` (an expression of the
+    graph's sizes) is ≥ 0; otherwise the run fails with ``message``. What follows must read the result."""
+    flat = bb.normalize(relax.op.reshape(carry, [-1]))
+    checker = bb.add_func(_checked_nonnegative(str(flat.ty.dtype), message), CHECK_SIZE)
+    flat = bb.normalize(relax.call_tir_inplace(checker, [flat, relax.prim_value(tirx.Cast("int64", value))], [0],
+                                               relax.TensorType(flat.ty.shape, flat.ty.dtype)))
+    return bb.normalize(relax.op.reshape(flat, carry.ty.shape))
+
+
+def _checked_nonnegative(dtype: str, message: str) -> tirx.PrimFunc:
+    """Asserts ``value`` ≥ 0; ``data`` is its in-place output, untouched."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def check(data_h: T.handle, value: T.int64):
+        m = T.int64()
+        T.match_buffer(data_h, (m,), dtype)
+        assert value >= 0, message
+
+    return check.with_attr(OP_PATTERN, OPAQUE).with_attr(IS_SCHEDULED, True)
 
 
 def _size(x) -> str:
