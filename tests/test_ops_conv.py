@@ -71,6 +71,28 @@ def test_conv_matches_onnx_runtime(x_shape, w_shape, bias, gelu, attrs, at):
     assert errors(got, want)[1] <= 1e-5, errors(got, want)
 
 
+@pytest.mark.parametrize("x_shape, attrs, at", [
+    (["b", 8, "n"], {"kernel_shape": [2], "strides": [2]}, (2, 8, 37)),  # SEW's frames pooled by 2, n symbolic
+    ([1, 16, 14, 14], {"kernel_shape": [3, 3], "strides": [2, 2]}, (1, 16, 14, 14)),
+    ([2, 4, 9, 11], {"kernel_shape": [2, 3], "strides": [1, 2], "dilations": [2, 1]}, (2, 4, 9, 11)),
+])
+def test_average_pooling_sums_its_taps_in_place(x_shape, attrs, at):
+    """An AveragePool without padding as a depthwise convolution of weights 1/k, elementwise: one function with
+    its elementwise producer (SEW's GELU, here its erf), where TVM's pooling is a reduction block that wrote
+    erf(x) for it to read back (and, in SEW, ran on the fallback rule with the GELU fused in). Against ONNX
+    Runtime."""
+    graph = oh.make_graph([oh.make_node("Erf", ["x"], ["g"]), oh.make_node("AveragePool", ["g"], ["out"], **attrs)],
+                          "pool", [oh.make_tensor_value_info("x", TP.FLOAT, x_shape)],
+                          [oh.make_tensor_value_info("out", TP.FLOAT, [None] * len(x_shape))])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 20)])
+    model.ir_version = 9
+    imported = tvmattn.import_onnx(model)
+    assert list(imported.report.rule_of.values()) == ["injective"], imported.report.rule_of
+    x = np.random.default_rng(1).standard_normal(at).astype(np.float32)
+    got, want = imported.run({"x": x})[0], ort_run(model, {"x": x})[0]
+    assert got.shape == want.shape and errors(got, want)[1] <= 1e-5, errors(got, want)
+
+
 @pytest.mark.parametrize("x_shape, w_shape, gelu, attrs, at", [
     (["b", 64, "n"], (64, 16, 16), False, {"group": 4, "pads": [8, 8]}, (2, 64, 37)),  # W2V2 positions: 16 wide
     (["b", 48, "n"], (96, 48, 3), False, {"pads": [1, 1]}, (2, 48, 40)),  # 96 = 3 blocks of 32: as it is

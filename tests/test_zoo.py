@@ -28,14 +28,11 @@ QUICK = {"bert", "falcon-decode"}  # a few seconds each to export and import (OR
 TOLERANCE = 1e-4  # fp32, relative to the output's scale: every model meets it (errors are 2e-7–3e-6)
 # the import with the export's symbolic sizes fails today (at the benchmark's static sizes each imports)
 NOT_IMPORTED: dict[str, str] = {}  # (MobileBERT's, GPT-Neo's, MPT's and SEW's were, until their fixes)
-NOT_ON_KERNELS: dict[str, str] = {  # the attention is not recognised: left to TVM's schedules
-    "sew": "at symbolic sizes its attention runs over the pooled length min(max(h, 0), h + 1), h = (seq - 80) // 640, "
-           "and no pattern takes it (static sizes: on kernels)"} | NOT_IMPORTED
+NOT_ON_KERNELS: dict[str, str] = {} | NOT_IMPORTED  # the attention is not recognised: left to TVM's schedules
 # softmaxes that are no attention: ConvBERT's over its span convolution's taps, a mixture of experts' router
 OTHER_SOFTMAXES = {"convbert": 2, "mixtral": 2, "gpt-oss": 2}
 # functions a rule may leave to the fallback: TVM's top-k (a router's; a sort, ~0.03 ms a call)
-ON_FALLBACK = {"mixtral": {"topk"}, "gpt-oss": {"topk"},
-               "sew": {"fused_avg_pool1d_strided_slice1"}}  # and SEW's average pooling of its frames by 2
+ON_FALLBACK = {"mixtral": {"topk"}, "gpt-oss": {"topk"}}
 ALIBI = {"bloom", "bloom-decode"}  # ALiBi's bias on the (B·h) batches (baddbmm): the kernel's variant, no bias read
 
 

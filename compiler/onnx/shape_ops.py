@@ -280,7 +280,7 @@ def state_shape(bb: relax.BlockBuilder, value: relax.Expr, dims: tuple[int | str
         known = set(symbols.values())
         shape = [s if s is not None and not _in_terms_of(d, known) else d
                  for d, s in zip(ty.shape.values, stated)]
-        if all(a.same_as(b) for a, b in zip(shape, ty.shape.values)):
+        if _same_dims(shape, ty.shape.values):
             return value
     else:
         label = "".join(c if c.isalnum() else "_" for c in name)
@@ -326,13 +326,18 @@ def state_broadcast(bb: relax.BlockBuilder, inputs: list, dims: tuple[int | str,
             continue
         shape = [h if (isinstance(h, tirx.IntImm) and h.value == 1) or analyzer.can_prove_equal(h, w) else w
                  for h, w in zip(have, want)]
-        if all(a.same_as(b) for a, b in zip(shape, have)):
+        if _same_dims(shape, have):
             out.append(value)
             continue
         if not isinstance(value, relax.Var):
             value = bb.emit(value)
         out.append(bb.match_cast(value, relax.TensorType(shape, ty.dtype)))
     return out
+
+
+def _same_dims(a: list, b: list) -> bool:
+    """Whether two shapes are the same expressions (a cast between them would check nothing)."""
+    return len(a) == len(b) and all(tvm_ffi.structural_equal(x, y) for x, y in zip(a, b))
 
 
 def _by_itself(size: PrimExpr, value: PrimExpr, analyzer: Analyzer) -> bool:
@@ -384,12 +389,13 @@ def _unclamped(bb: relax.BlockBuilder, inputs: list) -> list:
     out = []
     with _sizes([d for s in shapes if s is not None for d in s]) as analyzer:
         for value, ty, shape in zip(inputs, types, shapes):
-            if shape is None or not any(has_clamp(d) for d in shape):
+            simpler = None if shape is None else [analyzer.simplify(d) for d in shape]
+            if shape is None or not any(has_clamp(d) for d in shape) or _same_dims(simpler, shape):
                 out.append(value)
                 continue
             if not isinstance(value, relax.Var):
                 value = bb.emit(value)
-            out.append(bb.match_cast(value, relax.TensorType([analyzer.simplify(d) for d in shape], ty.dtype)))
+            out.append(bb.match_cast(value, relax.TensorType(simpler, ty.dtype)))
     return out
 
 
@@ -458,7 +464,10 @@ class _Tighten(relax.PyExprMutator):
                 and any(has_clamp(d) for d in ty.shape.values)):
             super().visit_var_binding_(binding)
             return
-        value = self.builder_.emit(self.visit_expr(binding.value))
         shape = [self.analyzer.simplify(d) for d in ty.shape.values]
+        if _same_dims(shape, ty.shape.values):  # (a cast to the same sizes hid SEW's scores from the patterns)
+            super().visit_var_binding_(binding)
+            return
+        value = self.builder_.emit(self.visit_expr(binding.value))
         self.set_var_remap(binding.var, self.builder_.match_cast(value, relax.TensorType(shape, ty.dtype)))
 

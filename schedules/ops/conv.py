@@ -17,7 +17,9 @@ every stride, padding, dilation and group count runs at the GEMM's rate; the cop
 over KH·KW/(SH·SW) times the input (once the input for a patch embedding). A depthwise convolution (one
 output channel per group) sums its taps in place instead: channels last where its input is a
 transformer's tokens viewed as an image (`_depthwise_nhwc`; the model's transpositions cancel), else
-channels first over a padded copy (`_margins`, `_per_channel`).
+channels first over a padded copy (`_margins`, `_per_channel`). An average pooling without padding (SEW's
+frames pooled by 2) is such a depthwise convolution, each tap weighed 1/k: TVM's pooling is a reduction
+block, which no rule takes (it ran on the fallback rule, with the GELU before it fused in).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from tvmattn.schedules.ops.rewrite import rewrite_functions
 MAX_TAPS = 64  # a per-channel convolution's terms, unrolled (a larger one stays TVM's)
 MARGIN = 16  # the zeros before a depthwise convolution's rows: a whole vector (`_margins`)
 _CONVS = {"relax.nn.conv1d": ("NCW", "OIW"), "relax.nn.conv2d": ("NCHW", "OIHW")}
+_POOLS = {"relax.nn.avg_pool1d": "NCW", "relax.nn.avg_pool2d": "NCHW"}
 
 
 def conv_as_gemm(dtype: str | None = None, row_block: int | None = None) -> tvm.transform.Pass:
@@ -62,10 +65,29 @@ class _ConvAsGemm(relax.PyExprMutator):
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
+        if getattr(call.op, "name", "") in _POOLS:
+            return self._pool(call)
         layouts = _CONVS.get(getattr(call.op, "name", ""))
         if layouts is None or not _supported(call, layouts):
             return call
         return self._as_gemm(call)
+
+    def _pool(self, call: relax.Call) -> relax.Expr:
+        """An average pooling without padding as a depthwise convolution of weights 1/k (`_depthwise`), else
+        ``call``."""
+        a, x = call.attrs, call.args[0]
+        ty = x.ty
+        kernel, strides, dilation = ([int(v) for v in t] for t in (a.pool_size, a.strides, a.dilation))
+        if str(a.layout) != _POOLS[call.op.name] or str(a.out_layout) not in ("", str(a.layout)) or a.ceil_mode \
+                or any(int(p) for p in a.padding) or not isinstance(ty, relax.TensorType) or ty.shape is None \
+                or str(ty.dtype) not in ("float32", "float16", "bfloat16") or int(np.prod(kernel)) > MAX_TAPS \
+                or not isinstance(list(ty.shape)[1], tirx.IntImm):
+            return call
+        channels, spatial = int(list(ty.shape)[1]), list(ty.shape)[2:]
+        w = np.full((channels, 1, *kernel), 1 / np.prod(kernel), str(ty.dtype))
+        out_sizes = [tvm.sym.Analyzer().simplify((spatial[i] - dilation[i] * (kernel[i] - 1) - 1) // strides[i] + 1)
+                     for i in range(len(kernel))]
+        return self._depthwise(x, relax.const(w), strides, [0] * 2 * len(kernel), dilation, out_sizes)
 
     def _as_gemm(self, call: relax.Call) -> relax.Expr:
         x, weight = call.args
