@@ -147,6 +147,28 @@ class LlamaAttention(torch.nn.Module):
         return self.o_proj(torch.matmul(w, v).transpose(1, 2).reshape(*x.shape))
 
 
+class QueryNormAttention(LlamaAttention):
+    """Hunyuan's: q and k RMS-normalised a head after their projection, each times a learned weight along
+    d_k; on q the weight's multiply comes after the transposition to heads, next to the product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_norm, self.k_norm = (torch.nn.Parameter(1 + torch.rand(self.d)) for _ in range(2))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, HEADS, self.d).transpose(1, 2)
+        k = self.k_proj(x).view(b, n, self.kv_heads, self.d).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.kv_heads, self.d).transpose(1, 2)
+        q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6) * self.q_norm
+        k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6) * self.k_norm
+        group = HEADS // self.kv_heads
+        k = k[:, :, None, :, :].expand(b, self.kv_heads, group, n, self.d).reshape(b, HEADS, n, self.d)
+        v = v[:, :, None, :, :].expand(b, self.kv_heads, group, n, self.d).reshape(b, HEADS, n, self.d)
+        w = F.softmax(torch.matmul(q, k.transpose(2, 3)) * self.d ** -0.5, dim=-1)
+        return self.o_proj(torch.matmul(w, v).transpose(1, 2).reshape(*x.shape))
+
+
 class GptOssAttention(LlamaAttention):
     """transformers' GPT-OSS eager attention: each head's sink logit joined as one more key, the row max
     subtracted, the sink's weight dropped after the softmax."""
@@ -166,7 +188,7 @@ class GptOssAttention(LlamaAttention):
 MODELS = {"mha": lambda: MHA("none"), "mha-causal": lambda: MHA("causal"), "mha-padding": lambda: MHA("padding"),
           "sdpa-causal": SDPA, "hand-written": HandWritten, "hf-gpt2": GPT2Attention, "hf-gpt1": Gpt1Attention,
           "hf-llama": LlamaAttention,
-          "hf-gpt-oss": GptOssAttention, "swinv2-cosine": CosineAttention}
+          "hf-gpt-oss": GptOssAttention, "swinv2-cosine": CosineAttention, "hunyuan-qk-norm": QueryNormAttention}
 
 
 def export(name: str, dynamo: bool) -> onnx.ModelProto:
@@ -217,7 +239,7 @@ def _cases():
 def test_torch_export_matches_onnx_runtime(name, dynamo):
     imported = assert_matches_ort(export(name, dynamo), feeds(name, dynamo), attentions=1)
     spec = imported.report.replacements[0].spec
-    if name in ("hf-llama", "hf-gpt-oss"):
+    if name in ("hf-llama", "hf-gpt-oss", "hunyuan-qk-norm"):
         assert spec.h_kv == 2
     assert spec.sinks == (name == "hf-gpt-oss")
     if name in ("mha-causal", "hf-gpt2", "hf-llama", "hf-gpt-oss", "sdpa-causal", "hand-written"):

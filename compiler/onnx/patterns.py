@@ -212,7 +212,7 @@ class _Match:
                            f"the kernel takes 3-D or 4-D operands of one rank")
         if self.m[self.p.softmax].attrs.axis not in (-1, rank - 1):
             raise NoMatch(f"softmax over axis {self.m[self.p.softmax].attrs.axis}, not the key axis")
-        scale, head_scales = self._scale()
+        scale, head_scales, feature_scales = self._scale()
         options = {"scale": scale}
         cap = self._softcap()
         if cap is not None:
@@ -235,6 +235,8 @@ class _Match:
             if rank != 4 or heads is not None:
                 raise NoMatch("a scale a head on (B·h) batches")
             operands[0] = self._by_head(operands[0], head_scales, bshd)
+        if feature_scales is not None:
+            operands[0] = self._by_feature(operands[0], feature_scales)
         if str(self.m[self.p.root].ty.dtype) != str(operands[0].ty.dtype):
             raise NoMatch(f"the attention output is {self.m[self.p.root].ty.dtype}, its operands "
                            f"{operands[0].ty.dtype}")
@@ -348,11 +350,13 @@ class _Match:
         return int(wide[2].value)
 
     # ---- scale, softcap, mask ------------------------------------------------------------------------
-    def _scale(self) -> tuple[float, np.ndarray | None]:
-        """The scale, and each query head's own factor where a constant varies along the heads (Swin v2's
-        learned logit scale a head): the kernel's scale is one number, so those multiply q instead."""
-        scale, heads = 1.0, None
-        for s in self.p.scales:
+    def _scale(self) -> tuple[float, np.ndarray | None, np.ndarray | None]:
+        """The scale; each query head's own factor where a constant varies along the heads (Swin v2's
+        learned logit scale a head); and each query feature's where a constant on q varies along d_k alone
+        (Hunyuan's query norm's weight, applied after its rotation): the kernel's scale is one number, so
+        those multiply q instead."""
+        scale, heads, features = 1.0, None, None
+        for at, s in enumerate(self.p.scales):
             for handle, power in ((s.mul, 1.0), (s.div, -1.0)):
                 if handle not in self.m:
                     continue
@@ -360,11 +364,21 @@ class _Match:
                 if values.size == 1:
                     scale *= float(values.reshape(())) ** power
                     continue
+                if at == 0 and values.size == values.shape[-1]:  # (…, d_k) on q (scales[0]: q's side)
+                    features = (1.0 if features is None else features) * values.reshape(-1) ** power
+                    continue
                 shape = (1,) * (4 - values.ndim) + values.shape
                 if values.ndim > 4 or shape[0] != 1 or shape[2:] != (1, 1):
                     raise NoMatch(f"a scale of shape {values.shape}: one number, or one a head (h, 1, 1)")
                 heads = (1.0 if heads is None else heads) * values.reshape(-1) ** power
-        return scale, heads
+        return scale, heads, features
+
+    def _by_feature(self, q: relax.Expr, factors: np.ndarray) -> relax.Expr:
+        """q (…, d_k) with each feature multiplied by its factor."""
+        width = shape_of(q, "q")[-1]
+        if not (isinstance(width, tirx.IntImm) and int(width) == factors.size):
+            raise NoMatch(f"{factors.size} scales a feature for queries {width} wide")
+        return self.bb.emit(relax.op.multiply(q, relax.const(factors.astype(str(q.ty.dtype)))))
 
     def _by_head(self, q: relax.Expr, factors: np.ndarray, bshd: bool) -> relax.Expr:
         """q (B, h, n, d) or, ``bshd``, (B, n, h, d) with each head multiplied by its factor."""
