@@ -53,6 +53,8 @@ CASES = [  # x's shape (names: symbolic), W's shape, bias, GELU after, Conv attr
     ([1, 512, 50], (7, 512, 10), True, False, {"strides": [5]}, (1, 512, 50)),  # Wav2Vec2's first, narrow out
     (["b", 1, "n"], (40, 1, 10), True, False, {"strides": [5]}, (2, 1, 403)),  # one channel: 8-row tiles, 79 rows
     (["b", 32, "n"], (32, 16, 8), True, False, {"group": 2, "pads": [4, 4]}, (2, 32, 21)),  # W2V2 positions: 16 wide
+    (["b", 16, 7, 9], (24, 16, 1, 1), True, True, {}, (2, 16, 7, 9)),  # pointwise (MobileViT's): x transposed
+    ([2, 16, 5, 6], (8, 4, 1, 1), False, False, {"group": 4}, (2, 16, 5, 6)),  # pointwise in groups
 ]
 
 
@@ -100,6 +102,7 @@ def test_average_pooling_sums_its_taps_in_place(x_shape, attrs, at):
     ([2, 48, 61], (64, 48, 3), True, {"strides": [2]}, (2, 48, 61)),  # 30 static rows, copied as 32, GELU
     ([1, 32, 75], (32, 16, 3), True, {"group": 2, "pads": [1, 1]}, (1, 32, 75)),  # 75 rows as 96, groups
     ([1, 3, 64, 64], (32, 3, 7, 7), False, {"strides": [4, 4], "pads": [3, 3, 3, 3]}, (1, 3, 64, 64)),  # K = 147
+    ([2, 33, 14, 14], (64, 33, 1, 1), True, {}, (2, 33, 14, 14)),  # pointwise, 33 channels: one zero channel
 ])
 def test_bf16_conv_matches_onnx_runtime(x_shape, w_shape, gelu, attrs, at):
     """bf16 imports of convolutions whose GEMM width is not whole tile blocks (on AMX its weight gets
