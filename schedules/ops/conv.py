@@ -84,10 +84,10 @@ class _ConvAsGemm(relax.PyExprMutator):
                 or not isinstance(list(ty.shape)[1], tirx.IntImm):
             return call
         channels, spatial = int(list(ty.shape)[1]), list(ty.shape)[2:]
-        w = np.full((channels, 1, *kernel), 1 / np.prod(kernel), str(ty.dtype))
+        w = np.full((channels, 1, *kernel), 1 / np.prod(kernel), np.float32)  # (NumPy has no bfloat16)
         out_sizes = [tvm.sym.Analyzer().simplify((spatial[i] - dilation[i] * (kernel[i] - 1) - 1) // strides[i] + 1)
                      for i in range(len(kernel))]
-        return self._depthwise(x, relax.const(w), strides, [0] * 2 * len(kernel), dilation, out_sizes)
+        return self._depthwise(x, relax.const(w, str(ty.dtype)), strides, [0] * 2 * len(kernel), dilation, out_sizes)
 
     def _as_gemm(self, call: relax.Call) -> relax.Expr:
         x, weight = call.args
