@@ -375,6 +375,25 @@ def test_min_and_max_of_sizes(op):
         imported.run({"x": randn(rng, 2, 6, H)})
 
 
+def test_an_attention_over_rows_a_min_of_sizes_counts_reaches_the_kernel():
+    """softmax(v·vᵀ/8)·v over x viewed as (b, min(n, 4), H) (GPT-Neo's ``sym_min``; SEW's pooled frames):
+    the importer cast each tensor whose sizes hold a min to those same sizes again, a cast that checks
+    nothing, and the scores' cast hid the chain from the patterns (left to TVM). On the kernel now, against
+    ONNX Runtime."""
+    ints = lambda name, v: (name, np.array(v, np.int64))  # noqa: E731
+    nodes = [oh.make_node("Shape", ["x"], ["n1"], start=1, end=2), oh.make_node("Squeeze", ["n1"], ["n"]),
+             oh.make_node("Min", ["n", "four"], ["m"]), oh.make_node("Unsqueeze", ["m", "axis"], ["m1"]),
+             oh.make_node("Concat", ["minus_one", "m1", "width"], ["shape"], axis=0),
+             oh.make_node("Reshape", ["x", "shape"], ["v"]), oh.make_node("Transpose", ["v"], ["vt"], perm=[0, 2, 1]),
+             oh.make_node("MatMul", ["v", "vt"], ["s"]), oh.make_node("Mul", ["s", "c"], ["scaled"]),
+             oh.make_node("Softmax", ["scaled"], ["p"], axis=-1), oh.make_node("MatMul", ["p", "v"], ["y"])]
+    consts = [ints("four", 4), ints("axis", [0]), ints("minus_one", [-1]), ints("width", [H]),
+              ("c", np.array(0.125, np.float32))]
+    model = _model(nodes, [("x", TP.FLOAT, ["b", "n", H])], [("y", TP.FLOAT, 3)], consts)
+    rng = np.random.default_rng(0)
+    assert_matches_ort(model, [{"x": randn(rng, 2, n, H)} for n in (3, 4)], 1)
+
+
 def test_a_size_beside_a_constant_array_is_a_tensor_of_the_sum():
     """Funnel's relative positions: a constant (16, 1) array plus 2·n, a scalar of shape arithmetic. TVM's
     converter folded both into one scalar and failed on the array; it matches ONNX Runtime at two n."""
