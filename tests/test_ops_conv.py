@@ -217,3 +217,30 @@ def test_transposes_around_a_norm_cancel(dtype, tolerance):
     imported = tvmattn.import_onnx(model, dtype=dtype)
     got, want = imported.run({"x": x})[0], ort_run(model, {"x": x})[0]
     assert errors(got, want)[1] <= tolerance, errors(got, want)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(None, 1e-5), ("bfloat16", 3e-2)])
+def test_a_grouped_pointwise_conv_viewed_as_heads_hands_them_over_as_they_are(dtype, tolerance):
+    """Tokens (a GELU's) → Transpose → a grouped 1×1 Conv with a bias (SqueezeBERT's Q projection, 4 groups) →
+    Reshape to (b, 4, 16, n) → Transpose to (b, 4, n, 16): the GEMM's (b, 4, n, 16) product is the heads. The bias
+    moves into the GEMM (through the merge of the groups' channels, `reshapes._through_reshape`), the two
+    reshapes compose into one, and the transpositions cancel: no function is a transposition or the add."""
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((64, 16, 1)) / 4).astype(np.float32)
+    g = oh.make_graph(
+        [oh.make_node("Gelu", ["x"], ["a"]), oh.make_node("Transpose", ["a"], ["t"], perm=[0, 2, 1]),
+         oh.make_node("Conv", ["t", "w", "b"], ["c"], group=4),
+         oh.make_node("Reshape", ["c", "heads"], ["h"]),
+         oh.make_node("Transpose", ["h"], ["y"], perm=[0, 1, 3, 2])],
+        "sqb", [oh.make_tensor_value_info("x", TP.FLOAT, ["b", "n", 64])],
+        [oh.make_tensor_value_info("y", TP.FLOAT, [None, 4, None, 16])],
+        initializer=[nh.from_array(w, "w"), nh.from_array(rng.standard_normal(64).astype(np.float32), "b"),
+                     nh.from_array(np.array([0, 4, 16, -1], np.int64), "heads")])
+    model = oh.make_model(g, opset_imports=[oh.make_opsetid("", 20)])
+    model.ir_version = 9
+    imported = tvmattn.import_onnx(model, dtype=dtype)
+    rules = imported.report.rule_of
+    assert not [f for f in rules if "transpose" in f or f.startswith("add")], rules
+    x = rng.standard_normal((2, 37, 64)).astype(np.float32)
+    got, want = imported.run({"x": x})[0], ort_run(model, {"x": x})[0]
+    assert got.shape == want.shape and errors(got, want)[1] <= tolerance, errors(got, want)

@@ -85,7 +85,8 @@ class _CancelTransposes(relax.PyExprMutator):
         return relax.op.permute_dims(x, axes)
 
     def _producer(self, var: relax.Expr) -> tuple[relax.Expr, list[int]] | None:
-        """(x, p) where ``var`` is ``permute_dims(x, p)``, seen through reshapes to the same shape."""
+        """(x, p) where ``var`` is ``permute_dims(x, p)``, seen through reshapes to the same shape (one, or two
+        that end where they began)."""
         while isinstance(var, relax.Var):
             value = self.lookup_binding(var)
             if isinstance(value, relax.Var):  # an alias (a reshape this pass removed)
@@ -94,8 +95,13 @@ class _CancelTransposes(relax.PyExprMutator):
             if not isinstance(value, relax.Call):
                 return None
             name = getattr(value.op, "name", "")
+            before = self.lookup_binding(value.args[0]) if name == "relax.reshape" \
+                and isinstance(value.args[0], relax.Var) else None
             if name == "relax.reshape" and same_shape(value.args[0], value.args[1]):
                 var = value.args[0]
+            elif isinstance(before, relax.Call) and getattr(before.op, "name", "") == "relax.reshape" \
+                    and same_shape(before.args[0], value.args[1]):  # two reshapes that end where they began
+                var = before.args[0]  # (SqueezeBERT's grouped convolution's heads merged, then viewed again)
             elif name == "relax.permute_dims":
                 return value.args[0], _axes(value)
             else:

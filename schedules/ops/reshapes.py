@@ -6,8 +6,11 @@ reshape. A reshape stays a view here (not legalised), and Relax's fusion does no
 the activation ran as a function of its own: the GEMM wrote its fp32 output, the activation read it
 back. ``f(reshape(x, S), c)`` is ``reshape(f(x, c), S)`` where ``f`` is elementwise and every other
 operand is a scalar, a vector along the last axis where the reshape keeps that axis (it broadcasts
-the same against either shape), another reshape of a tensor of x's shape to S, or a tensor of shape S
-(a residual: read reshaped to x's shape, a view). A lone operand moves through any reshape: a BERT
+the same against either shape), another reshape of a tensor of x's shape to S, a tensor of shape S
+(a residual: read reshaped to x's shape, a view), or a constant along axes of S that merge static axes
+of x (a grouped convolution's bias a channel, its channels the groups' merged: split back at import,
+`_through_reshape`; SqueezeBERT's Q, K and V then leave their GEMM as heads, its transpositions cancel).
+A lone operand moves through any reshape: a BERT
 export's Q, K and V projections, split into heads and cast to bf16 for the attention kernel, store
 bf16 from their GEMM's epilogue rather than fp32 for a cast of their own. Applied as the bindings
 come, a chain of such operators moves whole, and the GEMM with its bias, activation and residual
@@ -26,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import tvm
 import tvm_ffi
-from tvm import relax
+from tvm import relax, tirx
 
 from tvmattn.compiler.annotations import INJECTIVE, OP_PATTERN, OUT_ELEMWISE_FUSABLE
 from tvmattn.schedules.ops.layout import same_shape
@@ -69,7 +72,7 @@ class _Before(relax.PyExprMutator):
             return self._transposed(call)
         sources, target, args, keeps_last = [], None, [], True
         for arg in call.args:
-            reshaped = self._reshape_of(arg)
+            reshaped = None if self._constant(arg) is not None else self._reshape_of(arg)  # (a bias: below)
             if reshaped is None:
                 args.append(None)  # (decided once the reshape is known)
                 continue
@@ -86,13 +89,21 @@ class _Before(relax.PyExprMutator):
         for i, (arg, original) in enumerate(zip(args, call.args)):
             if arg is not None:
                 continue
+            constant = self._constant(original)
+            back = None if constant is None else _through_reshape(constant, source_shape.values, target.values)
             if _along_last_axis(original, source_shape.values[-1] if keeps_last else None):
                 args[i] = original
             elif same_shape(original, target):  # a tensor of the reshape's shape (a residual): a view
                 args[i] = self.builder_.emit(relax.op.reshape(original, source_shape))
+            elif back is not None:  # a constant along merged axes (a grouped convolution's bias a channel)
+                args[i] = relax.const(back, str(constant.dtype))
             else:
                 return None
-        inner = self.builder_.emit(relax.Call(call.op, args, call.attrs, call.ty_args))
+        inner = relax.Call(call.op, args, call.attrs, call.ty_args)
+        # through a transposition under the reshape (a grouped convolution's output); not `_moved`, whose
+        # reshape path would move it back through the view of a residual emitted above, without end
+        again = self._transposed(inner) if any(self._permute_of(a) is not None for a in args) else None
+        inner = self.builder_.emit(inner if again is None else again)
         return relax.op.reshape(inner, target)
 
     def _transposed(self, call: relax.Call) -> relax.Expr | None:
@@ -188,6 +199,33 @@ class _Before(relax.PyExprMutator):
         if have is None or want is None or not hasattr(have, "values") or not have.values or not want:
             return None
         return x, shape, tvm.sym.Analyzer().can_prove_equal(have.values[-1], want[-1])
+
+
+def _through_reshape(c: np.ndarray, source: list, target: list) -> np.ndarray | None:
+    """``c`` (broadcasting against ``target``) as it broadcasts against ``source`` where each of ``target``'s
+    axes is one of ``source``'s or merges a run of its static ones: an axis c has whole is split into the
+    run's sizes, one it broadcasts is 1s over the run; None where the shapes are no such regrouping."""
+    if c.ndim > len(target):
+        return None
+    c = c.reshape((1,) * (len(target) - c.ndim) + c.shape)
+    analyzer, out, i = tvm.sym.Analyzer(), [], 0
+    for j, want in enumerate(target):
+        if i < len(source) and analyzer.can_prove_equal(source[i], want):
+            run, i = [source[i]], i + 1
+        else:
+            run, size = [], 1
+            while i < len(source) and isinstance(source[i], tirx.IntImm) and isinstance(want, tirx.IntImm) \
+                    and size < int(want.value):
+                run, size, i = run + [source[i]], size * int(source[i].value), i + 1
+            if not run or not isinstance(want, tirx.IntImm) or size != int(want.value):
+                return None
+        if c.shape[j] == 1:
+            out += [1] * len(run)
+        elif all(isinstance(d, tirx.IntImm) for d in run) and int(np.prod([int(d.value) for d in run])) == c.shape[j]:
+            out += [int(d.value) for d in run]
+        else:
+            return None
+    return np.ascontiguousarray(c.reshape(out)) if i == len(source) else None
 
 
 def _along_last_axis(arg: relax.Expr, last) -> bool:
