@@ -85,9 +85,9 @@ class _ConvAsGemm(relax.PyExprMutator):
             return call
         channels, spatial = int(list(ty.shape)[1]), list(ty.shape)[2:]
         w = np.full((channels, 1, *kernel), 1 / np.prod(kernel), np.float32)  # (NumPy has no bfloat16)
-        out_sizes = [tvm.sym.Analyzer().simplify((spatial[i] - dilation[i] * (kernel[i] - 1) - 1) // strides[i] + 1)
-                     for i in range(len(kernel))]
-        return self._depthwise(x, relax.const(w, str(ty.dtype)), strides, [0] * 2 * len(kernel), dilation, out_sizes)
+        padding = [0] * 2 * len(kernel)
+        out_sizes = _out_sizes(spatial, kernel, strides, padding, dilation)
+        return self._depthwise(x, relax.const(w, str(ty.dtype)), strides, padding, dilation, out_sizes)
 
     def _as_gemm(self, call: relax.Call) -> relax.Expr:
         x, weight = call.args
@@ -100,11 +100,7 @@ class _ConvAsGemm(relax.PyExprMutator):
         padding = [int(p) for p in a.padding]  # before each dimension, then after each
         shape = list(x.ty.shape)
         spatial = shape[2:]
-        # simplified: a symbolic size kept as (n - 1) // 1 + 1 differs from n for the functions after it (a
-        # LayerNorm over it took a size parameter of its own, and no rule scheduled it)
-        out_sizes = [tvm.sym.Analyzer().simplify((spatial[i] + padding[i] + padding[dims + i]
-                                                  - dilation[i] * (kernel[i] - 1) - 1) // strides[i] + 1)
-                     for i in range(dims)]
+        out_sizes = _out_sizes(spatial, kernel, strides, padding, dilation)
         if n_out == groups:  # one column per group (depthwise): a GEMM of width 1; the taps summed in place
             tokens = self._tokens(x) if c_group == 1 and dims == 2 else None
             if tokens is not None:
@@ -214,6 +210,15 @@ class _ConvAsGemm(relax.PyExprMutator):
         gv = call.args[0]
         self.builder_.update_func(gv, self.builder_.get()[gv].with_attr(OP_PATTERN, OUT_ELEMWISE_FUSABLE))
         return call
+
+
+def _out_sizes(spatial: list, kernel, strides: list[int], padding: list[int], dilation: list[int]) -> list:
+    """A convolution's (or pooling's) output sizes, ``padding`` before each axis then after each; simplified: a
+    symbolic size kept as (n - 1) // 1 + 1 differs from n for the functions after it (a LayerNorm over it
+    took a size parameter of its own, and no rule scheduled it)."""
+    dims = len(spatial)
+    return [tvm.sym.Analyzer().simplify((spatial[i] + padding[i] + padding[dims + i]
+                                         - dilation[i] * (kernel[i] - 1) - 1) // strides[i] + 1) for i in range(dims)]
 
 
 def _supported(call: relax.Call, layouts: tuple[str, str]) -> bool:

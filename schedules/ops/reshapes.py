@@ -10,11 +10,10 @@ the same against either shape), another reshape of a tensor of x's shape to S, a
 (a residual: read reshaped to x's shape, a view), or a constant along axes of S that merge static axes
 of x (a grouped convolution's bias a channel, its channels the groups' merged: split back at import,
 `_through_reshape`; SqueezeBERT's Q, K and V then leave their GEMM as heads, its transpositions cancel).
-A lone operand moves through any reshape: a BERT
-export's Q, K and V projections, split into heads and cast to bf16 for the attention kernel, store
-bf16 from their GEMM's epilogue rather than fp32 for a cast of their own. Applied as the bindings
-come, a chain of such operators moves whole, and the GEMM with its bias, activation and residual
-becomes one fused function.
+A lone operand moves through any reshape: a BERT export's Q, K and V projections, split into heads and
+cast to bf16 for the attention kernel, store bf16 from their GEMM's epilogue rather than fp32 for a
+cast of their own. Applied as the bindings come, a chain of such operators moves whole, and the GEMM
+with its bias, activation and residual becomes one fused function.
 
 The same for a transposition: ``f(permute_dims(x, p), c)`` is ``permute_dims(f(x, c'), p)`` where every
 other operand is a scalar, the same transposition of a tensor, or a constant (c' its values broadcast
@@ -89,16 +88,17 @@ class _Before(relax.PyExprMutator):
         for i, (arg, original) in enumerate(zip(args, call.args)):
             if arg is not None:
                 continue
-            constant = self._constant(original)
-            back = None if constant is None else _through_reshape(constant, source_shape.values, target.values)
             if _along_last_axis(original, source_shape.values[-1] if keeps_last else None):
                 args[i] = original
-            elif same_shape(original, target):  # a tensor of the reshape's shape (a residual): a view
+                continue
+            if same_shape(original, target):  # a tensor of the reshape's shape (a residual): a view
                 args[i] = self.builder_.emit(relax.op.reshape(original, source_shape))
-            elif back is not None:  # a constant along merged axes (a grouped convolution's bias a channel)
-                args[i] = relax.const(back, str(constant.dtype))
-            else:
+                continue
+            constant = self._constant(original)  # along merged axes (a grouped convolution's bias a channel)
+            back = None if constant is None else _through_reshape(constant, source_shape.values, target.values)
+            if back is None:
                 return None
+            args[i] = relax.const(back, str(constant.dtype))
         inner = relax.Call(call.op, args, call.attrs, call.ty_args)
         # through a transposition under the reshape (a grouped convolution's output); not `_moved`, whose
         # reshape path would move it back through the view of a residual emitted above, without end
